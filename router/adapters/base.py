@@ -1,0 +1,48 @@
+"""What a PD adapter is: a pure rewrite of the client's body into the prefill and decode legs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from router.schemas import ParsedRequest
+from router.workers import Worker
+
+__all__ = ["LegPlan", "PDAdapter"]
+
+
+@dataclass(slots=True)
+class LegPlan:
+    """The two upstream requests for one attempt.
+
+    ``decode_body`` is None for sequential protocols: it is built from the prefill's answer by
+    ``PDAdapter.decode_after_prefill``.
+    """
+
+    prefill_body: dict[str, Any]
+    decode_body: dict[str, Any] | None
+    prefill_headers: dict[str, str] = field(default_factory=dict)
+
+
+class PDAdapter(Protocol):
+    """One engine PD protocol. Pure: no I/O, no framework objects."""
+
+    name: str
+    sequential: bool  # True: prefill must finish before decode starts
+    needs_engine_ids: bool  # True: a prefill is routable only once its engine ids are known
+
+    def check(self, request: ParsedRequest) -> None:
+        """Raise InvalidRequest if this protocol cannot serve the request."""
+        ...
+
+    def plan(self, request: ParsedRequest, prefill: Worker, rank: int, decode: Worker) -> LegPlan:
+        """The legs of one attempt, with fresh correlation ids (room / transfer_id)."""
+        ...
+
+    def decode_after_prefill(self, request: ParsedRequest, prefill_answer: Any) -> dict[str, Any]:
+        """Sequential protocols: the decode body, given the prefill's decoded JSON answer."""
+        ...
+
+    def is_stale_layout(self, decode_error_body: bytes) -> bool:
+        """Whether a decode error says the prefill's engine ids are out of date."""
+        ...

@@ -1,0 +1,61 @@
+"""vLLM MooncakeConnector >= 0.16: router-minted transfer_id, P and D sent concurrently.
+
+PROTOCOLS.md section 3.3: P gets ``X-data-parallel-rank`` and ``max_tokens=1``; D gets the
+prefill's bootstrap address, the engine id of the pinned DP rank and the same ``transfer_id``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from router.adapters.base import LegPlan
+from router.adapters.vllm_common import check_single_sequence, vllm_prefill_body
+from router.schemas import ParsedRequest
+from router.workers import Worker
+
+__all__ = ["VllmMooncakeAdapter"]
+
+
+def _uuid_transfer_id() -> str:
+    return f"xfer-{uuid.uuid4().hex}"
+
+
+class VllmMooncakeAdapter:
+    name = "vllm-mooncake"
+    sequential = False
+    needs_engine_ids = True
+
+    def __init__(self, new_transfer_id: Callable[[], str] = _uuid_transfer_id) -> None:
+        self._new_transfer_id = new_transfer_id
+
+    def check(self, request: ParsedRequest) -> None:
+        check_single_sequence(request, self.name)
+
+    def plan(self, request: ParsedRequest, prefill: Worker, rank: int, decode: Worker) -> LegPlan:
+        transfer_id = self._new_transfer_id()
+        prefill_params = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": transfer_id,
+        }
+        decode_body = dict(request.body)
+        decode_body["kv_transfer_params"] = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_bootstrap_addr": prefill.bootstrap_addr,
+            "remote_engine_id": prefill.engine_ids[rank],
+            "transfer_id": transfer_id,
+        }
+        return LegPlan(
+            prefill_body=vllm_prefill_body(request.body, prefill_params, drop_min_tokens=False),
+            decode_body=decode_body,
+            prefill_headers={"x-data-parallel-rank": str(rank)},
+        )
+
+    def decode_after_prefill(self, request: ParsedRequest, prefill_answer: Any) -> dict[str, Any]:
+        raise NotImplementedError("vllm-mooncake dispatches prefill and decode concurrently")
+
+    def is_stale_layout(self, decode_error_body: bytes) -> bool:
+        return b"not found from bootstrap server" in decode_error_body

@@ -1,0 +1,55 @@
+"""vLLM NixlConnector: prefill first, then decode with the prefill's kv_transfer_params verbatim.
+
+PROTOCOLS.md section 4. ``min_tokens`` / ``min_completion_tokens`` are removed from the prefill
+copy and kept for decode, which receives the client's original body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.adapters.base import LegPlan
+from router.adapters.vllm_common import check_single_sequence, vllm_prefill_body
+from router.errors import InvalidRequest
+from router.schemas import ParsedRequest
+from router.workers import Worker
+
+__all__ = ["VllmNixlAdapter"]
+
+_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class VllmNixlAdapter:
+    name = "vllm-nixl"
+    sequential = True
+    needs_engine_ids = False
+
+    def check(self, request: ParsedRequest) -> None:
+        check_single_sequence(request, self.name)
+
+    def plan(self, request: ParsedRequest, prefill: Worker, rank: int, decode: Worker) -> LegPlan:
+        body = vllm_prefill_body(request.body, dict(_PREFILL_PARAMS), drop_min_tokens=True)
+        return LegPlan(prefill_body=body, decode_body=None)
+
+    def decode_after_prefill(self, request: ParsedRequest, prefill_answer: Any) -> dict[str, Any]:
+        params = (
+            prefill_answer.get("kv_transfer_params") if isinstance(prefill_answer, dict) else None
+        )
+        if not isinstance(params, dict):
+            raise InvalidRequest(
+                "the prefill answer carries no kv_transfer_params: is the prefill engine "
+                "running with a NixlConnector kv_producer config?"
+            )
+        decode_body = dict(request.body)
+        decode_body["kv_transfer_params"] = params
+        return decode_body
+
+    def is_stale_layout(self, decode_error_body: bytes) -> bool:
+        return False

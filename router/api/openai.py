@@ -1,0 +1,112 @@
+"""The hot path: ``POST /v1/completions`` and ``/v1/chat/completions`` as a raw ASGI handler.
+
+FastAPI's routing and validation cost more CPU than the whole proxy step, so these two routes
+bypass it; everything else (health, models, admin) goes through FastAPI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from router.context import AppContext
+from router.errors import BodyTooLarge, InvalidRequest, MethodNotAllowed, RouterError
+from router.logs import REQUEST_ID
+from router.pipeline import ClientDisconnected
+from router.relay import Responder
+from router.schemas import Endpoint, parse_request
+from router.types import Receive, Scope, Send
+
+__all__ = ["HOT_ROUTES", "handle_completion"]
+
+logger = logging.getLogger(__name__)
+
+HOT_ROUTES = {endpoint.value: endpoint for endpoint in Endpoint}
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its body was being read."""
+
+
+async def handle_completion(
+    ctx: AppContext, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """Serve one completion request; never raises (errors are rendered to the client)."""
+    request_id, authorization, content_length = _read_headers(scope)
+    token = REQUEST_ID.set(request_id)
+    responder = Responder(send, [(b"x-request-id", request_id.encode())])
+    try:
+        await _serve(
+            ctx, endpoint, scope, receive, responder, request_id, authorization, content_length
+        )
+    except (ClientDisconnected, _ClientGone):
+        logger.info("client disconnected; upstream requests cancelled")
+    except RouterError as exc:
+        if exc.status >= 500:
+            logger.warning("request failed: %s", exc.message)
+        await responder.fail(exc)
+    except Exception:  # noqa: BLE001 - the one catch-all: log it, answer 500, keep serving
+        logger.exception("unexpected error while routing a request")
+        await responder.fail(RouterError("internal router error (logged)"))
+    finally:
+        REQUEST_ID.reset(token)
+
+
+async def _serve(
+    ctx: AppContext,
+    endpoint: Endpoint,
+    scope: Scope,
+    receive: Receive,
+    responder: Responder,
+    request_id: str,
+    authorization: str | None,
+    content_length: int | None,
+) -> None:
+    if scope["method"] != "POST":
+        raise MethodNotAllowed(f"method {scope['method']} is not allowed on {endpoint.value}")
+    raw = await _read_body(receive, ctx.settings.server.max_body_bytes, content_length)
+    request = parse_request(endpoint, raw)
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    if authorization is not None:
+        headers["authorization"] = authorization
+    disconnected = asyncio.ensure_future(receive())
+    try:
+        await ctx.pipeline.handle(request, headers, responder, disconnected)
+    finally:
+        disconnected.cancel()
+
+
+def _read_headers(scope: Scope) -> tuple[str, str | None, int | None]:
+    request_id = authorization = length = None
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            request_id = value.decode("latin-1")
+        elif name == b"authorization":
+            authorization = value.decode("latin-1")
+        elif name == b"content-length":
+            length = value
+    content_length = int(length) if length is not None and length.isdigit() else None
+    return request_id or uuid.uuid4().hex, authorization, content_length
+
+
+async def _read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
+    if content_length is not None and content_length > limit:
+        raise BodyTooLarge(f"request body of {content_length} bytes exceeds the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if not body:
+        raise InvalidRequest("request body is empty; expected a JSON object")
+    return body

@@ -1,0 +1,79 @@
+"""``create_app``: the FastAPI app for the cold routes behind a raw dispatcher for the hot ones."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from router.api import health
+from router.api.openai import HOT_ROUTES, handle_completion
+from router.context import open_context
+from router.errors import InvalidRequest, RouterError, error_body
+from router.settings import RouterSettings
+from router.types import ASGIApp, Receive, Scope, Send
+
+__all__ = ["PDRouterApp", "create_app"]
+
+
+class PDRouterApp:
+    """ASGI entry: completions go straight to the raw handler, the rest to FastAPI."""
+
+    def __init__(self, api: FastAPI) -> None:
+        self.api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            endpoint = HOT_ROUTES.get(scope["path"])
+            if endpoint is not None:
+                await handle_completion(scope["state"]["ctx"], endpoint, scope, receive, send)
+                return
+        await self.api(scope, receive, send)
+
+
+def _render(exc: RouterError) -> Response:
+    return Response(error_body(exc), status_code=exc.status, media_type="application/json")
+
+
+def install_error_handlers(api: FastAPI) -> None:
+    """Every error leaves the router as an OpenAI-style error JSON."""
+
+    async def on_router_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RouterError)
+        return _render(exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        error = RouterError(str(exc.detail))
+        error.status = exc.status_code
+        error.error_type = "invalid_request_error" if exc.status_code < 500 else error.error_type
+        return _render(error)
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _render(InvalidRequest(f"invalid request: {exc.errors()}"))
+
+    api.add_exception_handler(RouterError, on_router_error)
+    api.add_exception_handler(HTTPException, on_http_error)
+    api.add_exception_handler(RequestValidationError, on_validation_error)
+
+
+def create_app(
+    settings: RouterSettings, *, transport: httpx.AsyncBaseTransport | None = None
+) -> ASGIApp:
+    """The router's ASGI app. ``transport`` replaces the network for every upstream (tests)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:
+        async with open_context(settings, transport) as ctx:
+            yield {"ctx": ctx}
+
+    api = FastAPI(title="pd-router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    api.include_router(health.router)
+    install_error_handlers(api)
+    return PDRouterApp(api)

@@ -1,0 +1,93 @@
+"""Learn a prefill's DP layout from its bootstrap server (vLLM ``/query``, SGLang ``/route``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from router.settings import EngineProtocol
+from router.workers import Worker
+
+__all__ = ["Layout", "LayoutUnavailable", "fetch_layout", "parse_vllm_query"]
+
+logger = logging.getLogger(__name__)
+
+# SGLang >= 0.5.10 parallel-info query; answers 503 until every rank registered.
+_SGLANG_INFO_NEW = {
+    "prefill_dp_rank": "-1",
+    "prefill_cp_rank": "-1",
+    "target_tp_rank": "-1",
+    "target_pp_rank": "-1",
+}
+# SGLang 0.4.x - 0.5.9 parallel-info query (the extra target_pp_rank is ignored by 0.4.x).
+_SGLANG_INFO_OLD = {"engine_rank": "-1", "target_dp_group": "-1", "target_pp_rank": "-1"}
+
+
+class LayoutUnavailable(Exception):
+    """The prefill's bootstrap server could not tell its layout (yet)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    dp_size: int
+    engine_ids: tuple[str, ...] = ()
+
+
+def parse_vllm_query(data: Any) -> Layout:
+    """``{dp_rank: {engine_id, worker_addr}}`` -> engine ids ordered by DP rank."""
+    if not isinstance(data, dict) or not data:
+        raise LayoutUnavailable("bootstrap /query returned no registered DP rank yet")
+    try:
+        ranks = sorted((int(rank), entry["engine_id"]) for rank, entry in data.items())
+    except (ValueError, TypeError, KeyError) as exc:
+        raise LayoutUnavailable(f"unexpected /query answer: {exc!r}") from exc
+    if [rank for rank, _ in ranks] != list(range(len(ranks))):
+        raise LayoutUnavailable(f"/query lists DP ranks {[r for r, _ in ranks]}, not 0..n-1")
+    return Layout(dp_size=len(ranks), engine_ids=tuple(str(engine) for _, engine in ranks))
+
+
+async def fetch_layout(client: httpx.AsyncClient, engine: EngineProtocol, worker: Worker) -> Layout:
+    """Ask ``worker``'s bootstrap server for its layout; raises LayoutUnavailable."""
+    if engine is EngineProtocol.VLLM_NIXL:
+        return Layout(dp_size=1)
+    if worker.bootstrap_port is None:
+        if engine is EngineProtocol.VLLM_MOONCAKE:
+            raise LayoutUnavailable("vllm-mooncake prefill needs a bootstrap port")
+        return Layout(dp_size=1)
+    try:
+        if engine is EngineProtocol.VLLM_MOONCAKE:
+            return parse_vllm_query(await _get_json(client, worker, "/query", {}))
+        return await _sglang_layout(client, worker)
+    except (httpx.HTTPError, ValueError) as exc:
+        raise LayoutUnavailable(f"bootstrap server {worker.bootstrap_addr}: {exc!r}") from exc
+
+
+async def _get_json(
+    client: httpx.AsyncClient, worker: Worker, path: str, params: dict[str, str]
+) -> Any:
+    response = await client.get(worker.bootstrap_addr + path, params=params)
+    if response.status_code == 503:
+        raise LayoutUnavailable(f"{worker.bootstrap_addr}{path}: not all ranks registered (503)")
+    response.raise_for_status()
+    return response.json()
+
+
+async def _sglang_layout(client: httpx.AsyncClient, worker: Worker) -> Layout:
+    try:
+        info = await _get_json(client, worker, "/route", _SGLANG_INFO_NEW)
+        return Layout(dp_size=_positive_int(info, "dp_size"))
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code != 400:
+            raise
+    info = await _get_json(client, worker, "/route", _SGLANG_INFO_OLD)
+    return Layout(dp_size=_positive_int(info, "prefill_dp_size"))
+
+
+def _positive_int(info: Any, key: str) -> int:
+    value = info.get(key) if isinstance(info, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutUnavailable(f"bootstrap answer has no valid {key!r}: {info!r}")
+    return value

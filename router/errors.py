@@ -1,0 +1,112 @@
+"""The router's exception tree and the one place that renders it as OpenAI error JSON.
+
+RouterError
+├── InvalidRequest          400  the client's request is malformed
+├── BodyTooLarge            413
+├── MethodNotAllowed        405
+├── NoWorkerAvailable       503  no healthy prefill or decode worker
+└── UpstreamError           502  an engine call failed
+    ├── UpstreamUnavailable 502  transport error (``connect`` tells whether it is safe to retry)
+    ├── UpstreamTimeout     504
+    └── UpstreamStatusError      the engine answered non-2xx (4xx passes through, 5xx -> 502)
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "BodyTooLarge",
+    "InvalidRequest",
+    "MethodNotAllowed",
+    "NoWorkerAvailable",
+    "RouterError",
+    "UpstreamError",
+    "UpstreamStatusError",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
+    "error_body",
+    "sse_error_event",
+]
+
+
+class RouterError(Exception):
+    status: int = 500
+    error_type: str = "internal_server_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(RouterError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class BodyTooLarge(RouterError):
+    status = 413
+    error_type = "invalid_request_error"
+
+
+class MethodNotAllowed(RouterError):
+    status = 405
+    error_type = "invalid_request_error"
+
+
+class NoWorkerAvailable(RouterError):
+    status = 503
+    error_type = "service_unavailable"
+
+
+class UpstreamError(RouterError):
+    status = 502
+    error_type = "upstream_error"
+
+    def __init__(self, message: str, *, role: str, url: str) -> None:
+        super().__init__(f"{role} worker {url}: {message}")
+        self.role = role
+        self.url = url
+
+
+class UpstreamUnavailable(UpstreamError):
+    def __init__(self, message: str, *, role: str, url: str, connect: bool) -> None:
+        super().__init__(message, role=role, url=url)
+        self.connect = connect
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    error_type = "timeout"
+
+
+class UpstreamStatusError(UpstreamError):
+    def __init__(self, upstream_status: int, detail: str, *, role: str, url: str) -> None:
+        super().__init__(f"answered HTTP {upstream_status}: {detail}", role=role, url=url)
+        self.upstream_status = upstream_status
+        if 400 <= upstream_status < 500:
+            self.status = upstream_status
+            self.error_type = "invalid_request_error"
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def error_body(exc: RouterError) -> bytes:
+    """The OpenAI error envelope for ``exc`` as JSON bytes."""
+    return _encoder.encode(
+        {
+            "error": {
+                "message": exc.message,
+                "type": exc.error_type,
+                "param": exc.param,
+                "code": exc.status,
+            }
+        }
+    )
+
+
+def sse_error_event(exc: RouterError) -> bytes:
+    """The same envelope as a final SSE ``data:`` event, for failures after streaming began."""
+    return b"data: " + error_body(exc) + b"\n\n"

@@ -1,0 +1,293 @@
+"""Per-request orchestration: pick a pair, rewrite, call both legs, relay, retry when safe.
+
+Failure rules (PROTOCOLS.md 3.3, 5.7): if the prefill leg fails, the decode leg is cancelled at
+once and the client gets the prefill's error; if the client goes away, both legs are cancelled.
+Only connect errors are retried, and only before any byte reached the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import httpx
+import msgspec
+
+from router.adapters import LegPlan, PDAdapter
+from router.errors import (
+    NoWorkerAvailable,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamUnavailable,
+)
+from router.policies import Policy, least_loaded_rank
+from router.relay import Responder
+from router.schemas import ParsedRequest
+from router.settings import HealthSettings, UpstreamSettings
+from router.upstream import Upstream, is_worker_fault, raise_upstream_error
+from router.workers import Worker, WorkerPool
+
+__all__ = ["ClientDisconnected", "Pipeline"]
+
+logger = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+_JSON = b"application/json"
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection; both legs were cancelled."""
+
+
+def _content_type(response: httpx.Response) -> bytes:
+    value: str = response.headers.get("content-type", "application/json")
+    return value.encode()
+
+
+def _error_detail(body: bytes) -> str:
+    """The engine's error message if it sent an OpenAI/FastAPI error JSON, else the raw text."""
+    try:
+        data = _decode(body)
+    except msgspec.DecodeError:
+        return body[:500].decode(errors="replace")
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(data.get("detail"), str):
+            return str(data["detail"])
+        if isinstance(data.get("message"), str):
+            return str(data["message"])
+    return body[:500].decode(errors="replace")
+
+
+async def _reap(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` if needed and wait until it is gone, ignoring how it ended."""
+    if not task.done():
+        task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - its outcome was already handled or is moot
+        if not task.cancelled():
+            task.exception()
+
+
+class Pipeline:
+    """Routes one parsed request through a prefill and a decode worker."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        upstreams: dict[str, Upstream],
+        adapter: PDAdapter,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        upstream_settings: UpstreamSettings,
+        health_settings: HealthSettings,
+        on_stale_layout: Callable[[Worker], None],
+    ) -> None:
+        self._pool = pool
+        self._upstreams = upstreams
+        self._adapter = adapter
+        self._prefill_policy = prefill_policy
+        self._decode_policy = decode_policy
+        self._settings = upstream_settings
+        self._failure_threshold = health_settings.failure_threshold
+        self._on_stale_layout = on_stale_layout
+        self._rank_counter = itertools.count()
+
+    async def handle(
+        self,
+        request: ParsedRequest,
+        headers: dict[str, str],
+        responder: Responder,
+        disconnected: asyncio.Future[Any],
+    ) -> None:
+        """Serve ``request``; raises RouterError for the caller to render, or ClientDisconnected."""
+        self._adapter.check(request)
+        attempts = self._settings.max_retries + 1
+        failed: set[str] = set()
+        for attempt in range(1, attempts + 1):
+            prefill, rank, decode = self._select(failed)
+            plan = self._adapter.plan(request, prefill, rank, decode)
+            try:
+                await self._attempt(
+                    request, plan, headers, (prefill, rank, decode), responder, disconnected
+                )
+                return
+            except UpstreamUnavailable as exc:
+                if not exc.connect or responder.started or attempt == attempts:
+                    raise
+                failed.add(prefill.id if exc.role == "prefill" else decode.id)
+                logger.warning(
+                    "attempt %d failed before any byte was sent, retrying: %s", attempt, exc.message
+                )
+
+    def _select(self, failed: set[str]) -> tuple[Worker, int, Worker]:
+        prefills = self._pool.available_prefill()
+        decodes = self._pool.available_decode()
+        if not prefills:
+            raise NoWorkerAvailable("no healthy prefill worker is available")
+        if not decodes:
+            raise NoWorkerAvailable("no healthy decode worker is available")
+        if failed:
+            prefills = [w for w in prefills if w.id not in failed] or prefills
+            decodes = [w for w in decodes if w.id not in failed] or decodes
+        prefill = self._prefill_policy.choose(prefills)
+        decode = self._decode_policy.choose(decodes)
+        rank = least_loaded_rank(prefill, next(self._rank_counter)) if prefill.dp_size > 1 else 0
+        return prefill, rank, decode
+
+    async def _attempt(
+        self,
+        request: ParsedRequest,
+        plan: LegPlan,
+        headers: dict[str, str],
+        pair: tuple[Worker, int, Worker],
+        responder: Responder,
+        disconnected: asyncio.Future[Any],
+    ) -> None:
+        prefill, rank, decode = pair
+        prefill_headers = {**headers, **plan.prefill_headers} if plan.prefill_headers else headers
+        prefill_call = self._prefill(request, prefill, rank, plan.prefill_body, prefill_headers)
+        if plan.decode_body is None:
+            answer = await self._until_disconnect(prefill_call, disconnected)
+            body = self._adapter.decode_after_prefill(request, _decode(answer))
+            decode_call = self._decode(request, decode, body, headers, responder, prefill)
+            await self._until_disconnect(decode_call, disconnected)
+            return
+        decode_call = self._decode(request, decode, plan.decode_body, headers, responder, prefill)
+        await self._concurrent(prefill_call, decode_call, disconnected)
+
+    async def _until_disconnect(
+        self, call: Coroutine[Any, Any, Any], disconnected: asyncio.Future[Any]
+    ) -> Any:
+        task = asyncio.create_task(call)
+        try:
+            await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise ClientDisconnected
+            return task.result()
+        finally:
+            await _reap(task)
+
+    async def _concurrent(
+        self,
+        prefill_call: Coroutine[Any, Any, bytes],
+        decode_call: Coroutine[Any, Any, None],
+        disconnected: asyncio.Future[Any],
+    ) -> None:
+        """Run both legs; a prefill failure or a disconnect cancels the decode at once."""
+        prefill_task = asyncio.create_task(prefill_call)
+        decode_task = asyncio.create_task(decode_call)
+        waiting: set[asyncio.Future[Any]] = {prefill_task, decode_task, disconnected}
+        try:
+            while not decode_task.done():
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if decode_task in done:
+                    break
+                if disconnected in done:
+                    raise ClientDisconnected
+                waiting.discard(prefill_task)
+                prefill_task.result()  # raises the prefill's error, cancelling decode below
+            decode_task.result()
+            await prefill_task  # the client is served; a late prefill failure is only logged
+        finally:
+            await _reap(decode_task)
+            await _reap(prefill_task)
+
+    async def _prefill(
+        self,
+        request: ParsedRequest,
+        worker: Worker,
+        rank: int,
+        body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> bytes:
+        upstream = self._upstreams[worker.id]
+        with worker.load(rank):
+            try:
+                status, content = await self._post_whole(upstream, request, body, headers)
+                if status >= 400:
+                    raise UpstreamStatusError(
+                        status, _error_detail(content), role="prefill", url=worker.url
+                    )
+            except UpstreamError as exc:
+                self._record(worker, exc)
+                raise
+        self._record(worker, None)
+        return content
+
+    async def _post_whole(
+        self,
+        upstream: Upstream,
+        request: ParsedRequest,
+        body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> tuple[int, bytes]:
+        """POST and read the whole answer within the prefill's total deadline."""
+        try:
+            async with asyncio.timeout(self._settings.prefill_timeout_s):
+                response = await upstream.open(request.endpoint.value, _encode(body), headers)
+                return response.status_code, await upstream.read(response)
+        except TimeoutError as exc:
+            raise_upstream_error(exc, upstream.worker)
+
+    async def _decode(
+        self,
+        request: ParsedRequest,
+        worker: Worker,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        responder: Responder,
+        prefill: Worker,
+    ) -> None:
+        upstream = self._upstreams[worker.id]
+        with worker.load():
+            try:
+                response = await upstream.open(request.endpoint.value, _encode(body), headers)
+                if request.stream and response.status_code < 400:
+                    await self._relay(upstream, response, responder)
+                else:
+                    content = await upstream.read(response)
+                    self._check_decode_status(response.status_code, content, worker, prefill)
+                    await responder.whole(response.status_code, _content_type(response), content)
+            except UpstreamError as exc:
+                self._record(worker, exc)
+                raise
+
+    async def _relay(
+        self, upstream: Upstream, response: httpx.Response, responder: Responder
+    ) -> None:
+        try:
+            await responder.start(response.status_code, _content_type(response), sse=True)
+            async for chunk in upstream.iter_raw(response):
+                await responder.chunk(chunk)
+            await responder.finish()
+        finally:
+            await response.aclose()
+        self._record(upstream.worker, None)
+
+    def _check_decode_status(
+        self, status: int, content: bytes, worker: Worker, prefill: Worker
+    ) -> None:
+        if status < 500:
+            self._record(worker, None)
+            return
+        if self._adapter.is_stale_layout(content):
+            logger.warning(
+                "decode %s does not know prefill %s's engine id; re-querying",
+                worker.url,
+                prefill.url,
+            )
+            self._on_stale_layout(prefill)
+        worker.record_failure(self._failure_threshold)
+
+    def _record(self, worker: Worker, exc: UpstreamError | None) -> None:
+        if exc is None:
+            worker.record_success()
+        elif is_worker_fault(exc):
+            worker.record_failure(self._failure_threshold)

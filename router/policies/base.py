@@ -1,0 +1,32 @@
+"""What a policy is: it chooses among candidates and does nothing else (no I/O, no HTTP)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from router.workers import Worker
+
+__all__ = ["Policy", "least_loaded_rank"]
+
+
+class Policy(Protocol):
+    """Chooses one worker from a non-empty list of available candidates."""
+
+    name: str
+
+    def choose(self, candidates: Sequence[Worker]) -> Worker:
+        """Return one of ``candidates`` (never empty). Must not block or raise."""
+        ...
+
+
+def least_loaded_rank(worker: Worker, start: int) -> int:
+    """The DP rank of ``worker`` with the fewest in-flight requests; ties rotate from ``start``."""
+    loads = worker.rank_inflight
+    size = len(loads)
+    best = start % size
+    for offset in range(1, size):
+        rank = (start + offset) % size
+        if loads[rank] < loads[best]:
+            best = rank
+    return best

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from router.workers import Worker
+
+__all__ = ["PowerOfTwo"]
+
+
+class PowerOfTwo:
+    """Two random candidates; the one with fewer in-flight requests wins (first on a tie)."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def choose(self, candidates: Sequence[Worker]) -> Worker:
+        if len(candidates) == 1:
+            return candidates[0]
+        first, second = self._rng.sample(range(len(candidates)), 2)
+        a, b = candidates[first], candidates[second]
+        return b if b.inflight < a.inflight else a

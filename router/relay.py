@@ -1,0 +1,69 @@
+"""The client side of a response: start it, move bytes through unchanged, end it, or fail it."""
+
+from __future__ import annotations
+
+from router.errors import RouterError, error_body, sse_error_event
+from router.types import Send
+
+__all__ = ["Responder"]
+
+_JSON = b"application/json"
+_SSE_BOUNDARY = b"\n\n"
+
+
+class Responder:
+    """Wraps ASGI ``send`` for one request and knows how far the response got.
+
+    ``started``: the status line went out, so errors can only be reported in-band.
+    ``complete``: the last body message went out.
+    """
+
+    __slots__ = ("_at_boundary", "_extra_headers", "_send", "complete", "sse", "started")
+
+    def __init__(self, send: Send, extra_headers: list[tuple[bytes, bytes]]) -> None:
+        self._send = send
+        self._extra_headers = extra_headers
+        self.started = False
+        self.complete = False
+        self.sse = False
+        self._at_boundary = True
+
+    async def start(self, status: int, content_type: bytes, *, sse: bool) -> None:
+        self.started = True
+        self.sse = sse
+        headers = [(b"content-type", content_type), *self._extra_headers]
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def chunk(self, data: bytes) -> None:
+        """Forward one upstream chunk as is."""
+        self._at_boundary = data.endswith(_SSE_BOUNDARY)
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def finish(self, data: bytes = b"") -> None:
+        self.complete = True
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def whole(self, status: int, content_type: bytes, body: bytes) -> None:
+        """A complete buffered response with its length."""
+        self.started = True
+        self.complete = True
+        headers = [
+            (b"content-type", content_type),
+            (b"content-length", str(len(body)).encode()),
+            *self._extra_headers,
+        ]
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def fail(self, exc: RouterError) -> None:
+        """Report ``exc``: an error JSON before the response started, a final SSE event after."""
+        if self.complete:
+            return
+        if not self.started:
+            await self.whole(exc.status, _JSON, error_body(exc))
+            return
+        if self.sse:
+            prefix = b"" if self._at_boundary else _SSE_BOUNDARY
+            await self.finish(prefix + sse_error_event(exc))
+            return
+        await self.finish()

@@ -1,0 +1,110 @@
+"""One typed settings tree for the router: env (``PDR_`` prefix, ``__`` nesting) < CLI flags."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = [
+    "EngineProtocol",
+    "HealthSettings",
+    "LoggingSettings",
+    "PolicySettings",
+    "RouterSettings",
+    "ServerSettings",
+    "UpstreamSettings",
+    "WorkerSpec",
+]
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class EngineProtocol(StrEnum):
+    """The PD wire protocol spoken by the engines behind this router."""
+
+    VLLM_MOONCAKE = "vllm-mooncake"
+    VLLM_NIXL = "vllm-nixl"
+    SGLANG = "sglang"
+
+
+class WorkerSpec(BaseModel):
+    """A statically configured worker: its HTTP URL and, for prefill, its bootstrap port."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        try:
+            url = httpx.URL(value)
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"invalid worker URL {value!r}: {exc}") from exc
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"worker URL must look like http://host:port, got {value!r}")
+        return value.rstrip("/")
+
+
+class ServerSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    graceful_shutdown_s: PositiveFloat = 30.0
+
+
+class UpstreamSettings(BaseModel):
+    """Timeouts and connection limits of the pooled client kept per worker."""
+
+    connect_timeout_s: PositiveFloat = 5.0
+    read_timeout_s: PositiveFloat = 600.0  # idle time between two reads, not a total
+    prefill_timeout_s: PositiveFloat = 900.0  # total time a prefill leg may take
+    max_connections: int = Field(default=2048, gt=0)
+    max_keepalive: int = Field(default=512, ge=0)
+    max_retries: int = Field(default=2, ge=0, le=10)
+
+
+class PolicySettings(BaseModel):
+    policy: str = "round_robin"
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+
+
+class HealthSettings(BaseModel):
+    interval_s: PositiveFloat = 5.0
+    timeout_s: PositiveFloat = 2.0
+    failure_threshold: int = Field(default=3, ge=1)
+
+
+class LoggingSettings(BaseModel):
+    level: str = "info"
+
+    @field_validator("level")
+    @classmethod
+    def _check_level(cls, value: str) -> str:
+        value = value.lower()
+        if value not in ("critical", "error", "warning", "info", "debug"):
+            raise ValueError("must be one of critical, error, warning, info, debug")
+        return value
+
+
+class RouterSettings(BaseSettings):
+    """Root of the settings tree. CLI flags are passed as init values and win over env."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="PDR_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    engine: EngineProtocol = EngineProtocol.VLLM_MOONCAKE
+    prefill: list[WorkerSpec] = Field(default_factory=list)
+    decode: list[WorkerSpec] = Field(default_factory=list)
+    server: ServerSettings = ServerSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+    policy: PolicySettings = PolicySettings()
+    health: HealthSettings = HealthSettings()
+    logging: LoggingSettings = LoggingSettings()
