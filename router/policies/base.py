@@ -20,13 +20,9 @@ class Policy(Protocol):
         ...
 
 
-def least_loaded_rank(worker: Worker, start: int) -> int:
-    """The DP rank of ``worker`` with the fewest in-flight requests; ties rotate from ``start``."""
+def least_loaded_rank(worker: Worker, turn: int) -> int:
+    """The DP rank of ``worker`` with the fewest in-flight requests; ties go round-robin."""
     loads = worker.rank_inflight
-    size = len(loads)
-    best = start % size
-    for offset in range(1, size):
-        rank = (start + offset) % size
-        if loads[rank] < loads[best]:
-            best = rank
-    return best
+    lowest = min(loads)
+    tied = [rank for rank, load in enumerate(loads) if load == lowest]
+    return tied[turn % len(tied)]

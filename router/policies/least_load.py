@@ -17,11 +17,6 @@ class LeastLoad:
         self._counter = itertools.count()
 
     def choose(self, candidates: Sequence[Worker]) -> Worker:
-        size = len(candidates)
-        start = next(self._counter) % size
-        best = candidates[start]
-        for offset in range(1, size):
-            worker = candidates[(start + offset) % size]
-            if worker.inflight < best.inflight:
-                best = worker
-        return best
+        lowest = min(worker.inflight for worker in candidates)
+        tied = [worker for worker in candidates if worker.inflight == lowest]
+        return tied[next(self._counter) % len(tied)]

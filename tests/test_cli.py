@@ -1,0 +1,75 @@
+"""CLI flags and env settings: compatible syntax, env < flags, one-line errors naming the flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from router.cli import parse_args
+from router.settings import EngineProtocol
+
+
+def test_seed_proxy_and_sglang_router_syntax() -> None:
+    s = parse_args([
+        "--prefill", "http://p1:8100", "8998", "--prefill", "http://p2:8100", "none",
+        "--prefill", "http://p3:8100", "--decode", "http://d1:8200", "--decode", "http://d2:8200",
+        "--engine", "sglang", "--policy", "least_load", "--decode-policy", "power_of_two",
+        "--port", "8001", "--host", "0.0.0.0", "--log-level", "debug",
+    ])
+    assert [(w.url, w.bootstrap_port) for w in s.prefill] == [
+        ("http://p1:8100", 8998), ("http://p2:8100", None), ("http://p3:8100", None)]
+    assert [w.url for w in s.decode] == ["http://d1:8200", "http://d2:8200"]
+    assert s.engine is EngineProtocol.SGLANG
+    assert (s.policy.policy, s.policy.prefill_policy, s.policy.decode_policy) == (
+        "least_load", None, "power_of_two")
+    assert (s.server.host, s.server.port, s.logging.level) == ("0.0.0.0", 8001, "debug")
+
+
+def test_flags_override_env_and_env_fills_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDR_SERVER__PORT", "9100")
+    monkeypatch.setenv("PDR_UPSTREAM__CONNECT_TIMEOUT_S", "1.5")
+    monkeypatch.setenv("PDR_UPSTREAM__MAX_RETRIES", "4")
+    monkeypatch.setenv("PDR_DECODE", '[{"url": "http://envd:1"}]')
+    monkeypatch.setenv("PDR_ENGINE", "vllm-nixl")
+    s = parse_args(["--port", "9200", "--max-retries", "1"])
+    assert s.server.port == 9200
+    assert s.upstream.max_retries == 1
+    assert s.upstream.connect_timeout_s == 1.5  # nested env survives a nested flag
+    assert [w.url for w in s.decode] == ["http://envd:1"]
+    assert s.engine is EngineProtocol.VLLM_NIXL
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--port", "eighty"], "--port"),
+        (["--port", "70000"], "--port"),
+        (["--engine", "trt"], "--engine"),
+        (["--policy", "random"], "--policy"),
+        (["--prefill", "http://p:1", "x"], "--prefill"),
+        (["--prefill", "http://p:1", "1", "2"], "--prefill"),
+        (["--prefill", "ftp://p:1"], "--prefill"),
+        (["--decode", "not a url"], "--decode"),
+        (["--connect-timeout", "-1"], "--connect-timeout"),
+        (["--log-level", "loud"], "--log-level"),
+    ],
+)
+def test_bad_flag_exits_with_one_line_naming_it(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert flag in err
+
+
+def test_console_script_reports_bad_flag() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "router", "--port", "x"], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == "router: error: argument --port: invalid int value: 'x'"

@@ -1,0 +1,70 @@
+"""Policies choose only among the candidates they are given, by their rule."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from router.policies import build_policy, least_loaded_rank
+from router.policies.power_of_two import PowerOfTwo
+from router.workers import Role, Worker
+
+
+def _workers(*loads: int) -> list[Worker]:
+    workers = [Worker(Role.DECODE, f"http://127.0.0.1:{9000 + i}") for i in range(len(loads))]
+    for worker, load in zip(workers, loads, strict=True):
+        worker.inflight = load
+    return workers
+
+
+def test_round_robin_cycles_in_order() -> None:
+    policy = build_policy("round_robin")
+    workers = _workers(0, 0, 0)
+    assert [policy.choose(workers).url[-4:] for _ in range(6)] == [
+        "9000", "9001", "9002", "9000", "9001", "9002"]
+
+
+def test_least_load_picks_fewest_inflight() -> None:
+    policy = build_policy("least_load")
+    workers = _workers(5, 1, 3)
+    assert {policy.choose(workers) for _ in range(5)} == {workers[1]}
+
+
+def test_least_load_breaks_ties_round_robin() -> None:
+    policy = build_policy("least_load")
+    workers = _workers(2, 0, 0, 7)
+    picks = Counter(policy.choose(workers).url for _ in range(100))
+    assert set(picks) == {workers[1].url, workers[2].url}
+    assert abs(picks[workers[1].url] - picks[workers[2].url]) <= 2
+
+
+def test_power_of_two_prefers_the_less_loaded_of_its_two_samples() -> None:
+    policy = PowerOfTwo(random.Random(7))
+    workers = _workers(100, 0)
+    assert all(policy.choose(workers) is workers[1] for _ in range(20))
+    spread = Counter(policy.choose(_workers(0, 0, 0, 0)).url[-1] for _ in range(400))
+    assert len(spread) == 4  # every equally loaded worker is chosen sometimes
+
+
+def test_power_of_two_never_picks_the_most_loaded_of_three() -> None:
+    policy = PowerOfTwo(random.Random(3))
+    workers = _workers(0, 50, 99)
+    assert all(policy.choose(workers) is not workers[2] for _ in range(200))
+
+
+def test_unknown_policy_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="round_robin, least_load, power_of_two"):
+        build_policy("random")
+
+
+def test_least_loaded_rank() -> None:
+    worker = Worker(Role.PREFILL, "http://127.0.0.1:1")
+    worker.set_layout(4)
+    worker.rank_inflight[:] = [3, 1, 1, 2]
+    assert least_loaded_rank(worker, 0) == 1
+    assert least_loaded_rank(worker, 1) == 2
+    with worker.load(1):
+        assert worker.rank_inflight == [3, 2, 1, 2] and worker.inflight == 1
+    assert worker.rank_inflight == [3, 1, 1, 2] and worker.inflight == 0
