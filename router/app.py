@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -63,14 +62,12 @@ def install_error_handlers(api: FastAPI) -> None:
     api.add_exception_handler(RequestValidationError, on_validation_error)
 
 
-def create_app(
-    settings: RouterSettings, *, transport: httpx.AsyncBaseTransport | None = None
-) -> ASGIApp:
-    """The router's ASGI app. ``transport`` replaces the network for every upstream (tests)."""
+def create_app(settings: RouterSettings) -> ASGIApp:
+    """The router's ASGI app; all state lives in the lifespan-owned context."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:
-        async with open_context(settings, transport) as ctx:
+        async with open_context(settings) as ctx:
             yield {"ctx": ctx}
 
     api = FastAPI(title="pd-router", lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -25,6 +25,7 @@ _FLAG_OF = {
     ("upstream", "read_timeout_s"): "--read-timeout",
     ("upstream", "prefill_timeout_s"): "--prefill-timeout",
     ("upstream", "max_retries"): "--max-retries",
+    ("upstream", "client"): "--upstream-client",
     ("health", "interval_s"): "--health-interval",
     ("health", "timeout_s"): "--health-timeout",
     ("health", "failure_threshold"): "--health-failure-threshold",
@@ -62,6 +63,11 @@ def _build_parser() -> _Parser:
     p.add_argument("--read-timeout", type=float, help="upstream idle time between reads, s")
     p.add_argument("--prefill-timeout", type=float, help="total time for a prefill leg, s")
     p.add_argument("--max-retries", type=int, help="retries on connect errors")
+    p.add_argument(
+        "--upstream-client",
+        choices=["aiohttp", "httpx"],
+        help="HTTP client for engine calls (default aiohttp)",
+    )
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
     p.add_argument("--health-interval", type=float, help="seconds between health probes")
     p.add_argument("--health-timeout", type=float, help="health probe timeout, s")

@@ -7,14 +7,12 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx
-
 from router.adapters import build_adapter
 from router.health import HealthProber
 from router.pipeline import Pipeline
 from router.policies import build_policy
 from router.settings import RouterSettings
-from router.upstream import Upstream
+from router.upstream import UpstreamClient, build_upstream
 from router.workers import Role, Worker, WorkerPool
 
 __all__ = ["AppContext", "open_context"]
@@ -24,7 +22,7 @@ __all__ = ["AppContext", "open_context"]
 class AppContext:
     settings: RouterSettings
     pool: WorkerPool
-    upstreams: dict[str, Upstream]
+    upstreams: dict[str, UpstreamClient]
     pipeline: Pipeline
     prober: HealthProber
 
@@ -36,13 +34,11 @@ def _build_pool(settings: RouterSettings, needs_engine_ids: bool) -> WorkerPool:
 
 
 @contextlib.asynccontextmanager
-async def open_context(
-    settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
-) -> AsyncIterator[AppContext]:
+async def open_context(settings: RouterSettings) -> AsyncIterator[AppContext]:
     """Build the context, start health probing, and tear both down on exit."""
     adapter = build_adapter(settings.engine)
     pool = _build_pool(settings, adapter.needs_engine_ids)
-    upstreams = {w.id: Upstream(w, settings.upstream, transport) for w in pool.all()}
+    upstreams = {w.id: build_upstream(w, settings.upstream) for w in pool.all()}
     prober = HealthProber(pool, settings.engine, settings.health)
     policy = settings.policy
     pipeline = Pipeline(

@@ -15,7 +15,7 @@ import httpx
 
 from router.bootstrap import LayoutUnavailable, fetch_layout
 from router.settings import EngineProtocol, HealthSettings
-from router.upstream import NODELAY
+from router.upstream_httpx import NODELAY
 from router.workers import Role, Worker, WorkerPool
 
 __all__ = ["HealthProber"]

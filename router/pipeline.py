@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import httpx
 import msgspec
 
 from router.adapters import LegPlan, PDAdapter
@@ -21,13 +20,14 @@ from router.errors import (
     NoWorkerAvailable,
     UpstreamError,
     UpstreamStatusError,
+    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from router.policies import Policy, least_loaded_rank
 from router.relay import Responder
 from router.schemas import ParsedRequest
 from router.settings import HealthSettings, UpstreamSettings
-from router.upstream import Upstream, is_worker_fault, raise_upstream_error
+from router.upstream import UpstreamClient, UpstreamResponse, is_worker_fault
 from router.workers import Worker, WorkerPool
 
 __all__ = ["ClientDisconnected", "Pipeline"]
@@ -40,11 +40,6 @@ _JSON = b"application/json"
 
 class ClientDisconnected(Exception):
     """The client closed its connection; both legs were cancelled."""
-
-
-def _content_type(response: httpx.Response) -> bytes:
-    value: str = response.headers.get("content-type", "application/json")
-    return value.encode()
 
 
 def _error_detail(body: bytes) -> str:
@@ -81,7 +76,7 @@ class Pipeline:
     def __init__(
         self,
         pool: WorkerPool,
-        upstreams: dict[str, Upstream],
+        upstreams: dict[str, UpstreamClient],
         adapter: PDAdapter,
         prefill_policy: Policy,
         decode_policy: Policy,
@@ -223,7 +218,7 @@ class Pipeline:
 
     async def _post_whole(
         self,
-        upstream: Upstream,
+        upstream: UpstreamClient,
         request: ParsedRequest,
         body: dict[str, Any],
         headers: dict[str, str],
@@ -232,9 +227,14 @@ class Pipeline:
         try:
             async with asyncio.timeout(self._settings.prefill_timeout_s):
                 response = await upstream.open(request.endpoint.value, _encode(body), headers)
-                return response.status_code, await upstream.read(response)
+                return response.status, await response.read()
         except TimeoutError as exc:
-            raise_upstream_error(exc, upstream.worker)
+            worker = upstream.worker
+            raise UpstreamTimeout(
+                f"no complete answer within {self._settings.prefill_timeout_s:g}s",
+                role=worker.role.value,
+                url=worker.url,
+            ) from exc
 
     async def _decode(
         self,
@@ -249,27 +249,27 @@ class Pipeline:
         with worker.load():
             try:
                 response = await upstream.open(request.endpoint.value, _encode(body), headers)
-                if request.stream and response.status_code < 400:
-                    await self._relay(upstream, response, responder)
+                if request.stream and response.status < 400:
+                    await self._relay(worker, response, responder)
                 else:
-                    content = await upstream.read(response)
-                    self._check_decode_status(response.status_code, content, worker, prefill)
-                    await responder.whole(response.status_code, _content_type(response), content)
+                    content = await response.read()
+                    self._check_decode_status(response.status, content, worker, prefill)
+                    await responder.whole(response.status, response.content_type, content)
             except UpstreamError as exc:
                 self._record(worker, exc)
                 raise
 
     async def _relay(
-        self, upstream: Upstream, response: httpx.Response, responder: Responder
+        self, worker: Worker, response: UpstreamResponse, responder: Responder
     ) -> None:
         try:
-            await responder.start(response.status_code, _content_type(response), sse=True)
-            async for chunk in upstream.iter_raw(response):
+            await responder.start(response.status, response.content_type, sse=True)
+            async for chunk in response.chunks():
                 await responder.chunk(chunk)
             await responder.finish()
         finally:
             await response.aclose()
-        self._record(upstream.worker, None)
+        self._record(worker, None)
 
     def _check_decode_status(
         self, status: int, content: bytes, worker: Worker, prefill: Worker

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -66,7 +66,9 @@ class UpstreamSettings(BaseModel):
     prefill_timeout_s: PositiveFloat = 900.0  # total time a prefill leg may take
     max_connections: int = Field(default=2048, gt=0)
     max_keepalive: int = Field(default=512, ge=0)
+    keepalive_s: PositiveFloat = 4.0  # below the engines' own keep-alive (uvicorn: 5 s)
     max_retries: int = Field(default=2, ge=0, le=10)
+    client: Literal["aiohttp", "httpx"] = "aiohttp"
 
 
 class PolicySettings(BaseModel):

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.context import AppContext
 from router.errors import NoWorkerAvailable, UpstreamError, error_body
+from router.workers import Role, Worker
 
 __all__ = ["get_context", "router"]
 
@@ -33,15 +35,31 @@ async def health() -> Response:
 
 @router.get("/ready")
 async def ready(ctx: Context) -> JSONResponse:
-    """200 once at least one healthy prefill and one healthy decode worker exist, else 503."""
+    """200 once at least one healthy prefill and one healthy decode worker exist, else 503.
+
+    The body lists every worker with its health, in-flight requests and DP layout.
+    """
     pool = ctx.pool
-    counts = {
-        "prefill": {"healthy": len(pool.available_prefill()), "total": len(pool.prefill)},
-        "decode": {"healthy": len(pool.available_decode()), "total": len(pool.decode)},
+    body = {
+        "status": "ready" if pool.ready() else "not_ready",
+        "prefill": [_describe(w) for w in pool.prefill],
+        "decode": [_describe(w) for w in pool.decode],
     }
-    if pool.ready():
-        return JSONResponse({"status": "ready", "workers": counts})
-    return JSONResponse({"status": "not_ready", "workers": counts}, status_code=503)
+    return JSONResponse(body, status_code=200 if pool.ready() else 503)
+
+
+def _describe(worker: Worker) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "url": worker.url,
+        "healthy": worker.healthy,
+        "inflight": worker.inflight,
+    }
+    if worker.role is Role.PREFILL:
+        info["bootstrap_port"] = worker.bootstrap_port
+        info["dp_size"] = worker.dp_size
+        if worker.engine_ids:
+            info["engine_ids"] = list(worker.engine_ids)
+    return info
 
 
 @router.get("/v1/models")
@@ -70,8 +88,8 @@ async def models(ctx: Context) -> Response:
 
 
 async def _models_of(ctx: AppContext, worker_id: str, timeout: float) -> list[dict[str, Any]]:
-    response = await ctx.upstreams[worker_id].get("/v1/models", timeout)
-    data = response.json() if response.status_code == 200 else None
+    status, content = await ctx.upstreams[worker_id].get("/v1/models", timeout)
+    data = msgspec.json.decode(content) if status == 200 else None
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         return []

@@ -1,0 +1,123 @@
+"""The aiohttp implementation of the upstream seam (the default: least CPU per request)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import aiohttp
+
+from router.errors import UpstreamTimeout, UpstreamUnavailable
+from router.settings import UpstreamSettings
+from router.upstream import DEFAULT_HEADERS
+from router.workers import Worker
+
+__all__ = ["AiohttpUpstream", "raise_aiohttp_error"]
+
+
+def raise_aiohttp_error(exc: Exception, worker: Worker) -> NoReturn:
+    """Translate an aiohttp failure into the router's tree."""
+    role, url = worker.role.value, worker.url
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        raise UpstreamUnavailable(
+            f"cannot connect ({detail})", role=role, url=url, connect=True
+        ) from exc
+    if isinstance(exc, asyncio.TimeoutError):
+        raise UpstreamTimeout(f"timed out ({detail})", role=role, url=url) from exc
+    raise UpstreamUnavailable(
+        f"connection failed ({detail})", role=role, url=url, connect=False
+    ) from exc
+
+
+class _AiohttpResponse:
+    __slots__ = ("_response", "_worker", "content_type", "status")
+
+    def __init__(self, response: aiohttp.ClientResponse, worker: Worker) -> None:
+        self._response = response
+        self._worker = worker
+        self.status = response.status
+        self.content_type = response.headers.get("content-type", "application/json").encode()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        try:
+            while True:
+                data, _ = await content.readchunk()
+                if not data:
+                    break
+                yield data
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise_aiohttp_error(exc, self._worker)
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise_aiohttp_error(exc, self._worker)
+        finally:
+            self._response.release()
+
+    async def aclose(self) -> None:
+        if self._response.content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
+
+
+class AiohttpUpstream:
+    """One ``aiohttp.ClientSession`` per worker with explicit timeouts and connection limits."""
+
+    def __init__(self, worker: Worker, settings: UpstreamSettings) -> None:
+        self.worker = worker
+        self._url = worker.url
+        self._settings = settings
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        s = self._settings
+        connector = aiohttp.TCPConnector(
+            limit=s.max_connections,
+            limit_per_host=0,
+            keepalive_timeout=s.keepalive_s,
+            ttl_dns_cache=60,
+        )
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=s.connect_timeout_s,
+            sock_connect=s.connect_timeout_s,
+            sock_read=s.read_timeout_s,
+        )
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            headers=DEFAULT_HEADERS,
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        )
+
+    @property
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:  # created lazily: a session must be made inside the loop
+            self._session = self._open_session()
+        return self._session
+
+    async def open(self, path: str, body: bytes, headers: dict[str, str]) -> _AiohttpResponse:
+        try:
+            response = await self._client.post(self._url + path, data=body, headers=headers)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise_aiohttp_error(exc, self.worker)
+        return _AiohttpResponse(response, self.worker)
+
+    async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._client.get(self._url + path) as response:
+                    return response.status, await response.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise_aiohttp_error(exc, self.worker)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,102 @@
+"""The httpx implementation of the upstream seam (on ``LeanPoolTransport``)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import httpx
+
+from router.errors import UpstreamTimeout, UpstreamUnavailable
+from router.settings import UpstreamSettings
+from router.transport import LeanPoolTransport
+from router.upstream import DEFAULT_HEADERS
+from router.workers import Worker
+
+__all__ = ["NODELAY", "HttpxUpstream", "raise_httpx_error"]
+
+NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+
+
+def raise_httpx_error(exc: Exception, worker: Worker) -> NoReturn:
+    """Translate an httpx failure into the router's tree."""
+    role, url = worker.role.value, worker.url
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        raise UpstreamUnavailable(
+            f"cannot connect ({detail})", role=role, url=url, connect=True
+        ) from exc
+    if isinstance(exc, httpx.TimeoutException):
+        raise UpstreamTimeout(f"timed out ({detail})", role=role, url=url) from exc
+    raise UpstreamUnavailable(
+        f"connection failed ({detail})", role=role, url=url, connect=False
+    ) from exc
+
+
+class _HttpxResponse:
+    __slots__ = ("_response", "_worker", "content_type", "status")
+
+    def __init__(self, response: httpx.Response, worker: Worker) -> None:
+        self._response = response
+        self._worker = worker
+        self.status = response.status_code
+        self.content_type = response.headers.get("content-type", "application/json").encode()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise_httpx_error(exc, self._worker)
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.aread()
+        except httpx.HTTPError as exc:
+            raise_httpx_error(exc, self._worker)
+        finally:
+            await self._response.aclose()
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class HttpxUpstream:
+    """One ``httpx.AsyncClient`` per worker with explicit timeouts and connection limits."""
+
+    def __init__(self, worker: Worker, settings: UpstreamSettings) -> None:
+        self.worker = worker
+        timeout = httpx.Timeout(
+            connect=settings.connect_timeout_s,
+            read=settings.read_timeout_s,
+            write=settings.read_timeout_s,
+            pool=settings.connect_timeout_s,
+        )
+        transport = LeanPoolTransport(
+            max_connections=settings.max_connections,
+            max_idle=settings.max_keepalive,
+            keepalive_expiry=settings.keepalive_s,
+            socket_options=NODELAY,
+        )
+        self._client = httpx.AsyncClient(
+            base_url=worker.url, timeout=timeout, headers=DEFAULT_HEADERS, transport=transport
+        )
+
+    async def open(self, path: str, body: bytes, headers: dict[str, str]) -> _HttpxResponse:
+        request = self._client.build_request("POST", path, content=body, headers=headers)
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise_httpx_error(exc, self.worker)
+        return _HttpxResponse(response, self.worker)
+
+    async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
+        try:
+            response = await self._client.get(path, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise_httpx_error(exc, self.worker)
+        return response.status_code, response.content
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
