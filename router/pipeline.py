@@ -105,8 +105,14 @@ class Pipeline:
         self._adapter.check(request)
         attempts = self._settings.max_retries + 1
         failed: set[str] = set()
+        last_error: UpstreamUnavailable | None = None
         for attempt in range(1, attempts + 1):
-            prefill, rank, decode = self._select(failed)
+            try:
+                prefill, rank, decode = self._select(failed)
+            except NoWorkerAvailable:
+                if last_error is None:
+                    raise
+                raise last_error from None  # retries used up every healthy worker
             plan = self._adapter.plan(request, prefill, rank, decode)
             try:
                 await self._attempt(
@@ -116,9 +122,12 @@ class Pipeline:
             except UpstreamUnavailable as exc:
                 if not exc.connect or responder.started or attempt == attempts:
                     raise
+                last_error = exc
                 failed.add(prefill.id if exc.role == "prefill" else decode.id)
                 logger.warning(
-                    "attempt %d failed before any byte was sent, retrying: %s", attempt, exc.message
+                    "attempt %d failed before any byte was sent, retrying: %s",
+                    attempt,
+                    exc.message,
                 )
 
     def _select(self, failed: set[str]) -> tuple[Worker, int, Worker]:

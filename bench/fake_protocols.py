@@ -1,0 +1,948 @@
+"""Per-protocol PD checks and KV rendezvous for the fake engine (`bench/fake_engine.py`).
+
+One class per (protocol, role) checks the fields a router must send, exactly as the real
+engines need them (PROTOCOLS.md sections 2-5), and raises `EngineError` (answered as an
+OpenAI error JSON) when one is missing or wrong. With `FakeConfig.check_kv` the classes also
+play the KV hand-over between a prefill (P) and a decode (D), so a router that pairs the wrong
+engines, ranks or ids makes the decode fail instead of silently "working":
+
+* vllm-mooncake: D GETs `{remote_bootstrap_addr}/query` and looks up `remote_engine_id`, then
+  POSTs `{remote_bootstrap_addr}/fake/pull`; P's bootstrap port answers once P has served the
+  request with that `transfer_id` on the DP rank owning that engine id.
+* vllm-nixl: D POSTs `http://{remote_host}:{remote_port}/fake/nixl/pull` on P's HTTP port with
+  the `remote_request_id` P returned.
+* sglang: D POSTs `/fake/sglang/kv` on P's bootstrap port once per room; P answers only after
+  D arrived (SGLang's `KVPoll.Bootstrapping`), and D only after P served the room.
+
+The HTTP app and the bootstrap app of one engine may run on different threads (tests start one
+uvicorn per app), so the rendezvous primitives here are thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeGuard, TypeVar
+
+import httpx
+import msgspec
+
+if TYPE_CHECKING:
+    from bench.fake_engine import FakeConfig, Received
+
+__all__ = [
+    "Admission",
+    "Call",
+    "EngineContext",
+    "EngineError",
+    "Reply",
+    "RoleHandler",
+    "RouteRequest",
+    "Routes",
+    "Shape",
+    "Signal",
+    "build_handler",
+    "request_shape",
+]
+
+MAX_ROOM: Final = 2**63 - 1
+FAKE_WORKER_PORT: Final = 41000  # advertised ZMQ ports: nothing listens there
+BOOTSTRAP_KEYS: Final = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+ROUTE_KEYS_OLD: Final = ("engine_rank", "target_dp_group")
+ROUTE_KEYS_NEW: Final = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+QUERY_TIMEOUT_S: Final = 10.0
+
+K = TypeVar("K", bound=Hashable)
+
+
+class EngineError(Exception):
+    """A request failure; the engine answers it as an OpenAI error JSON with `status`."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def bad_request(message: str) -> EngineError:
+    return EngineError(400, message)
+
+
+# --------------------------------------------------------------------------- rendezvous
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class Signal:
+    """A set-once flag that coroutines on any thread's event loop can await."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._is_set = False
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def is_set(self) -> bool:
+        return self._is_set
+
+    def set(self) -> None:
+        with self._lock:
+            if self._is_set:
+                return
+            self._is_set = True
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_resolve, future)
+
+    async def wait(self) -> None:
+        """Return once set; cancellable."""
+        loop = asyncio.get_running_loop()
+        waiter = (loop, loop.create_future())
+        with self._lock:
+            if self._is_set:
+                return
+            self._waiters.append(waiter)
+        try:
+            await waiter[1]
+        finally:
+            with self._lock:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+
+
+@dataclass
+class Slot:
+    """One correlation id: `ready` is set once `value` is known."""
+
+    ready: Signal = field(default_factory=Signal)
+    value: str = ""
+
+
+class SlotTable(Generic[K]):
+    """Slots keyed by a correlation id; whichever side comes first creates the slot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slots: dict[K, Slot] = {}
+
+    def get(self, key: K) -> Slot:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = Slot()
+            return slot
+
+    def fulfil(self, key: K, value: str = "") -> None:
+        slot = self.get(key)
+        slot.value = value
+        slot.ready.set()
+
+    def pop(self, key: K) -> None:
+        with self._lock:
+            self._slots.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._slots.clear()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+
+async def wait_ready(slot: Slot, timeout: float) -> bool:
+    """True when `slot` became ready within `timeout` seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            await slot.ready.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
+async def run_all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run concurrently; the first failure cancels the rest and is raised as itself."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for coro in coros:
+                group.create_task(coro)
+    except BaseExceptionGroup as failures:
+        raise _first_leaf(failures) from None
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+# --------------------------------------------------------------------------- request shape
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _words(text: str) -> int:
+    return max(1, len(text.split()))
+
+
+def prompt_batch(prompt: object) -> int | None:
+    """Batch size of a completions `prompt`: None for one prompt (a string or token ids)."""
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(token) for token in prompt):
+            return None
+        if all(isinstance(item, str) for item in prompt) or all(
+            isinstance(item, list) and item and all(_is_int(t) for t in item) for item in prompt
+        ):
+            return len(prompt)
+    raise bad_request(
+        "'prompt' must be a string, a list of token ids, a list of strings "
+        "or a list of token-id lists"
+    )
+
+
+def prompt_tokens(prompt: object) -> int:
+    """A rough token count of a validated completions prompt (for `usage`)."""
+    if isinstance(prompt, str):
+        return _words(prompt)
+    if not isinstance(prompt, list):
+        return 0
+    if all(_is_int(token) for token in prompt):
+        return len(prompt)
+    return sum(prompt_tokens(item) for item in prompt)
+
+
+def _messages_tokens(messages: list[Any]) -> int:
+    texts = (str(m.get("content") or "") for m in messages if isinstance(m, dict))
+    return sum(_words(text) for text in texts)
+
+
+def _optional_int(body: Mapping[str, Any], key: str, minimum: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or value < minimum:
+        raise bad_request(f"'{key}' must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _optional_bool(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"'{key}' must be a boolean, got {value!r}")
+    return value
+
+
+def _token_limit(body: Mapping[str, Any]) -> int | None:
+    limits = [
+        limit
+        for key in ("max_tokens", "max_completion_tokens")
+        if (limit := _optional_int(body, key, 0)) is not None
+    ]
+    return min(limits) if limits else None
+
+
+def _include_usage(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The OpenAI envelope of one completions request, validated."""
+
+    chat: bool
+    batch: int | None  # completions prompt batch size; None for a single prompt
+    n: int
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # the smaller of max_tokens and max_completion_tokens
+    prompt_tokens: int
+
+    @property
+    def choices(self) -> int:
+        return (self.batch or 1) * self.n
+
+
+def request_shape(chat: bool, body: Mapping[str, Any]) -> Shape:
+    """Validate prompt/messages, n, stream and token limits; raise a 400 EngineError."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' is required and must be a non-empty list")
+        batch, tokens = None, _messages_tokens(messages)
+    else:
+        if "prompt" not in body:
+            raise bad_request("'prompt' is required")
+        batch, tokens = prompt_batch(body["prompt"]), prompt_tokens(body["prompt"])
+    return Shape(
+        chat=chat,
+        batch=batch,
+        n=_optional_int(body, "n", 1) or 1,
+        stream=_optional_bool(body, "stream"),
+        include_usage=_include_usage(body),
+        max_tokens=_token_limit(body),
+        prompt_tokens=tokens,
+    )
+
+
+# --------------------------------------------------------------------------- handler seam
+
+
+@dataclass
+class Call:
+    """One completions request as a role handler sees it."""
+
+    chat: bool
+    body: dict[str, Any]
+    headers: dict[str, str]  # lower-cased names
+    record: Received
+    server: tuple[str, int]  # the host and port the request arrived on
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a handler adds to the answer: vLLM's `kv_transfer_params` and a token cap."""
+
+    echo_kv: bool = False  # put top-level `kv_transfer_params` in a non-stream answer
+    kv_transfer_params: dict[str, Any] | None = None
+    max_tokens: int | None = None  # a prefill answers with one token
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """A request to a small non-completions route (bootstrap and fake side channels)."""
+
+    query: dict[str, str]
+    body: bytes
+
+    def json(self) -> dict[str, Any]:
+        try:
+            data = msgspec.json.decode(self.body)
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"invalid JSON body: {exc}") from None
+        if not isinstance(data, dict):
+            raise bad_request("the JSON body must be an object")
+        return data
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A route's answer: bytes go out as text/plain, anything else as JSON."""
+
+    status: int
+    payload: object
+
+
+RouteFn = Callable[[RouteRequest], Awaitable[Reply]]
+Routes = dict[str, dict[str, RouteFn]]  # path -> method -> handler
+
+
+class EngineContext(Protocol):
+    """What a role handler needs from its FakeEngine."""
+
+    @property
+    def config(self) -> FakeConfig: ...
+
+    @property
+    def dp_size(self) -> int: ...
+
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def engine_ids(self) -> list[str]: ...
+
+    def http_client(self) -> httpx.AsyncClient:
+        """The engine's client for the current event loop."""
+        ...
+
+
+async def health_ok(_: RouteRequest) -> Reply:
+    return Reply(200, b"OK")
+
+
+class RoleHandler:
+    """No PD checks: the base of every (protocol, role) handler."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        self.ctx = ctx
+
+    async def admit(self, call: Call) -> Admission:
+        """Check the PD fields of `call`, do the KV rendezvous; raise EngineError on failure."""
+        return Admission()
+
+    def routes(self) -> Routes:
+        """Extra routes on the engine's HTTP port."""
+        return {}
+
+    def bootstrap_routes(self) -> Routes | None:
+        """Routes of the bootstrap port; None when this role has none."""
+        return None
+
+    def reset(self) -> None:
+        """Forget all KV state (engine restart)."""
+
+
+def _error_detail(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:200]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "detail" in data:
+            return str(data["detail"])
+    return str(data)[:200]
+
+
+def http_url(host: str, port: int, path: str) -> str:
+    """An http URL; IPv6 hosts may come with or without brackets."""
+    return str(httpx.URL(scheme="http", host=host.strip("[]"), port=port, path=path))
+
+
+# --------------------------------------------------------------------------- vLLM common
+
+
+def _require_str(params: Mapping[str, Any], key: str, where: str) -> str:
+    value = params.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{where}.{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _require_flag(params: Mapping[str, Any], key: str, expected: bool) -> None:
+    value = params.get(key)
+    if value is not expected:
+        want = "true" if expected else "false"
+        raise bad_request(f"kv_transfer_params.{key} must be {want}, got {value!r}")
+
+
+def _require_one(body: Mapping[str, Any], key: str) -> None:
+    value = body.get(key)
+    if not (_is_int(value) and value == 1):
+        raise bad_request(f"prefill request must set {key}=1, got {value!r}")
+
+
+def check_vllm_prefill(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill rewrite of the reference proxies (PROTOCOLS.md 2); returns the KV params."""
+    if body.get("stream") is not False:
+        raise bad_request(f"prefill request must set stream=false, got {body.get('stream')!r}")
+    _require_one(body, "max_tokens")
+    if "max_completion_tokens" in body:
+        _require_one(body, "max_completion_tokens")
+    if "stream_options" in body:
+        raise bad_request("prefill request must not carry stream_options")
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise bad_request(f"prefill request needs a kv_transfer_params object, got {params!r}")
+    _require_flag(params, "do_remote_decode", True)
+    return params
+
+
+def decode_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """D's `kv_transfer_params`; None for a plain (non-PD) request."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise bad_request(f"kv_transfer_params must be an object, got {params!r}")
+    return params
+
+
+def parse_dp_rank(headers: Mapping[str, str], dp_size: int) -> int:
+    """The `X-data-parallel-rank` pin; required when dp_size > 1."""
+    raw = headers.get("x-data-parallel-rank")
+    if raw is None:
+        if dp_size > 1:
+            raise bad_request(f"x-data-parallel-rank header is required (dp_size={dp_size})")
+        return 0
+    try:
+        rank = int(raw)
+    except ValueError:
+        raise bad_request(f"x-data-parallel-rank must be an integer, got {raw!r}") from None
+    if not 0 <= rank < dp_size:
+        raise bad_request(f"x-data-parallel-rank {rank} is out of range for dp_size={dp_size}")
+    return rank
+
+
+# --------------------------------------------------------------------------- vLLM Mooncake
+
+
+class MooncakePrefill(RoleHandler):
+    """vLLM >= 0.16 MooncakeConnector producer (PROTOCOLS.md 3.2, 3.3)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        self._served: SlotTable[str] = SlotTable()  # transfer_id -> engine id that computed it
+
+    async def admit(self, call: Call) -> Admission:
+        params = check_vllm_prefill(call.body)
+        _require_flag(params, "do_remote_prefill", False)
+        transfer_id = _require_str(params, "transfer_id", "kv_transfer_params")
+        rank = parse_dp_rank(call.headers, self.ctx.dp_size)
+        call.record.dp_ranks.append(rank)
+        if self.ctx.config.check_kv:
+            self._served.fulfil(transfer_id, self.ctx.engine_ids[rank])
+        return Admission(echo_kv=True, max_tokens=1)
+
+    def bootstrap_routes(self) -> Routes:
+        return {
+            "/health": {"GET": health_ok},
+            "/query": {"GET": self._query},
+            "/fake/pull": {"POST": self._pull},
+        }
+
+    def reset(self) -> None:
+        self._served.clear()
+
+    async def _query(self, _: RouteRequest) -> Reply:
+        table = {
+            str(rank): {
+                "engine_id": engine_id,
+                "worker_addr": {"0": {"0": f"tcp://127.0.0.1:{FAKE_WORKER_PORT + rank}"}},
+            }
+            for rank, engine_id in enumerate(self.ctx.engine_ids)
+        }
+        return Reply(200, table)
+
+    async def _pull(self, request: RouteRequest) -> Reply:
+        data = request.json()
+        transfer_id = _require_str(data, "transfer_id", "body")
+        engine_id = _require_str(data, "engine_id", "body")
+        if engine_id not in self.ctx.engine_ids:
+            return Reply(404, {"detail": f"engine_id {engine_id} not found here (restarted?)"})
+        slot = self._served.get(transfer_id)
+        timeout = self.ctx.config.kv_timeout
+        if not await wait_ready(slot, timeout):
+            self._served.pop(transfer_id)
+            msg = f"Timeout waiting for P side ready: transfer_id {transfer_id} ({timeout}s)"
+            return Reply(504, {"detail": msg})
+        if slot.value != engine_id:
+            msg = (
+                f"transfer_id {transfer_id} was prefilled by engine {slot.value}, "
+                f"not by {engine_id} (wrong DP rank?)"
+            )
+            return Reply(409, {"detail": msg})
+        self._served.pop(transfer_id)
+        return Reply(200, {"status": "ok"})
+
+
+class MooncakeDecode(RoleHandler):
+    """vLLM >= 0.16 MooncakeConnector consumer: pulls KV named by the router's params."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        self._known: dict[str, frozenset[str]] = {}  # bootstrap addr -> engine ids
+
+    async def admit(self, call: Call) -> Admission:
+        params = decode_params(call.body)
+        if params is None:
+            return Admission(echo_kv=True)
+        _require_flag(params, "do_remote_prefill", True)
+        _require_flag(params, "do_remote_decode", False)
+        engine_id = _require_str(params, "remote_engine_id", "kv_transfer_params")
+        addr = _require_str(params, "remote_bootstrap_addr", "kv_transfer_params")
+        if not addr.startswith("http://"):
+            raise bad_request(f"kv_transfer_params.remote_bootstrap_addr needs http://: {addr!r}")
+        transfer_id = _require_str(params, "transfer_id", "kv_transfer_params")
+        if self.ctx.config.check_kv:
+            await self._resolve(addr, engine_id)
+            await self._pull(addr, engine_id, transfer_id)
+        return Admission(echo_kv=True)
+
+    def reset(self) -> None:
+        self._known.clear()
+
+    async def _resolve(self, addr: str, engine_id: str) -> None:
+        if engine_id in self._known.get(addr, frozenset()):
+            return
+        self._known[addr] = await self._query(addr)
+        if engine_id not in self._known[addr]:
+            raise EngineError(500, f"remote engine_id {engine_id} not found from bootstrap server")
+
+    async def _query(self, addr: str) -> frozenset[str]:
+        try:
+            response = await self.ctx.http_client().get(f"{addr}/query", timeout=QUERY_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            raise EngineError(500, f"bootstrap query {addr}/query failed: {exc!r}") from None
+        table = response.json() if response.status_code == 200 else None
+        if not isinstance(table, dict):
+            raise EngineError(500, f"bad bootstrap answer from {addr}/query: {response.text!r}")
+        return frozenset(v["engine_id"] for v in table.values() if isinstance(v, dict))
+
+    async def _pull(self, addr: str, engine_id: str, transfer_id: str) -> None:
+        timeout = self.ctx.config.kv_timeout
+        body = {"transfer_id": transfer_id, "engine_id": engine_id}
+        try:
+            async with asyncio.timeout(timeout):
+                response = await self.ctx.http_client().post(f"{addr}/fake/pull", json=body)
+        except TimeoutError:
+            raise EngineError(500, f"KV pull of {transfer_id} timed out after {timeout}s") from None
+        except httpx.HTTPError as exc:
+            msg = f"KV pull of {transfer_id} from {addr} failed: {exc!r}"
+            raise EngineError(500, msg) from None
+        if response.status_code != 200:
+            detail = _error_detail(response)
+            raise EngineError(
+                500, f"KV pull of {transfer_id} failed ({response.status_code}): {detail}"
+            )
+
+
+# --------------------------------------------------------------------------- vLLM NIXL
+
+
+class NixlPrefill(RoleHandler):
+    """vLLM NixlConnector producer: returns the params D must receive verbatim (PROTOCOLS.md 4)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        self._lock = threading.Lock()
+        self._ready: set[str] = set()  # remote_request_id of KV waiting to be pulled
+
+    async def admit(self, call: Call) -> Admission:
+        check_vllm_prefill(call.body)
+        for key in ("min_tokens", "min_completion_tokens"):
+            if key in call.body:
+                raise bad_request(f"prefill request must not carry {key} (restore it for decode)")
+        request_id = f"{call.headers.get('x-request-id', 'cmpl')}-{uuid.uuid4().hex[:8]}"
+        if self.ctx.config.check_kv:
+            with self._lock:
+                self._ready.add(request_id)
+        params = self._params(call, request_id)
+        return Admission(echo_kv=True, kv_transfer_params=params, max_tokens=1)
+
+    def routes(self) -> Routes:
+        return {"/fake/nixl/pull": {"POST": self._pull}}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._ready.clear()
+
+    def _params(self, call: Call, request_id: str) -> dict[str, Any]:
+        host, port = call.server
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[1, 2, 3]],
+            "remote_engine_id": self.ctx.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": host,
+            "remote_port": port,
+            "tp_size": 1,
+            "remote_num_tokens": call.shape.prompt_tokens,
+            "transfer_mode": "pull",
+            "some_future_field": "x",
+        }
+
+    async def _pull(self, request: RouteRequest) -> Reply:
+        request_id = _require_str(request.json(), "remote_request_id", "body")
+        with self._lock:
+            known = request_id in self._ready
+            self._ready.discard(request_id)
+        if not known:
+            return Reply(404, {"detail": f"unknown remote_request_id {request_id}"})
+        return Reply(200, {"status": "ok"})
+
+
+NIXL_DECODE_KEYS: Final = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+)
+
+
+class NixlDecode(RoleHandler):
+    """vLLM NixlConnector consumer: needs P's params, reads KV from P."""
+
+    async def admit(self, call: Call) -> Admission:
+        params = decode_params(call.body)
+        if params is None:
+            return Admission(echo_kv=True)
+        _require_flag(params, "do_remote_prefill", True)
+        missing = [key for key in NIXL_DECODE_KEYS if params.get(key) is None]
+        if missing:
+            raise bad_request(f"kv_transfer_params is missing {', '.join(missing)}")
+        host, port = params["remote_host"], params["remote_port"]
+        if not isinstance(host, str) or not _is_int(port):
+            raise bad_request(f"bad remote_host/remote_port: {host!r}, {port!r}")
+        if self.ctx.config.check_kv:
+            await self._pull(host, port, str(params["remote_request_id"]))
+        return Admission(echo_kv=True)
+
+    async def _pull(self, host: str, port: int, request_id: str) -> None:
+        url = http_url(host, port, "/fake/nixl/pull")
+        try:
+            async with asyncio.timeout(self.ctx.config.kv_timeout):
+                response = await self.ctx.http_client().post(
+                    url, json={"remote_request_id": request_id}
+                )
+        except (TimeoutError, httpx.HTTPError) as exc:
+            msg = f"NIXL read of {request_id} from {url} failed: {exc!r}"
+            raise EngineError(500, msg) from None
+        if response.status_code != 200:
+            detail = _error_detail(response)
+            raise EngineError(
+                500, f"NIXL read of {request_id} failed ({response.status_code}): {detail}"
+            )
+
+
+# --------------------------------------------------------------------------- SGLang
+
+
+def _valid_host(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _valid_port(value: object) -> bool:
+    return value is None or (_is_int(value) and 0 < value < 65536)
+
+
+def _valid_room(value: object) -> TypeGuard[int]:
+    return _is_int(value) and 0 <= value <= MAX_ROOM
+
+
+BOOTSTRAP_CHECKS: Final[dict[str, Callable[[object], bool]]] = {
+    "bootstrap_host": _valid_host,
+    "bootstrap_port": _valid_port,
+    "bootstrap_room": _valid_room,
+}
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """The validated bootstrap fields, one entry per sequence (prompt x sample)."""
+
+    hosts: list[str]
+    ports: list[int | None]
+    rooms: list[int]
+    listed: bool  # the router sent lists (else scalars the engine expands)
+
+
+def _scalar_form(body: Mapping[str, Any], shape: Shape) -> Bootstrap:
+    """Scalars: SGLang expands the room to `room + i` for each of n samples (io_struct)."""
+    if shape.batch is not None:
+        raise bad_request(
+            f"bootstrap_host/port/room must be lists of {shape.choices} values for a batch "
+            f"of {shape.batch} prompts"
+        )
+    room = body["bootstrap_room"]
+    if _valid_room(room) and room + shape.choices - 1 > MAX_ROOM:
+        raise bad_request(f"bootstrap_room {room} + n - 1 is out of range")
+    count = shape.choices
+    rooms = [room + i for i in range(count)] if _valid_room(room) else [room]
+    hosts, ports = [body["bootstrap_host"]] * count, [body["bootstrap_port"]] * count
+    return Bootstrap(hosts, ports, rooms, listed=False)
+
+
+def _list_form(body: Mapping[str, Any], shape: Shape) -> Bootstrap:
+    """Lists: one entry per sequence, so only for a batch or n > 1."""
+    count = shape.choices
+    for key in BOOTSTRAP_KEYS:
+        value = body[key]
+        if count == 1:
+            raise bad_request(f"{key} must be a single value for a single request, got a list")
+        if not isinstance(value, list) or len(value) != count:
+            raise bad_request(f"{key} must be a list of {count} values, got {value!r}")
+    hosts, ports, rooms = (body[key] for key in BOOTSTRAP_KEYS)
+    return Bootstrap(hosts, ports, rooms, listed=True)
+
+
+def parse_bootstrap(body: Mapping[str, Any], shape: Shape) -> Bootstrap:
+    """Check `bootstrap_host/port/room` (PROTOCOLS.md 5.1).
+
+    All three are scalars (a single prompt; with n > 1 the engine uses rooms `room + i`) or
+    all three are lists with one entry per sequence: batch size x n.
+    """
+    missing = [key for key in BOOTSTRAP_KEYS if key not in body]
+    if missing:
+        raise bad_request(f"SGLang PD request is missing {', '.join(missing)}")
+    listed = isinstance(body["bootstrap_room"], list)
+    boot = _list_form(body, shape) if listed else _scalar_form(body, shape)
+    columns: tuple[list[Any], ...] = (boot.hosts, boot.ports, boot.rooms)
+    for key, values in zip(BOOTSTRAP_KEYS, columns, strict=True):
+        bad = [value for value in values if not BOOTSTRAP_CHECKS[key](value)]
+        if bad:
+            raise bad_request(f"invalid {key} value {bad[0]!r}")
+    if len(set(boot.rooms)) != len(boot.rooms):
+        raise bad_request(f"bootstrap_room values must be distinct, got {boot.rooms!r}")
+    return boot
+
+
+def _optional_ranks(body: Mapping[str, Any], key: str, boot: Bootstrap) -> list[int] | None:
+    """An optional DP-rank field: an int, or (for a batch) a list with one int per room."""
+    value = body.get(key)
+    if value is None:
+        return None
+    ranks = value if isinstance(value, list) and boot.listed else [value]
+    if not all(_is_int(rank) and rank >= 0 for rank in ranks):
+        raise bad_request(f"{key} must be a non-negative integer, got {value!r}")
+    if len(ranks) == 1:
+        return ranks * len(boot.rooms)
+    if len(ranks) != len(boot.rooms):
+        raise bad_request(f"{key} must have {len(boot.rooms)} entries, got {value!r}")
+    return ranks
+
+
+class SglangPrefill(RoleHandler):
+    """SGLang prefill: same body as D, DP rank follows the room (PROTOCOLS.md 5.1, 5.5, 5.6)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        self._arrived: SlotTable[int] = SlotTable()  # D sent its metadata for the room
+        self._served: SlotTable[int] = SlotTable()  # P finished the room (KV "sent")
+
+    async def admit(self, call: Call) -> Admission:
+        boot = parse_bootstrap(call.body, call.shape)
+        call.record.dp_ranks.extend(self._dp_ranks(call.body, boot))
+        if self.ctx.config.check_kv:
+            await run_all(self._serve_room(room) for room in boot.rooms)
+        return Admission(max_tokens=1)
+
+    def bootstrap_routes(self) -> Routes:
+        return {
+            "/health": {"GET": health_ok},
+            "/route": {"GET": self._route},
+            "/fake/sglang/kv": {"POST": self._decode_arrives},
+        }
+
+    def reset(self) -> None:
+        self._arrived.clear()
+        self._served.clear()
+
+    def _dp_ranks(self, body: Mapping[str, Any], boot: Bootstrap) -> list[int]:
+        dp_size = self.ctx.dp_size
+        ranks = [room % dp_size for room in boot.rooms]
+        routed = _optional_ranks(body, "routed_dp_rank", boot)
+        for room, rank, wanted in zip(boot.rooms, ranks, routed or ranks, strict=True):
+            if wanted != rank:
+                raise EngineError(
+                    500,
+                    f"follow_bootstrap_room conflict: bootstrap_room {room} % {dp_size} = {rank}"
+                    f" but routed_dp_rank = {wanted}",
+                )
+        return ranks
+
+    async def _serve_room(self, room: int) -> None:
+        timeout = self.ctx.config.kv_timeout
+        try:
+            arrived = await wait_ready(self._arrived.get(room), timeout)
+        finally:
+            self._arrived.pop(room)
+        if not arrived:
+            raise EngineError(
+                500,
+                f"Request {room} timed out after {timeout} seconds in KVPoll.Bootstrapping "
+                "(the decode never arrived)",
+            )
+        self._served.fulfil(room)
+
+    async def _decode_arrives(self, request: RouteRequest) -> Reply:
+        room = request.json().get("room")
+        if not _valid_room(room):
+            raise bad_request(f"'room' must be a bootstrap room integer, got {room!r}")
+        self._arrived.fulfil(room)
+        timeout = self.ctx.config.kv_timeout
+        try:
+            served = await wait_ready(self._served.get(room), timeout)
+        finally:
+            self._served.pop(room)
+            self._arrived.pop(room)
+        if not served:
+            return Reply(504, {"detail": f"room {room} was not prefilled within {timeout}s"})
+        return Reply(200, {"status": "ok"})
+
+    async def _route(self, request: RouteRequest) -> Reply:
+        query = request.query
+        if all(query.get(key) == "-1" for key in ROUTE_KEYS_NEW):
+            return Reply(200, self._server_info())
+        if all(query.get(key) == "-1" for key in ROUTE_KEYS_OLD):
+            return Reply(200, {"prefill_tp_size": 1, "prefill_dp_size": self.ctx.dp_size})
+        if all(key in query for key in ROUTE_KEYS_NEW) or all(k in query for k in ROUTE_KEYS_OLD):
+            return Reply(200, {"rank_ip": "127.0.0.1", "rank_port": FAKE_WORKER_PORT})
+        return Reply(400, b"Missing inputs for bootstrap server.")
+
+    def _server_info(self) -> dict[str, Any]:
+        return {
+            "attn_tp_size": 1,
+            "attn_cp_size": 1,
+            "dp_size": self.ctx.dp_size,
+            "pp_size": 1,
+            "page_size": 16,
+            "kv_cache_dtype": "auto",
+            "follow_bootstrap_room": True,
+        }
+
+
+class SglangDecode(RoleHandler):
+    """SGLang decode: fetches each room's KV from the prefill's bootstrap port.
+
+    A body with none of the bootstrap fields is a plain request (the benchmark's
+    direct-to-decode baseline); the prefill always requires them.
+    """
+
+    async def admit(self, call: Call) -> Admission:
+        if not any(key in call.body for key in BOOTSTRAP_KEYS):
+            return Admission()
+        boot = parse_bootstrap(call.body, call.shape)
+        _optional_ranks(call.body, "disagg_prefill_dp_rank", boot)
+        if self.ctx.config.check_kv:
+            default_port = self.ctx.config.default_bootstrap_port
+            await run_all(
+                self._fetch(host, default_port if port is None else port, room)
+                for host, port, room in zip(boot.hosts, boot.ports, boot.rooms, strict=True)
+            )
+        return Admission()
+
+    async def _fetch(self, host: str, port: int, room: int) -> None:
+        url = http_url(host, port, "/fake/sglang/kv")
+        timeout = self.ctx.config.kv_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                response = await self.ctx.http_client().post(url, json={"room": room})
+        except TimeoutError:
+            raise EngineError(
+                500, f"bootstrap_room {room}: KV not received within {timeout}s from {url}"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise EngineError(
+                500, f"bootstrap_room {room}: lost connection with prefill {url}: {exc!r}"
+            ) from None
+        if response.status_code != 200:
+            detail = _error_detail(response)
+            raise EngineError(
+                500, f"bootstrap_room {room}: KV transfer failed ({response.status_code}): {detail}"
+            )
+
+
+HANDLERS: Final[dict[tuple[str, str], type[RoleHandler]]] = {
+    ("vllm-mooncake", "prefill"): MooncakePrefill,
+    ("vllm-mooncake", "decode"): MooncakeDecode,
+    ("vllm-nixl", "prefill"): NixlPrefill,
+    ("vllm-nixl", "decode"): NixlDecode,
+    ("sglang", "prefill"): SglangPrefill,
+    ("sglang", "decode"): SglangDecode,
+}
+
+
+def build_handler(protocol: str, role: str, ctx: EngineContext) -> RoleHandler:
+    """The handler class for (protocol, role); ValueError for an unknown pair."""
+    try:
+        handler_cls = HANDLERS[(protocol, role)]
+    except KeyError:
+        raise ValueError(f"unknown protocol/role: {protocol!r}/{role!r}") from None
+    return handler_cls(ctx)

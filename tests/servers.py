@@ -1,0 +1,170 @@
+"""Real-socket uvicorn servers for tests, in the style of uvicorn's tests/utils.py.
+
+`ASGITransport` buffers whole responses and skips lifespan, so timing, streaming and
+disconnect tests run the app behind a real uvicorn on 127.0.0.1 with an OS-chosen port:
+
+    with run_server(app) as port:
+        ...  # http://127.0.0.1:{port}
+
+    with run_servers(prefill.app, prefill.bootstrap_app, decode.app) as (p, b, d):
+        ...  # several apps on one background event loop, stopped together (faster teardown)
+
+    async with arun_server(app) as port:  # on the test's own event loop
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Generator, Iterator
+from typing import Any, Literal
+
+import uvicorn
+
+__all__ = ["arun_server", "bound_port", "run_server", "run_servers"]
+
+LifespanMode = Literal["auto", "on", "off"]
+ASGIApp = Any  # any ASGI 3 application
+SHUTDOWN_GRACE_S = 2
+
+
+class TestServer(uvicorn.Server):
+    """A uvicorn server that leaves process signal handlers to pytest."""
+
+    __test__ = False  # not a pytest test class
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def make_server(app: ASGIApp, *, host: str, port: int, lifespan: LifespanMode) -> TestServer:
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="asyncio",
+        http="httptools",
+        ws="none",
+        lifespan=lifespan,
+        log_level="warning",
+        log_config=None,  # leave logging (and pytest's capture) alone
+        access_log=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    return TestServer(config)
+
+
+def bound_port(server: uvicorn.Server) -> int:
+    """The port the OS gave a started server."""
+    return int(server.servers[0].sockets[0].getsockname()[1])
+
+
+async def _serve_all(servers: list[TestServer]) -> None:
+    await asyncio.gather(*(server.serve() for server in servers))
+
+
+def _run_thread(servers: list[TestServer], failures: list[BaseException]) -> None:
+    try:
+        asyncio.run(_serve_all(servers))
+    except BaseException as exc:  # noqa: BLE001 - handed to the test thread, not swallowed
+        failures.append(exc)
+
+
+def _wait_started(
+    servers: list[TestServer],
+    thread: threading.Thread,
+    failures: list[BaseException],
+    timeout: float,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(server.started for server in servers):
+        if failures or not thread.is_alive():
+            cause = failures[0] if failures else None
+            raise RuntimeError("uvicorn server failed to start") from cause
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"uvicorn server not started after {timeout}s")
+        time.sleep(0.002)
+
+
+def _stop(servers: list[TestServer], thread: threading.Thread) -> None:
+    for server in servers:
+        server.should_exit = True
+    thread.join(timeout=SHUTDOWN_GRACE_S + 3)
+    if thread.is_alive():
+        for server in servers:
+            server.force_exit = True
+        thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _serving(servers: list[TestServer], start_timeout: float) -> Iterator[list[int]]:
+    failures: list[BaseException] = []
+    thread = threading.Thread(
+        target=_run_thread, args=(servers, failures), name="test-uvicorn", daemon=True
+    )
+    thread.start()
+    try:
+        _wait_started(servers, thread, failures, start_timeout)
+        yield [bound_port(server) for server in servers]
+    finally:
+        _stop(servers, thread)
+
+
+@contextlib.contextmanager
+def run_server(
+    app: ASGIApp,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    lifespan: LifespanMode = "on",
+    start_timeout: float = 10.0,
+) -> Iterator[int]:
+    """Serve `app` on a daemon thread with its own event loop; yield the bound port."""
+    server = make_server(app, host=host, port=port, lifespan=lifespan)
+    with _serving([server], start_timeout) as ports:
+        yield ports[0]
+
+
+@contextlib.contextmanager
+def run_servers(
+    *apps: ASGIApp,
+    host: str = "127.0.0.1",
+    lifespan: LifespanMode = "on",
+    start_timeout: float = 10.0,
+) -> Iterator[list[int]]:
+    """Serve several apps (OS-chosen ports) on one background event loop; yield the ports."""
+    servers = [make_server(app, host=host, port=0, lifespan=lifespan) for app in apps]
+    with _serving(servers, start_timeout) as ports:
+        yield ports
+
+
+@contextlib.asynccontextmanager
+async def arun_server(
+    app: ASGIApp,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    lifespan: LifespanMode = "on",
+    start_timeout: float = 10.0,
+) -> AsyncIterator[int]:
+    """Serve `app` as a task on the running event loop; yield the bound port."""
+    server = make_server(app, host=host, port=port, lifespan=lifespan)
+    task = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(start_timeout):
+            while not server.started:
+                if task.done():
+                    task.result()
+                    raise RuntimeError("uvicorn server exited before it started")
+                await asyncio.sleep(0.002)
+        yield bound_port(server)
+    finally:
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(task, timeout=SHUTDOWN_GRACE_S + 3)
+        except TimeoutError:
+            server.force_exit = True
