@@ -6,7 +6,7 @@ prefill's bootstrap address, the engine id of the pinned DP rank and the same ``
 
 from __future__ import annotations
 
-import uuid
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +19,7 @@ __all__ = ["VllmMooncakeAdapter"]
 
 
 def _uuid_transfer_id() -> str:
-    return f"xfer-{uuid.uuid4().hex}"
+    return f"xfer-{secrets.token_hex(16)}"
 
 
 class VllmMooncakeAdapter:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import secrets
 
 from router.context import AppContext
 from router.errors import BodyTooLarge, InvalidRequest, MethodNotAllowed, RouterError
@@ -87,7 +87,7 @@ def _read_headers(scope: Scope) -> tuple[str, str | None, int | None]:
         elif name == b"content-length":
             length = value
     content_length = int(length) if length is not None and length.isdigit() else None
-    return request_id or uuid.uuid4().hex, authorization, content_length
+    return request_id or secrets.token_hex(16), authorization, content_length
 
 
 async def _read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
