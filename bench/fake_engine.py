@@ -2,7 +2,12 @@
 
 It speaks the engines' OpenAI-compatible HTTP surface and the PD wire contract of
 /work/shared/PROTOCOLS.md, and fails a request loudly (HTTP 400 / 500 with an OpenAI error
-JSON) when the router sent a PD field wrong; the checks live in `bench/fake_protocols.py`.
+JSON) when the router sent a PD field wrong. Modules:
+
+* `bench/fake_engine.py`: `FakeEngine` (routes, knobs, records) and the CLI;
+* `bench/fake_protocols.py`: the per-(protocol, role) PD checks and KV rendezvous;
+* `bench/fake_wire.py`: raw ASGI plumbing and the OpenAI response format;
+* `bench/fake_base.py`: `FakeConfig`, `Received`, the handler seam, rendezvous primitives.
 
 In tests (a real socket, see tests/servers.py)::
 
@@ -29,406 +34,52 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Generator, Iterator, MutableMapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal
-from urllib.parse import parse_qsl
+from collections.abc import Callable, Generator, Sequence
+from typing import Literal
 
 import httpx
-import msgspec
 import uvicorn
 
-from bench.fake_protocols import (
+from bench.fake_base import (
     Admission,
     Call,
     EngineError,
+    FakeConfig,
+    Received,
     Reply,
     RouteRequest,
     Routes,
-    build_handler,
     request_shape,
 )
+from bench.fake_protocols import build_handler
+from bench.fake_wire import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    SSE_TYPE,
+    AsgiApp,
+    Completion,
+    Output,
+    Receive,
+    Scope,
+    Send,
+    decode_object,
+    full_body,
+    header_dict,
+    plan_completion,
+    race_disconnect,
+    read_body,
+    routes_handler,
+    serve_routes,
+    server_address,
+    sse_events,
+)
 
-__all__ = ["FakeConfig", "FakeEngine", "Received", "main"]
+__all__ = ["FakeConfig", "FakeEngine", "Received", "main", "serve"]
 
 logger = logging.getLogger(__name__)
 
 EngineRole = Literal["prefill", "decode"]
 EngineProtocol = Literal["vllm-mooncake", "vllm-nixl", "sglang"]
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-HttpHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-COMPLETIONS_PATH: Final = "/v1/completions"
-CHAT_PATH: Final = "/v1/chat/completions"
-JSON_TYPE: Final = b"application/json"
-TEXT_TYPE: Final = b"text/plain; charset=utf-8"
-SSE_TYPE: Final = b"text/event-stream"
-SSE_DONE: Final = b"data: [DONE]\n\n"
-CHUNK_TAIL: Final = b"]}\n\n"
-ERROR_TYPES: Final = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    409: "ConflictError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-    504: "TimeoutError",
-}
-_encode = msgspec.json.encode
-
-
-@dataclass
-class FakeConfig:
-    """Runtime knobs; tests may change them while the engine serves."""
-
-    model: str = "fake-model"
-    tokens: int = 16  # output tokens per choice, capped by max_tokens / max_completion_tokens
-    token_delay: float = 0.0  # seconds between SSE events
-    fail_status: int | None = None  # completions answer this status (an OpenAI error JSON)
-    fail_after_events: int | None = None  # streaming: drop the connection after N events
-    hang: bool = False  # completions never answer until the client disconnects
-    headers_delay: float = 0.0  # sleep before sending the response headers
-    kv_timeout: float = 60.0  # how long a KV rendezvous waits
-    check_kv: bool = True  # False: validate PD fields but skip the P<->D rendezvous
-    default_bootstrap_port: int = 8998  # sglang decode: used when bootstrap_port is null
-    max_records: int | None = None  # keep only the newest N records (long benchmark runs)
-
-
-@dataclass
-class Received:
-    """One completions request as the fake saw it."""
-
-    path: str
-    headers: dict[str, str]  # lower-cased names
-    body: dict[str, Any]
-    status: int | None = None  # the status the fake answered (None while in progress)
-    disconnected: bool = False  # the client went away before the fake finished
-    done: bool = False  # the fake finished handling (answered, failed, or saw a disconnect)
-    aborted: bool = False  # fail_after_events dropped the connection mid-stream
-    dp_ranks: list[int] = field(default_factory=list)  # DP rank(s) a prefill served
-
-
-# --------------------------------------------------------------------------- ASGI plumbing
-
-
-def error_body(status: int, message: str) -> bytes:
-    """The OpenAI error envelope vLLM and SGLang answer with."""
-    fallback = "InternalServerError" if status >= 500 else "BadRequestError"
-    err_type = ERROR_TYPES.get(status, fallback)
-    return _encode({"error": {"message": message, "type": err_type, "param": None, "code": status}})
-
-
-def header_dict(scope: Scope) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-
-
-def server_address(scope: Scope) -> tuple[str, int]:
-    """The (host, port) the request arrived on; in-process transports may leave gaps."""
-    host, port = scope.get("server") or (None, None)
-    return (host or "127.0.0.1", port or 80)
-
-
-async def read_body(receive: Receive) -> bytes | None:
-    """The whole request body; None when the client disconnected first."""
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def race_disconnect(receive: Receive, work: Awaitable[None]) -> bool:
-    """Await `work` in this task, cancelling it if the client disconnects first.
-
-    Returns True when the client went away before `work` finished. One watcher task per
-    request (not two tasks and `asyncio.wait`): this is on every request's path.
-    """
-    task = asyncio.current_task()
-    assert task is not None
-    finished = left = False
-
-    async def watch() -> None:
-        nonlocal left
-        await _wait_disconnect(receive)
-        if not finished:  # uvicorn also reports "disconnect" once the response is complete
-            left = True
-            task.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        await work
-    except asyncio.CancelledError:
-        if not left:
-            raise  # cancelled from outside (server shutdown)
-    finally:
-        finished = True
-        watcher.cancel()
-    if left:
-        task.uncancel()
-    return left
-
-
-class Output:
-    """The response side of one exchange: wraps ASGI send and remembers what went out."""
-
-    def __init__(self, send: Send, request_id: str | None, record: Received | None = None) -> None:
-        self._send = send
-        self._headers = [(b"x-request-id", request_id.encode("latin-1"))] if request_id else []
-        self._record = record
-        self.started = False
-        self.complete = False
-
-    async def start(self, status: int, content_type: bytes, length: int | None = None) -> None:
-        headers = [(b"content-type", content_type), *self._headers]
-        if length is not None:
-            headers.append((b"content-length", str(length).encode()))
-        self.started = True
-        if self._record is not None:
-            self._record.status = status
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-
-    async def chunk(self, data: bytes) -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
-
-    async def finish(self, data: bytes = b"") -> None:
-        self.complete = True
-        await self._send({"type": "http.response.body", "body": data, "more_body": False})
-
-    async def whole(self, status: int, body: bytes, content_type: bytes = JSON_TYPE) -> None:
-        await self.start(status, content_type, len(body))
-        await self.finish(body)
-
-    async def error(self, status: int, message: str) -> None:
-        await self.whole(status, error_body(status, message))
-
-    async def reply(self, reply: Reply) -> None:
-        if isinstance(reply.payload, bytes):
-            await self.whole(reply.status, reply.payload, TEXT_TYPE)
-        else:
-            await self.whole(reply.status, _encode(reply.payload))
-
-
-async def answer_route(
-    fn: Callable[[RouteRequest], Awaitable[Reply]], request: RouteRequest, out: Output
-) -> None:
-    try:
-        reply = await fn(request)
-    except EngineError as exc:
-        await out.error(exc.status, exc.message)
-        return
-    await out.reply(reply)
-
-
-async def serve_routes(routes: Routes, scope: Scope, receive: Receive, send: Send) -> None:
-    """Dispatch a small route table: 404 for an unknown path, 405 for a wrong method."""
-    out = Output(send, header_dict(scope).get("x-request-id"))
-    methods = routes.get(scope["path"])
-    fn = None if methods is None else methods.get(scope["method"])
-    if fn is None:
-        status = 404 if methods is None else 405
-        await out.error(status, "Not Found" if methods is None else "Method Not Allowed")
-        return
-    body = await read_body(receive)
-    if body is None:
-        return
-    query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
-    await race_disconnect(receive, answer_route(fn, RouteRequest(query, body), out))
-
-
-class AsgiApp:
-    """A raw ASGI 3 app around one HTTP handler; it answers lifespan and never raises."""
-
-    def __init__(self, handle: HttpHandler, on_shutdown: Callable[[], Awaitable[None]]) -> None:
-        self._handle = handle
-        self._on_shutdown = on_shutdown
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-        elif scope["type"] == "http":
-            try:
-                await self._handle(scope, receive, send)
-            except Exception:
-                logger.exception("fake engine: unexpected error on %s", scope.get("path"))
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self._on_shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-def token_text(step: int) -> str:
-    return f" tok{step}"
-
-
-@dataclass(frozen=True)
-class Completion:
-    """Everything needed to render one answer."""
-
-    chat: bool
-    model: str
-    choices: int
-    tokens: int
-    finish_reason: str
-    prompt_tokens: int
-    include_usage: bool
-    admission: Admission
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def object_id(self) -> str:
-        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.id}"
-
-    def usage(self) -> dict[str, int]:
-        completion = self.tokens * self.choices
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-        }
-
-
-def plan_completion(call: Call, admission: Admission, config: FakeConfig) -> Completion:
-    caps = [cap for cap in (call.shape.max_tokens, admission.max_tokens) if cap is not None]
-    tokens = min([max(config.tokens, 0), *caps])
-    finish = "length" if caps and tokens >= min(caps) else "stop"
-    return Completion(
-        chat=call.chat,
-        model=config.model,
-        choices=call.shape.choices,
-        tokens=tokens,
-        finish_reason=finish,
-        prompt_tokens=call.shape.prompt_tokens,
-        include_usage=call.shape.include_usage,
-        admission=admission,
-    )
-
-
-def _chunk_head(c: Completion) -> bytes:
-    kind = b"chat.completion.chunk" if c.chat else b"text_completion"
-    return (
-        b'data: {"id":'
-        + _encode(c.object_id)
-        + b',"object":"'
-        + kind
-        + b'","created":'
-        + str(c.created).encode()
-        + b',"model":'
-        + _encode(c.model)
-        + b',"choices":['
-    )
-
-
-def _stream_choice(c: Completion, index: int, text: str, finish: str | None) -> bytes:
-    if c.chat:
-        choice = {
-            "index": index,
-            "delta": {"content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    else:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-    return _encode(choice)
-
-
-def _usage_chunk(c: Completion) -> dict[str, Any]:
-    return {
-        "id": c.object_id,
-        "object": "chat.completion.chunk" if c.chat else "text_completion",
-        "created": c.created,
-        "model": c.model,
-        "choices": [],
-        "usage": c.usage(),
-    }
-
-
-def sse_events(c: Completion) -> Iterator[bytes]:
-    """The SSE events of a streamed answer, one `data:` event per item, `[DONE]` last."""
-    head = _chunk_head(c)
-    if c.chat:
-        role = {"role": "assistant", "content": ""}
-        for index in range(c.choices):
-            choice = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
-            yield head + _encode(choice) + CHUNK_TAIL
-    steps = max(c.tokens, 1)
-    for step in range(steps):
-        text = token_text(step) if step < c.tokens else ""
-        finish = c.finish_reason if step == steps - 1 else None
-        for index in range(c.choices):
-            yield head + _stream_choice(c, index, text, finish) + CHUNK_TAIL
-    if c.include_usage:
-        yield b"data: " + _encode(_usage_chunk(c)) + b"\n\n"
-    yield SSE_DONE
-
-
-def full_body(c: Completion) -> bytes:
-    """A non-stream answer; vLLM ones carry top-level `kv_transfer_params`."""
-    text = "".join(token_text(step) for step in range(c.tokens))
-    choices: list[dict[str, Any]] = []
-    for index in range(c.choices):
-        if c.chat:
-            message = {"role": "assistant", "content": text}
-            choices.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                }
-            )
-        else:
-            choices.append(
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": None,
-                }
-            )
-    body: dict[str, Any] = {
-        "id": c.object_id,
-        "object": "chat.completion" if c.chat else "text_completion",
-        "created": c.created,
-        "model": c.model,
-        "choices": choices,
-        "usage": c.usage(),
-    }
-    if c.admission.echo_kv:
-        body["kv_transfer_params"] = c.admission.kv_transfer_params
-    return _encode(body)
-
-
-def decode_object(raw: bytes) -> tuple[dict[str, Any], str | None]:
-    """The JSON object body, or ({}, why it is not one)."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        return {}, f"invalid JSON body: {exc}"
-    if not isinstance(body, dict):
-        return {}, "the JSON body must be an object"
-    return body, None
 
 
 def _describe(predicate: Callable[..., object]) -> str:
@@ -474,7 +125,7 @@ class FakeEngine:
         self.app = AsgiApp(self._serve_http, self.aclose)
         bootstrap = self.handler.bootstrap_routes()
         self.bootstrap_app = (
-            None if bootstrap is None else AsgiApp(_route_handler(bootstrap), self.aclose)
+            None if bootstrap is None else AsgiApp(routes_handler(bootstrap), self.aclose)
         )
 
     def __repr__(self) -> str:
@@ -529,7 +180,8 @@ class FakeEngine:
         if scope["path"] not in (COMPLETIONS_PATH, CHAT_PATH):
             await serve_routes(self._routes, scope, receive, send)
         elif scope["method"] != "POST":
-            await Output(send, None).error(405, "Method Not Allowed")
+            request_id = header_dict(scope).get("x-request-id")
+            await Output(send, request_id).error(405, "Method Not Allowed")
         else:
             await self._serve_completion(scope, receive, send)
 
@@ -588,6 +240,8 @@ class FakeEngine:
     async def _misbehave(self, problem: str | None) -> None:
         if self.config.fail_status is not None:
             status = self.config.fail_status
+            if self.config.headers_delay > 0:  # an error answer has headers too
+                await asyncio.sleep(self.config.headers_delay)
             raise EngineError(status, f"fake engine configured to fail with HTTP {status}")
         if self.config.hang:
             await asyncio.get_running_loop().create_future()  # until the client disconnects
@@ -627,13 +281,6 @@ class FakeEngine:
         await out.finish()
 
 
-def _route_handler(routes: Routes) -> HttpHandler:
-    async def handle(scope: Scope, receive: Receive, send: Send) -> None:
-        await serve_routes(routes, scope, receive, send)
-
-    return handle
-
-
 # --------------------------------------------------------------------------- CLI
 
 
@@ -656,6 +303,7 @@ def _server(app: AsgiApp, host: str, port: int) -> _Server:
         lifespan="on",
         log_level="warning",
         access_log=False,
+        proxy_headers=False,
         backlog=4096,
         timeout_graceful_shutdown=5,
     )

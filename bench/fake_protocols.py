@@ -15,7 +15,7 @@ engines, ranks or ids makes the decode fail instead of silently "working":
   D arrived (SGLang's `KVPoll.Bootstrapping`), and D only after P served the room.
 
 The HTTP app and the bootstrap app of one engine may run on different threads (tests start one
-uvicorn per app), so the rendezvous primitives here are thread-safe.
+uvicorn per app), so the rendezvous primitives (`bench/fake_base.py`) are thread-safe.
 """
 
 from __future__ import annotations
@@ -23,30 +23,30 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeGuard, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, TypeGuard
 
 import httpx
-import msgspec
 
-if TYPE_CHECKING:
-    from bench.fake_engine import FakeConfig, Received
+from bench.fake_base import (
+    Admission,
+    Call,
+    EngineContext,
+    EngineError,
+    Reply,
+    RoleHandler,
+    RouteRequest,
+    Routes,
+    Shape,
+    SlotTable,
+    bad_request,
+    is_int,
+    run_all,
+    wait_ready,
+)
 
-__all__ = [
-    "Admission",
-    "Call",
-    "EngineContext",
-    "EngineError",
-    "Reply",
-    "RoleHandler",
-    "RouteRequest",
-    "Routes",
-    "Shape",
-    "Signal",
-    "build_handler",
-    "request_shape",
-]
+__all__ = ["HANDLERS", "build_handler"]
 
 MAX_ROOM: Final = 2**63 - 1
 FAKE_WORKER_PORT: Final = 41000  # advertised ZMQ ports: nothing listens there
@@ -55,343 +55,9 @@ ROUTE_KEYS_OLD: Final = ("engine_rank", "target_dp_group")
 ROUTE_KEYS_NEW: Final = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 QUERY_TIMEOUT_S: Final = 10.0
 
-K = TypeVar("K", bound=Hashable)
-
-
-class EngineError(Exception):
-    """A request failure; the engine answers it as an OpenAI error JSON with `status`."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def bad_request(message: str) -> EngineError:
-    return EngineError(400, message)
-
-
-# --------------------------------------------------------------------------- rendezvous
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-class Signal:
-    """A set-once flag that coroutines on any thread's event loop can await."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._is_set = False
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-
-    def is_set(self) -> bool:
-        return self._is_set
-
-    def set(self) -> None:
-        with self._lock:
-            if self._is_set:
-                return
-            self._is_set = True
-            waiters, self._waiters = self._waiters, []
-        for loop, future in waiters:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_resolve, future)
-
-    async def wait(self) -> None:
-        """Return once set; cancellable."""
-        loop = asyncio.get_running_loop()
-        waiter = (loop, loop.create_future())
-        with self._lock:
-            if self._is_set:
-                return
-            self._waiters.append(waiter)
-        try:
-            await waiter[1]
-        finally:
-            with self._lock:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-
-
-@dataclass
-class Slot:
-    """One correlation id: `ready` is set once `value` is known."""
-
-    ready: Signal = field(default_factory=Signal)
-    value: str = ""
-
-
-class SlotTable(Generic[K]):
-    """Slots keyed by a correlation id; whichever side comes first creates the slot."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._slots: dict[K, Slot] = {}
-
-    def get(self, key: K) -> Slot:
-        with self._lock:
-            slot = self._slots.get(key)
-            if slot is None:
-                slot = self._slots[key] = Slot()
-            return slot
-
-    def fulfil(self, key: K, value: str = "") -> None:
-        slot = self.get(key)
-        slot.value = value
-        slot.ready.set()
-
-    def pop(self, key: K) -> None:
-        with self._lock:
-            self._slots.pop(key, None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._slots.clear()
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-
-async def wait_ready(slot: Slot, timeout: float) -> bool:
-    """True when `slot` became ready within `timeout` seconds."""
-    try:
-        async with asyncio.timeout(timeout):
-            await slot.ready.wait()
-    except TimeoutError:
-        return False
-    return True
-
-
-async def run_all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
-    """Run concurrently; the first failure cancels the rest and is raised as itself."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            for coro in coros:
-                group.create_task(coro)
-    except BaseExceptionGroup as failures:
-        raise _first_leaf(failures) from None
-
-
-def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    first = group.exceptions[0]
-    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
-
-
-# --------------------------------------------------------------------------- request shape
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _words(text: str) -> int:
-    return max(1, len(text.split()))
-
-
-def prompt_batch(prompt: object) -> int | None:
-    """Batch size of a completions `prompt`: None for one prompt (a string or token ids)."""
-    if isinstance(prompt, str):
-        return None
-    if isinstance(prompt, list) and prompt:
-        if all(_is_int(token) for token in prompt):
-            return None
-        if all(isinstance(item, str) for item in prompt) or all(
-            isinstance(item, list) and item and all(_is_int(t) for t in item) for item in prompt
-        ):
-            return len(prompt)
-    raise bad_request(
-        "'prompt' must be a string, a list of token ids, a list of strings "
-        "or a list of token-id lists"
-    )
-
-
-def prompt_tokens(prompt: object) -> int:
-    """A rough token count of a validated completions prompt (for `usage`)."""
-    if isinstance(prompt, str):
-        return _words(prompt)
-    if not isinstance(prompt, list):
-        return 0
-    if all(_is_int(token) for token in prompt):
-        return len(prompt)
-    return sum(prompt_tokens(item) for item in prompt)
-
-
-def _messages_tokens(messages: list[Any]) -> int:
-    texts = (str(m.get("content") or "") for m in messages if isinstance(m, dict))
-    return sum(_words(text) for text in texts)
-
-
-def _optional_int(body: Mapping[str, Any], key: str, minimum: int) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if not _is_int(value) or value < minimum:
-        raise bad_request(f"'{key}' must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _optional_bool(body: Mapping[str, Any], key: str) -> bool:
-    value = body.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise bad_request(f"'{key}' must be a boolean, got {value!r}")
-    return value
-
-
-def _token_limit(body: Mapping[str, Any]) -> int | None:
-    limits = [
-        limit
-        for key in ("max_tokens", "max_completion_tokens")
-        if (limit := _optional_int(body, key, 0)) is not None
-    ]
-    return min(limits) if limits else None
-
-
-def _include_usage(body: Mapping[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The OpenAI envelope of one completions request, validated."""
-
-    chat: bool
-    batch: int | None  # completions prompt batch size; None for a single prompt
-    n: int
-    stream: bool
-    include_usage: bool
-    max_tokens: int | None  # the smaller of max_tokens and max_completion_tokens
-    prompt_tokens: int
-
-    @property
-    def choices(self) -> int:
-        return (self.batch or 1) * self.n
-
-
-def request_shape(chat: bool, body: Mapping[str, Any]) -> Shape:
-    """Validate prompt/messages, n, stream and token limits; raise a 400 EngineError."""
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' is required and must be a non-empty list")
-        batch, tokens = None, _messages_tokens(messages)
-    else:
-        if "prompt" not in body:
-            raise bad_request("'prompt' is required")
-        batch, tokens = prompt_batch(body["prompt"]), prompt_tokens(body["prompt"])
-    return Shape(
-        chat=chat,
-        batch=batch,
-        n=_optional_int(body, "n", 1) or 1,
-        stream=_optional_bool(body, "stream"),
-        include_usage=_include_usage(body),
-        max_tokens=_token_limit(body),
-        prompt_tokens=tokens,
-    )
-
-
-# --------------------------------------------------------------------------- handler seam
-
-
-@dataclass
-class Call:
-    """One completions request as a role handler sees it."""
-
-    chat: bool
-    body: dict[str, Any]
-    headers: dict[str, str]  # lower-cased names
-    record: Received
-    server: tuple[str, int]  # the host and port the request arrived on
-    shape: Shape
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What a handler adds to the answer: vLLM's `kv_transfer_params` and a token cap."""
-
-    echo_kv: bool = False  # put top-level `kv_transfer_params` in a non-stream answer
-    kv_transfer_params: dict[str, Any] | None = None
-    max_tokens: int | None = None  # a prefill answers with one token
-
-
-@dataclass(frozen=True)
-class RouteRequest:
-    """A request to a small non-completions route (bootstrap and fake side channels)."""
-
-    query: dict[str, str]
-    body: bytes
-
-    def json(self) -> dict[str, Any]:
-        try:
-            data = msgspec.json.decode(self.body)
-        except msgspec.DecodeError as exc:
-            raise bad_request(f"invalid JSON body: {exc}") from None
-        if not isinstance(data, dict):
-            raise bad_request("the JSON body must be an object")
-        return data
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A route's answer: bytes go out as text/plain, anything else as JSON."""
-
-    status: int
-    payload: object
-
-
-RouteFn = Callable[[RouteRequest], Awaitable[Reply]]
-Routes = dict[str, dict[str, RouteFn]]  # path -> method -> handler
-
-
-class EngineContext(Protocol):
-    """What a role handler needs from its FakeEngine."""
-
-    @property
-    def config(self) -> FakeConfig: ...
-
-    @property
-    def dp_size(self) -> int: ...
-
-    @property
-    def engine_id(self) -> str: ...
-
-    @property
-    def engine_ids(self) -> list[str]: ...
-
-    def http_client(self) -> httpx.AsyncClient:
-        """The engine's client for the current event loop."""
-        ...
-
 
 async def health_ok(_: RouteRequest) -> Reply:
     return Reply(200, b"OK")
-
-
-class RoleHandler:
-    """No PD checks: the base of every (protocol, role) handler."""
-
-    def __init__(self, ctx: EngineContext) -> None:
-        self.ctx = ctx
-
-    async def admit(self, call: Call) -> Admission:
-        """Check the PD fields of `call`, do the KV rendezvous; raise EngineError on failure."""
-        return Admission()
-
-    def routes(self) -> Routes:
-        """Extra routes on the engine's HTTP port."""
-        return {}
-
-    def bootstrap_routes(self) -> Routes | None:
-        """Routes of the bootstrap port; None when this role has none."""
-        return None
-
-    def reset(self) -> None:
-        """Forget all KV state (engine restart)."""
 
 
 def _error_detail(response: httpx.Response) -> str:
@@ -432,7 +98,7 @@ def _require_flag(params: Mapping[str, Any], key: str, expected: bool) -> None:
 
 def _require_one(body: Mapping[str, Any], key: str) -> None:
     value = body.get(key)
-    if not (_is_int(value) and value == 1):
+    if not (is_int(value) and value == 1):
         raise bad_request(f"prefill request must set {key}=1, got {value!r}")
 
 
@@ -578,10 +244,15 @@ class MooncakeDecode(RoleHandler):
             response = await self.ctx.http_client().get(f"{addr}/query", timeout=QUERY_TIMEOUT_S)
         except httpx.HTTPError as exc:
             raise EngineError(500, f"bootstrap query {addr}/query failed: {exc!r}") from None
-        table = response.json() if response.status_code == 200 else None
+        try:
+            table = response.json() if response.status_code == 200 else None
+        except ValueError:
+            table = None
         if not isinstance(table, dict):
             raise EngineError(500, f"bad bootstrap answer from {addr}/query: {response.text!r}")
-        return frozenset(v["engine_id"] for v in table.values() if isinstance(v, dict))
+        return frozenset(
+            str(entry.get("engine_id")) for entry in table.values() if isinstance(entry, dict)
+        )
 
     async def _pull(self, addr: str, engine_id: str, transfer_id: str) -> None:
         timeout = self.ctx.config.kv_timeout
@@ -678,7 +349,7 @@ class NixlDecode(RoleHandler):
         if missing:
             raise bad_request(f"kv_transfer_params is missing {', '.join(missing)}")
         host, port = params["remote_host"], params["remote_port"]
-        if not isinstance(host, str) or not _is_int(port):
+        if not isinstance(host, str) or not is_int(port):
             raise bad_request(f"bad remote_host/remote_port: {host!r}, {port!r}")
         if self.ctx.config.check_kv:
             await self._pull(host, port, str(params["remote_request_id"]))
@@ -709,11 +380,11 @@ def _valid_host(value: object) -> bool:
 
 
 def _valid_port(value: object) -> bool:
-    return value is None or (_is_int(value) and 0 < value < 65536)
+    return value is None or (is_int(value) and 0 < value < 65536)
 
 
 def _valid_room(value: object) -> TypeGuard[int]:
-    return _is_int(value) and 0 <= value <= MAX_ROOM
+    return is_int(value) and 0 <= value <= MAX_ROOM
 
 
 BOOTSTRAP_CHECKS: Final[dict[str, Callable[[object], bool]]] = {
@@ -789,7 +460,7 @@ def _optional_ranks(body: Mapping[str, Any], key: str, boot: Bootstrap) -> list[
     if value is None:
         return None
     ranks = value if isinstance(value, list) and boot.listed else [value]
-    if not all(_is_int(rank) and rank >= 0 for rank in ranks):
+    if not all(is_int(rank) and rank >= 0 for rank in ranks):
         raise bad_request(f"{key} must be a non-negative integer, got {value!r}")
     if len(ranks) == 1:
         return ranks * len(boot.rooms)

@@ -259,7 +259,7 @@ class Pipeline:
             try:
                 response = await upstream.open(request.endpoint.value, _encode(body), headers)
                 if request.stream and response.status < 400:
-                    await self._relay(worker, response, responder)
+                    await self._relay(worker, response, responder, prefill)
                 else:
                     content = await response.read()
                     self._check_decode_status(response.status, content, worker, prefill)
@@ -269,11 +269,15 @@ class Pipeline:
                 raise
 
     async def _relay(
-        self, worker: Worker, response: UpstreamResponse, responder: Responder
+        self, worker: Worker, response: UpstreamResponse, responder: Responder, prefill: Worker
     ) -> None:
         try:
             await responder.start(response.status, response.content_type, sse=True)
+            first = True
             async for chunk in response.chunks():
+                if first:
+                    first = False
+                    self._check_stale_layout(chunk, worker, prefill)
                 await responder.chunk(chunk)
             await responder.finish()
         finally:
@@ -286,6 +290,11 @@ class Pipeline:
         if status < 500:
             self._record(worker, None)
             return
+        self._check_stale_layout(content, worker, prefill)
+        worker.record_failure(self._failure_threshold)
+
+    def _check_stale_layout(self, content: bytes, worker: Worker, prefill: Worker) -> None:
+        """A decode error naming an unknown engine id: re-read the prefill's layout now."""
         if self._adapter.is_stale_layout(content):
             logger.warning(
                 "decode %s does not know prefill %s's engine id; re-querying",
@@ -293,7 +302,6 @@ class Pipeline:
                 prefill.url,
             )
             self._on_stale_layout(prefill)
-        worker.record_failure(self._failure_threshold)
 
     def _record(self, worker: Worker, exc: UpstreamError | None) -> None:
         if exc is None:
