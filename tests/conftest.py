@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.fake_engine import FakeConfig, FakeEngine
+from bench.fake_engine import EngineProtocol, FakeConfig, FakeEngine
 from router import RouterSettings, create_app
 from tests.servers import run_server
 
@@ -87,7 +87,7 @@ def make_cluster() -> Iterator[ClusterFactory]:
     """``make_cluster(engine, prefill=1, decode=1, dp_size=1, config=..., **router_overrides)``."""
     with contextlib.ExitStack() as stack:
 
-        def factory(engine: str, *, prefill: int = 1, decode: int = 1, dp_size: int = 1,
+        def factory(engine: EngineProtocol, *, prefill: int = 1, decode: int = 1, dp_size: int = 1,
                     config: Callable[[], FakeConfig] | None = None,
                     **overrides: Any) -> Cluster:
             new_config = config or (lambda: FakeConfig(kv_timeout=20.0))

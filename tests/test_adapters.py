@@ -5,18 +5,17 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import msgspec
 import pytest
 
 from router.adapters import SglangAdapter, VllmMooncakeAdapter, VllmNixlAdapter
 from router.adapters.sglang import MAX_ROOM, aligned_room
 from router.errors import InvalidRequest
-from router.schemas import Endpoint, parse_request
+from router.schemas import Endpoint, ParsedRequest, parse_request
 from router.workers import Role, Worker
 
-import msgspec
 
-
-def _req(endpoint: Endpoint, **body: Any):
+def _req(endpoint: Endpoint, **body: Any) -> ParsedRequest:
     return parse_request(endpoint, msgspec.json.encode({"model": "m", **body}))
 
 

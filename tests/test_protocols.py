@@ -92,7 +92,7 @@ def test_mooncake_prefill_restart_is_picked_up(make_cluster: ClusterFactory) -> 
 
     def routed_to_new_engine() -> bool:
         body = cluster.ready_body()
-        return body["prefill"][0].get("engine_ids") == list(prefill.engine_ids)
+        return bool(body["prefill"][0].get("engine_ids") == list(prefill.engine_ids))
 
     wait_until(routed_to_new_engine, 5, "router to re-query /query after the restart")
     with cluster.client() as client:

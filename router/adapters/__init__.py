@@ -10,7 +10,15 @@ from router.adapters.vllm_mooncake import VllmMooncakeAdapter
 from router.adapters.vllm_nixl import VllmNixlAdapter
 from router.settings import EngineProtocol
 
-__all__ = ["ADAPTERS", "LegPlan", "PDAdapter", "build_adapter"]
+__all__ = [
+    "ADAPTERS",
+    "LegPlan",
+    "PDAdapter",
+    "SglangAdapter",
+    "VllmMooncakeAdapter",
+    "VllmNixlAdapter",
+    "build_adapter",
+]
 
 ADAPTERS: dict[EngineProtocol, Callable[[], PDAdapter]] = {
     EngineProtocol.VLLM_MOONCAKE: VllmMooncakeAdapter,
