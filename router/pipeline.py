@@ -59,6 +59,18 @@ def _error_detail(body: bytes) -> str:
     return body[:500].decode(errors="replace")
 
 
+def _prefill_json(answer: bytes, prefill: Worker) -> Any:
+    try:
+        return _decode(answer)
+    except msgspec.DecodeError as exc:
+        raise UpstreamUnavailable(
+            f"answered invalid JSON: {answer[:200]!r}",
+            role="prefill",
+            url=prefill.url,
+            connect=False,
+        ) from exc
+
+
 async def _reap(task: asyncio.Task[Any]) -> None:
     """Cancel ``task`` if needed and wait until it is gone, ignoring how it ended."""
     if not task.done():
@@ -159,7 +171,7 @@ class Pipeline:
         prefill_call = self._prefill(request, prefill, rank, plan.prefill_body, prefill_headers)
         if plan.decode_body is None:
             answer = await self._until_disconnect(prefill_call, disconnected)
-            body = self._adapter.decode_after_prefill(request, _decode(answer))
+            body = self._adapter.decode_after_prefill(request, _prefill_json(answer, prefill))
             decode_call = self._decode(request, decode, body, headers, responder, prefill)
             await self._until_disconnect(decode_call, disconnected)
             return
@@ -198,7 +210,10 @@ class Pipeline:
                 waiting.discard(prefill_task)
                 prefill_task.result()  # raises the prefill's error, cancelling decode below
             decode_task.result()
-            await prefill_task  # the client is served; a late prefill failure is only logged
+            try:
+                await prefill_task
+            except UpstreamError as exc:  # the client is served already
+                logger.warning("prefill failed after the decode answered: %s", exc.message)
         finally:
             await _reap(decode_task)
             await _reap(prefill_task)
@@ -271,14 +286,20 @@ class Pipeline:
     async def _relay(
         self, worker: Worker, response: UpstreamResponse, responder: Responder, prefill: Worker
     ) -> None:
+        """Move decode's SSE bytes to the client as they come.
+
+        The client's response starts with the first body chunk, not with decode's headers: until
+        then nothing has reached the client, so a failing prefill can still be retried.
+        """
         try:
+            chunks = response.chunks()
+            first = await anext(chunks, b"")
+            self._check_stale_layout(first, worker, prefill)
             await responder.start(response.status, response.content_type, sse=True)
-            first = True
-            async for chunk in response.chunks():
-                if first:
-                    first = False
-                    self._check_stale_layout(chunk, worker, prefill)
-                await responder.chunk(chunk)
+            if first:
+                await responder.chunk(first)
+                async for chunk in chunks:
+                    await responder.chunk(chunk)
             await responder.finish()
         finally:
             await response.aclose()
