@@ -8,9 +8,10 @@ Only connect errors are retried, and only before any byte reached the client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import msgspec
@@ -57,6 +58,62 @@ def _error_detail(body: bytes) -> str:
         if isinstance(data.get("message"), str):
             return str(data["message"])
     return body[:500].decode(errors="replace")
+
+
+def _failure_of(task: asyncio.Future[Any]) -> BaseException | None:
+    """The exception a finished task raised, if any (None when it succeeded or was cancelled)."""
+    return None if task.cancelled() else task.exception()
+
+
+class _Interrupt:
+    """Cancels the current task on an event (prefill failure, client gone) and re-raises it.
+
+    Cheaper than running the guarded call in a task of its own and ``asyncio.wait``-ing: no extra
+    task per request. ``fire`` only acts while armed, so a late event after the guarded call
+    returned is ignored (both run on the event loop thread, so the flag cannot race).
+    """
+
+    __slots__ = ("_armed", "_reason", "_task")
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._armed = 0
+        self._reason: BaseException | None = None
+
+    @contextlib.contextmanager
+    def on_done(
+        self,
+        future: asyncio.Future[Any],
+        reason_of: Callable[[asyncio.Future[Any]], BaseException | None],
+    ) -> Iterator[None]:
+        """While the block runs, ``future`` finishing with a reason interrupts the task."""
+
+        def fire(done: asyncio.Future[Any]) -> None:
+            reason = reason_of(done)
+            if self._armed and reason is not None and self._reason is None:
+                self._reason = reason
+                self._task.cancel()
+
+        self._armed += 1
+        future.add_done_callback(fire)
+        try:
+            if future.done():
+                fire(future)
+            yield
+        finally:
+            self._armed -= 1
+            future.remove_done_callback(fire)
+
+    async def guard(self, call: Coroutine[Any, Any, Any]) -> Any:
+        """Await ``call``; if interrupted, raise the reason instead of CancelledError."""
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if self._reason is None or self._task.uncancel() > 0:
+                raise  # a real cancellation (shutdown), not ours
+            raise self._reason from None
 
 
 def _prefill_json(answer: bytes, prefill: Worker) -> Any:
@@ -181,14 +238,10 @@ class Pipeline:
     async def _until_disconnect(
         self, call: Coroutine[Any, Any, Any], disconnected: asyncio.Future[Any]
     ) -> Any:
-        task = asyncio.create_task(call)
-        try:
-            await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                raise ClientDisconnected
-            return task.result()
-        finally:
-            await _reap(task)
+        """Await ``call`` in this task; a client disconnect cancels it."""
+        interrupt = _Interrupt()
+        with interrupt.on_done(disconnected, lambda _: ClientDisconnected()):
+            return await interrupt.guard(call)
 
     async def _concurrent(
         self,
@@ -196,26 +249,24 @@ class Pipeline:
         decode_call: Coroutine[Any, Any, None],
         disconnected: asyncio.Future[Any],
     ) -> None:
-        """Run both legs; a prefill failure or a disconnect cancels the decode at once."""
+        """Run both legs; a prefill failure or a disconnect cancels the decode at once.
+
+        The decode leg runs in this task (it owns the client response); the prefill leg in a
+        child task whose failure interrupts this one.
+        """
         prefill_task = asyncio.create_task(prefill_call)
-        decode_task = asyncio.create_task(decode_call)
-        waiting: set[asyncio.Future[Any]] = {prefill_task, decode_task, disconnected}
+        interrupt = _Interrupt()
         try:
-            while not decode_task.done():
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if decode_task in done:
-                    break
-                if disconnected in done:
-                    raise ClientDisconnected
-                waiting.discard(prefill_task)
-                prefill_task.result()  # raises the prefill's error, cancelling decode below
-            decode_task.result()
+            with (
+                interrupt.on_done(prefill_task, _failure_of),
+                interrupt.on_done(disconnected, lambda _: ClientDisconnected()),
+            ):
+                await interrupt.guard(decode_call)
             try:
                 await prefill_task
             except UpstreamError as exc:  # the client is served already
                 logger.warning("prefill failed after the decode answered: %s", exc.message)
         finally:
-            await _reap(decode_task)
             await _reap(prefill_task)
 
     async def _prefill(
