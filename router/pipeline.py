@@ -225,14 +225,18 @@ class Pipeline:
     ) -> None:
         prefill, rank, decode = pair
         prefill_headers = {**headers, **plan.prefill_headers} if plan.prefill_headers else headers
-        prefill_call = self._prefill(request, prefill, rank, plan.prefill_body, prefill_headers)
+        prefill_body = _encode(plan.prefill_body)
+        prefill_call = self._prefill(request, prefill, rank, prefill_body, prefill_headers)
         if plan.decode_body is None:
             answer = await self._until_disconnect(prefill_call, disconnected)
             body = self._adapter.decode_after_prefill(request, _prefill_json(answer, prefill))
-            decode_call = self._decode(request, decode, body, headers, responder, prefill)
+            decode_call = self._decode(request, decode, _encode(body), headers, responder, prefill)
             await self._until_disconnect(decode_call, disconnected)
             return
-        decode_call = self._decode(request, decode, plan.decode_body, headers, responder, prefill)
+        # SGLang sends the very same body to both legs: encode it once.
+        same = plan.decode_body is plan.prefill_body
+        decode_body = prefill_body if same else _encode(plan.decode_body)
+        decode_call = self._decode(request, decode, decode_body, headers, responder, prefill)
         await self._concurrent(prefill_call, decode_call, disconnected)
 
     async def _until_disconnect(
@@ -274,7 +278,7 @@ class Pipeline:
         request: ParsedRequest,
         worker: Worker,
         rank: int,
-        body: dict[str, Any],
+        body: bytes,
         headers: dict[str, str],
     ) -> bytes:
         upstream = self._upstreams[worker.id]
@@ -295,13 +299,13 @@ class Pipeline:
         self,
         upstream: UpstreamClient,
         request: ParsedRequest,
-        body: dict[str, Any],
+        body: bytes,
         headers: dict[str, str],
     ) -> tuple[int, bytes]:
         """POST and read the whole answer within the prefill's total deadline."""
         try:
             async with asyncio.timeout(self._settings.prefill_timeout_s):
-                response = await upstream.open(request.endpoint.value, _encode(body), headers)
+                response = await upstream.open(request.endpoint.value, body, headers)
                 return response.status, await response.read()
         except TimeoutError as exc:
             worker = upstream.worker
@@ -315,7 +319,7 @@ class Pipeline:
         self,
         request: ParsedRequest,
         worker: Worker,
-        body: dict[str, Any],
+        body: bytes,
         headers: dict[str, str],
         responder: Responder,
         prefill: Worker,
@@ -323,7 +327,7 @@ class Pipeline:
         upstream = self._upstreams[worker.id]
         with worker.load():
             try:
-                response = await upstream.open(request.endpoint.value, _encode(body), headers)
+                response = await upstream.open(request.endpoint.value, body, headers)
                 if request.stream and response.status < 400:
                     await self._relay(worker, response, responder, prefill)
                 else:
@@ -344,14 +348,15 @@ class Pipeline:
         """
         try:
             chunks = response.chunks()
-            first = await anext(chunks, b"")
-            self._check_stale_layout(first, worker, prefill)
+            chunk = await anext(chunks, b"")
+            self._check_stale_layout(chunk, worker, prefill)
             await responder.start(response.status, response.content_type, sse=True)
-            if first:
-                await responder.chunk(first)
-                async for chunk in chunks:
-                    await responder.chunk(chunk)
-            await responder.finish()
+            while chunk:
+                if response.at_eof():  # the last chunk: send it with the end of the body
+                    break
+                await responder.chunk(chunk)
+                chunk = await anext(chunks, b"")
+            await responder.finish(chunk)
         finally:
             await response.aclose()
         self._record(worker, None)

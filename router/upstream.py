@@ -10,11 +10,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from router.errors import UpstreamError, UpstreamStatusError
+from router.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
 from router.settings import UpstreamSettings
 from router.workers import Worker
 
-__all__ = ["UpstreamClient", "UpstreamResponse", "build_upstream", "is_worker_fault"]
+__all__ = [
+    "UpstreamClient",
+    "UpstreamResponse",
+    "build_upstream",
+    "is_worker_fault",
+    "transport_error",
+]
 
 # The relay forwards raw bytes: ask engines not to compress them.
 DEFAULT_HEADERS = {"accept-encoding": "identity", "user-agent": "pd-router"}
@@ -32,6 +38,11 @@ class UpstreamResponse(Protocol):
 
     async def read(self) -> bytes:
         """The whole body; releases the connection. Raises UpstreamError."""
+        ...
+
+    def at_eof(self) -> bool:
+        """True once the body is known to be complete and every chunk was handed out (may
+        stay False until ``chunks`` ends, if the client library cannot tell earlier)."""
         ...
 
     async def aclose(self) -> None:
@@ -65,6 +76,19 @@ def build_upstream(worker: Worker, settings: UpstreamSettings) -> UpstreamClient
     from router.upstream_aiohttp import AiohttpUpstream
 
     return AiohttpUpstream(worker, settings)
+
+
+def transport_error(
+    exc: Exception, worker: Worker, *, connect_failed: bool, timed_out: bool
+) -> UpstreamError:
+    """The router's error for a client library's transport failure, classified by the caller."""
+    role, url = worker.role.value, worker.url
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if connect_failed:
+        return UpstreamUnavailable(f"cannot connect ({detail})", role=role, url=url, connect=True)
+    if timed_out:
+        return UpstreamTimeout(f"timed out ({detail})", role=role, url=url)
+    return UpstreamUnavailable(f"connection failed ({detail})", role=role, url=url, connect=False)
 
 
 def is_worker_fault(exc: UpstreamError) -> bool:

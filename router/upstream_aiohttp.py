@@ -8,9 +8,8 @@ from typing import NoReturn
 
 import aiohttp
 
-from router.errors import UpstreamTimeout, UpstreamUnavailable
 from router.settings import UpstreamSettings
-from router.upstream import DEFAULT_HEADERS
+from router.upstream import DEFAULT_HEADERS, transport_error
 from router.workers import Worker
 
 __all__ = ["AiohttpUpstream", "raise_aiohttp_error"]
@@ -18,16 +17,13 @@ __all__ = ["AiohttpUpstream", "raise_aiohttp_error"]
 
 def raise_aiohttp_error(exc: Exception, worker: Worker) -> NoReturn:
     """Translate an aiohttp failure into the router's tree."""
-    role, url = worker.role.value, worker.url
-    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        raise UpstreamUnavailable(
-            f"cannot connect ({detail})", role=role, url=url, connect=True
-        ) from exc
-    if isinstance(exc, asyncio.TimeoutError):
-        raise UpstreamTimeout(f"timed out ({detail})", role=role, url=url) from exc
-    raise UpstreamUnavailable(
-        f"connection failed ({detail})", role=role, url=url, connect=False
+    raise transport_error(
+        exc,
+        worker,
+        connect_failed=isinstance(
+            exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError
+        ),
+        timed_out=isinstance(exc, asyncio.TimeoutError),
     ) from exc
 
 
@@ -58,6 +54,9 @@ class _AiohttpResponse:
             raise_aiohttp_error(exc, self._worker)
         finally:
             self._response.release()
+
+    def at_eof(self) -> bool:
+        return self._response.content.at_eof()
 
     async def aclose(self) -> None:
         if self._response.content.at_eof():

@@ -8,10 +8,9 @@ from typing import NoReturn
 
 import httpx
 
-from router.errors import UpstreamTimeout, UpstreamUnavailable
 from router.settings import UpstreamSettings
 from router.transport import LeanPoolTransport
-from router.upstream import DEFAULT_HEADERS
+from router.upstream import DEFAULT_HEADERS, transport_error
 from router.workers import Worker
 
 __all__ = ["NODELAY", "HttpxUpstream", "raise_httpx_error"]
@@ -20,17 +19,12 @@ NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 
 def raise_httpx_error(exc: Exception, worker: Worker) -> NoReturn:
-    """Translate an httpx failure into the router's tree."""
-    role, url = worker.role.value, worker.url
-    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        raise UpstreamUnavailable(
-            f"cannot connect ({detail})", role=role, url=url, connect=True
-        ) from exc
-    if isinstance(exc, httpx.TimeoutException):
-        raise UpstreamTimeout(f"timed out ({detail})", role=role, url=url) from exc
-    raise UpstreamUnavailable(
-        f"connection failed ({detail})", role=role, url=url, connect=False
+    """Translate a httpx failure into the router's tree."""
+    raise transport_error(
+        exc,
+        worker,
+        connect_failed=isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout),
+        timed_out=isinstance(exc, httpx.TimeoutException),
     ) from exc
 
 
@@ -57,6 +51,9 @@ class _HttpxResponse:
             raise_httpx_error(exc, self._worker)
         finally:
             await self._response.aclose()
+
+    def at_eof(self) -> bool:
+        return False  # httpx cannot tell before the iteration ends
 
     async def aclose(self) -> None:
         await self._response.aclose()
