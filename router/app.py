@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from registry.admin import LiveView, admin_routes
+from registry.service import RegistryService
 from router.api import health
 from router.api.openai import HOT_ROUTES, handle_completion
 from router.context import open_context
@@ -33,6 +35,14 @@ class PDRouterApp:
                 await handle_completion(scope["state"]["ctx"], endpoint, scope, receive, send)
                 return
         await self.api(scope, receive, send)
+
+
+def _registry_of(request: Request) -> RegistryService:
+    return health.get_context(request).registry
+
+
+def _live_view_of(request: Request) -> LiveView:
+    return health.get_context(request).live_view
 
 
 def _render(exc: RouterError) -> Response:
@@ -72,5 +82,6 @@ def create_app(settings: RouterSettings) -> ASGIApp:
 
     api = FastAPI(title="pd-router", lifespan=lifespan, docs_url=None, redoc_url=None)
     api.include_router(health.router)
+    api.include_router(admin_routes(settings.registry, _registry_of, _live_view_of))
     install_error_handlers(api)
     return PDRouterApp(api)

@@ -30,6 +30,8 @@ _FLAG_OF = {
     ("health", "timeout_s"): "--health-timeout",
     ("health", "failure_threshold"): "--health-failure-threshold",
     ("logging", "level"): "--log-level",
+    ("registry", "url"): "--registry",
+    ("registry", "admin_token"): "--admin-token",
 }
 
 
@@ -75,6 +77,15 @@ def _build_parser() -> _Parser:
         "--health-failure-threshold",
         type=int,
         help="consecutive failed requests that mark a worker unhealthy",
+    )
+    p.add_argument(
+        "--registry",
+        metavar="URL",
+        help="worker registry store: memory:// (default, in-process) or "
+        "etcd://host:2379[/prefix] to share workers between routers",
+    )
+    p.add_argument(
+        "--admin-token", help="bearer token for /admin (prefer PDR_REGISTRY__ADMIN_TOKEN)"
     )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p

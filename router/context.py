@@ -6,14 +6,17 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
+from registry.backends import open_store
+from registry.service import RegistryService
 from router.adapters import build_adapter
+from router.discovery import Discovery
 from router.health import HealthProber
 from router.pipeline import Pipeline
 from router.policies import build_policy
 from router.settings import RouterSettings
-from router.upstream import UpstreamClient, build_upstream
-from router.workers import Role, Worker, WorkerPool
+from router.upstream import UpstreamPool
 
 __all__ = ["AppContext", "open_context"]
 
@@ -21,29 +24,58 @@ __all__ = ["AppContext", "open_context"]
 @dataclass(frozen=True, slots=True)
 class AppContext:
     settings: RouterSettings
-    pool: WorkerPool
-    upstreams: dict[str, UpstreamClient]
+    pool: UpstreamPool
     pipeline: Pipeline
     prober: HealthProber
+    registry: RegistryService
+    discovery: Discovery
+
+    def live_view(self, worker_id: str) -> dict[str, Any] | None:
+        """This router's live state of a worker, for the admin API."""
+        worker = self.pool.get(worker_id)
+        if worker is None:
+            return None
+        view: dict[str, Any] = {
+            "healthy": worker.healthy,
+            "draining": worker.draining,
+            "inflight": worker.inflight,
+        }
+        if worker.role.value == "prefill":
+            view["dp_size"] = worker.dp_size
+            view["ranks"] = [
+                {
+                    "dp_rank": rank,
+                    "inflight": load,
+                    "engine_id": worker.engine_ids[rank] if rank < len(worker.engine_ids) else None,
+                }
+                for rank, load in enumerate(worker.rank_inflight)
+            ]
+        return view
 
 
-def _build_pool(settings: RouterSettings, needs_engine_ids: bool) -> WorkerPool:
-    prefill = [Worker(Role.PREFILL, s.url, s.bootstrap_port) for s in settings.prefill]
-    decode = [Worker(Role.DECODE, s.url) for s in settings.decode]
-    return WorkerPool(prefill, decode, needs_engine_ids=needs_engine_ids)
+@contextlib.asynccontextmanager
+async def _background(*coros: Any) -> AsyncIterator[None]:
+    tasks = [asyncio.create_task(coro) for coro in coros]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @contextlib.asynccontextmanager
 async def open_context(settings: RouterSettings) -> AsyncIterator[AppContext]:
-    """Build the context, start health probing, and tear both down on exit."""
+    """Build the context, start probing and registry sync, and tear all down on exit."""
     adapter = build_adapter(settings.engine)
-    pool = _build_pool(settings, adapter.needs_engine_ids)
-    upstreams = {w.id: build_upstream(w, settings.upstream) for w in pool.all()}
+    pool = UpstreamPool(needs_engine_ids=adapter.needs_engine_ids)
+    store = open_store(settings.registry.url)
+    service = RegistryService(store)
     prober = HealthProber(pool, settings.engine, settings.health)
+    discovery = Discovery(pool, service, settings, prober)
     policy = settings.policy
     pipeline = Pipeline(
         pool,
-        upstreams,
         adapter,
         build_policy(policy.prefill_policy or policy.policy),
         build_policy(policy.decode_policy or policy.policy),
@@ -51,12 +83,11 @@ async def open_context(settings: RouterSettings) -> AsyncIterator[AppContext]:
         settings.health,
         prober.refresh_soon,
     )
-    probing = asyncio.create_task(prober.run(), name="health-prober")
     try:
-        yield AppContext(settings, pool, upstreams, pipeline, prober)
+        await discovery.seed()
+        async with _background(prober.run(), discovery.run()):
+            yield AppContext(settings, pool, pipeline, prober, service, discovery)
     finally:
-        probing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await probing
+        await discovery.aclose()
         await prober.aclose()
-        await asyncio.gather(*(upstream.aclose() for upstream in upstreams.values()))
+        await store.close()

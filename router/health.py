@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import httpx
 
@@ -26,7 +27,9 @@ logger = logging.getLogger(__name__)
 class HealthProber:
     """Owns the probe client and the probe loop; run ``run()`` as a lifespan task."""
 
-    def __init__(self, pool: WorkerPool, engine: EngineProtocol, settings: HealthSettings) -> None:
+    def __init__(
+        self, pool: WorkerPool[Any], engine: EngineProtocol, settings: HealthSettings
+    ) -> None:
         self._pool = pool
         self._engine = engine
         self._settings = settings

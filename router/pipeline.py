@@ -28,8 +28,8 @@ from router.policies import Policy, least_loaded_rank
 from router.relay import Responder
 from router.schemas import ParsedRequest
 from router.settings import HealthSettings, UpstreamSettings
-from router.upstream import UpstreamClient, UpstreamResponse, is_worker_fault
-from router.workers import Worker, WorkerPool
+from router.upstream import UpstreamClient, UpstreamPool, UpstreamResponse, is_worker_fault
+from router.workers import Worker
 
 __all__ = ["ClientDisconnected", "Pipeline"]
 
@@ -144,8 +144,7 @@ class Pipeline:
 
     def __init__(
         self,
-        pool: WorkerPool,
-        upstreams: dict[str, UpstreamClient],
+        pool: UpstreamPool,
         adapter: PDAdapter,
         prefill_policy: Policy,
         decode_policy: Policy,
@@ -154,7 +153,6 @@ class Pipeline:
         on_stale_layout: Callable[[Worker], None],
     ) -> None:
         self._pool = pool
-        self._upstreams = upstreams
         self._adapter = adapter
         self._prefill_policy = prefill_policy
         self._decode_policy = decode_policy
@@ -281,7 +279,7 @@ class Pipeline:
         body: bytes,
         headers: dict[str, str],
     ) -> bytes:
-        upstream = self._upstreams[worker.id]
+        upstream = self._pool.client(worker)
         with worker.load(rank):
             try:
                 status, content = await self._post_whole(upstream, request, body, headers)
@@ -324,7 +322,7 @@ class Pipeline:
         responder: Responder,
         prefill: Worker,
     ) -> None:
-        upstream = self._upstreams[worker.id]
+        upstream = self._pool.client(worker)
         with worker.load():
             try:
                 response = await upstream.open(request.endpoint.value, body, headers)

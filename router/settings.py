@@ -9,6 +9,8 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from registry.settings import RegistrySettings
+
 __all__ = [
     "EngineProtocol",
     "HealthSettings",
@@ -109,4 +111,5 @@ class RouterSettings(BaseSettings):
     upstream: UpstreamSettings = UpstreamSettings()
     policy: PolicySettings = PolicySettings()
     health: HealthSettings = HealthSettings()
+    registry: RegistrySettings = RegistrySettings()
     logging: LoggingSettings = LoggingSettings()

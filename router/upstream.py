@@ -12,10 +12,11 @@ from typing import Protocol
 
 from router.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
 from router.settings import UpstreamSettings
-from router.workers import Worker
+from router.workers import Worker, WorkerPool
 
 __all__ = [
     "UpstreamClient",
+    "UpstreamPool",
     "UpstreamResponse",
     "build_upstream",
     "is_worker_fault",
@@ -65,6 +66,9 @@ class UpstreamClient(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+UpstreamPool = WorkerPool[UpstreamClient]
 
 
 def build_upstream(worker: Worker, settings: UpstreamSettings) -> UpstreamClient:

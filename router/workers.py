@@ -1,18 +1,16 @@
-"""Workers as the router sees them: address, layout, health and in-flight load."""
+"""Workers as the router sees them: address, layout, health and in-flight load, and the pool."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Generic, TypeVar
 
 import httpx
 
 __all__ = ["Role", "Worker", "WorkerPool", "format_host"]
-
-_ids = itertools.count(1)
 
 
 class Role(StrEnum):
@@ -32,8 +30,10 @@ class Worker:
     role: Role
     url: str
     bootstrap_port: int | None = None
-    id: str = field(default_factory=lambda: f"w{next(_ids)}")
+    id: str = ""
     healthy: bool = False
+    draining: bool = False
+    epoch: int = 1
     consecutive_failures: int = 0
     inflight: int = 0
     dp_size: int = 1
@@ -43,6 +43,8 @@ class Worker:
 
     def __post_init__(self) -> None:
         self.host = format_host(httpx.URL(self.url).host)
+        if not self.id:
+            self.id = f"{self.role.value}:{self.url}"
 
     @property
     def bootstrap_addr(self) -> str:
@@ -81,24 +83,61 @@ class Worker:
             self.healthy = False
 
 
-class WorkerPool:
-    """The set of prefill and decode workers the router may route to."""
+C = TypeVar("C")
 
-    def __init__(self, prefill: list[Worker], decode: list[Worker], *, needs_engine_ids: bool):
-        self.prefill = prefill
-        self.decode = decode
+
+class WorkerPool(Generic[C]):
+    """The workers the router may route to, each with its upstream client ``C``.
+
+    Membership changes at runtime (registry); the role lists are replaced, never mutated, so a
+    request that already picked a worker is unaffected. A removed worker keeps its client until
+    its in-flight requests are done (``removed`` hands both back to the caller to close).
+    """
+
+    def __init__(self, *, needs_engine_ids: bool) -> None:
         self._needs_engine_ids = needs_engine_ids
+        self._workers: dict[str, Worker] = {}
+        self._clients: dict[str, C] = {}
+        self.prefill: list[Worker] = []
+        self.decode: list[Worker] = []
+
+    def add(self, worker: Worker, client: C) -> None:
+        self._workers[worker.id] = worker
+        self._clients[worker.id] = client
+        self._rebuild()
+
+    def remove(self, worker_id: str) -> tuple[Worker, C] | None:
+        """Take a worker out of routing; returns it with its client, or None if unknown."""
+        worker = self._workers.pop(worker_id, None)
+        if worker is None:
+            return None
+        self._rebuild()
+        return worker, self._clients.pop(worker_id)
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def client(self, worker: Worker) -> C:
+        return self._clients[worker.id]
+
+    def clients(self) -> list[C]:
+        return list(self._clients.values())
 
     def all(self) -> list[Worker]:
         return [*self.prefill, *self.decode]
 
     def available_prefill(self) -> list[Worker]:
         if self._needs_engine_ids:
-            return [w for w in self.prefill if w.healthy and w.engine_ids]
-        return [w for w in self.prefill if w.healthy]
+            return [w for w in self.prefill if w.healthy and not w.draining and w.engine_ids]
+        return [w for w in self.prefill if w.healthy and not w.draining]
 
     def available_decode(self) -> list[Worker]:
-        return [w for w in self.decode if w.healthy]
+        return [w for w in self.decode if w.healthy and not w.draining]
 
     def ready(self) -> bool:
         return bool(self.available_prefill()) and bool(self.available_decode())
+
+    def _rebuild(self) -> None:
+        workers = list(self._workers.values())
+        self.prefill = [w for w in workers if w.role is Role.PREFILL]
+        self.decode = [w for w in workers if w.role is Role.DECODE]

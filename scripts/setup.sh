@@ -8,6 +8,9 @@ APT_PACKAGES=()
 if ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
     APT_PACKAGES+=(python3-venv)
 fi
+if [ ! -x /usr/bin/etcd ]; then
+    APT_PACKAGES+=(etcd-server)  # the real etcd the registry's etcd tests start
+fi
 if [ ${#APT_PACKAGES[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
     $SUDO apt-get update -qq

@@ -40,19 +40,23 @@ async def ready(ctx: Context) -> JSONResponse:
     The body lists every worker with its health, in-flight requests and DP layout.
     """
     pool = ctx.pool
+    registry = ctx.discovery.status
     body = {
         "status": "ready" if pool.ready() else "not_ready",
         "prefill": [_describe(w) for w in pool.prefill],
         "decode": [_describe(w) for w in pool.decode],
+        "registry": {"url": registry.url, "ok": registry.ok, "error": registry.error},
     }
     return JSONResponse(body, status_code=200 if pool.ready() else 503)
 
 
 def _describe(worker: Worker) -> dict[str, Any]:
     info: dict[str, Any] = {
+        "id": worker.id,
         "url": worker.url,
         "healthy": worker.healthy,
         "inflight": worker.inflight,
+        "draining": worker.draining,
     }
     if worker.role is Role.PREFILL:
         info["bootstrap_port"] = worker.bootstrap_port
@@ -88,7 +92,10 @@ async def models(ctx: Context) -> Response:
 
 
 async def _models_of(ctx: AppContext, worker_id: str, timeout: float) -> list[dict[str, Any]]:
-    status, content = await ctx.upstreams[worker_id].get("/v1/models", timeout)
+    worker = ctx.pool.get(worker_id)
+    if worker is None:
+        return []
+    status, content = await ctx.pool.client(worker).get("/v1/models", timeout)
     data = msgspec.json.decode(content) if status == 200 else None
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):

@@ -1,0 +1,32 @@
+"""The registry's exception tree.
+
+RegistryError
+├── NotFound               a worker, rank or key does not exist
+├── Conflict               a registration contradicts the registered one (vLLM engine id mismatch)
+├── RegistryUnavailable    the store cannot be reached (etcd down); callers keep their last view
+└── ConfigurationError     a bad store URL, a missing optional dependency
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigurationError", "Conflict", "NotFound", "RegistryError", "RegistryUnavailable"]
+
+
+class RegistryError(Exception):
+    """Base of every error the registry package raises."""
+
+
+class NotFound(RegistryError):
+    pass
+
+
+class Conflict(RegistryError):
+    pass
+
+
+class RegistryUnavailable(RegistryError):
+    pass
+
+
+class ConfigurationError(RegistryError):
+    pass
