@@ -12,6 +12,8 @@ from starlette.exceptions import HTTPException
 
 from registry.admin import admin_routes
 from registry.backends import open_store
+from registry.bootstrap import sglang_routes, vllm_routes
+from registry.bootstrap.tables import BootstrapTables
 from registry.service import RegistryService
 from registry.settings import RegistrySettings
 
@@ -41,13 +43,18 @@ def create_registry_app(settings: RegistrySettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:
         store = open_store(settings.url)
+        tables.bind(store)
         try:
             yield {"service": RegistryService(store)}
         finally:
+            tables.bind(None)
             await store.close()
 
     app = FastAPI(title="pd-router registry", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(admin_routes(settings, _service_of, _no_live_view))
+    tables = BootstrapTables()
+    app.include_router(sglang_routes(tables.sglang))
+    app.include_router(vllm_routes(tables.vllm))
 
     @app.get("/health")
     async def health() -> Response:

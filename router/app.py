@@ -11,6 +11,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from registry.admin import LiveView, admin_routes
+from registry.bootstrap import sglang_routes, vllm_routes
+from registry.bootstrap.tables import BootstrapTables
 from registry.service import RegistryService
 from router.api import health
 from router.api.openai import HOT_ROUTES, handle_completion
@@ -77,11 +79,15 @@ def create_app(settings: RouterSettings) -> ASGIApp:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:
-        async with open_context(settings) as ctx:
+        async with open_context(settings, tables) as ctx:
             yield {"ctx": ctx}
 
     api = FastAPI(title="pd-router", lifespan=lifespan, docs_url=None, redoc_url=None)
     api.include_router(health.router)
     api.include_router(admin_routes(settings.registry, _registry_of, _live_view_of))
+    # The engines' bootstrap APIs at their own paths (/route, /register, /query, ...).
+    tables = BootstrapTables()
+    api.include_router(sglang_routes(tables.sglang))
+    api.include_router(vllm_routes(tables.vllm))
     install_error_handlers(api)
     return PDRouterApp(api)

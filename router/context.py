@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from registry.backends import open_store
+from registry.bootstrap.tables import BootstrapTables
 from registry.service import RegistryService
 from router.adapters import build_adapter
 from router.discovery import Discovery
@@ -65,7 +66,9 @@ async def _background(*coros: Any) -> AsyncIterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def open_context(settings: RouterSettings) -> AsyncIterator[AppContext]:
+async def open_context(
+    settings: RouterSettings, tables: BootstrapTables
+) -> AsyncIterator[AppContext]:
     """Build the context, start probing and registry sync, and tear all down on exit."""
     adapter = build_adapter(settings.engine)
     pool = UpstreamPool(needs_engine_ids=adapter.needs_engine_ids)
@@ -83,11 +86,13 @@ async def open_context(settings: RouterSettings) -> AsyncIterator[AppContext]:
         settings.health,
         prober.refresh_soon,
     )
+    tables.bind(store)
     try:
         await discovery.seed()
         async with _background(prober.run(), discovery.run()):
             yield AppContext(settings, pool, pipeline, prober, service, discovery)
     finally:
+        tables.bind(None)
         await discovery.aclose()
         await prober.aclose()
         await store.close()

@@ -4,6 +4,7 @@
         store = open_store(etcd.url + "/my-prefix")
         etcd.stop()                      # clients see connection loss from now on
         etcd.start()                     # same ports and data dir: clients can reconnect
+        etcd.pause(); etcd.resume()      # SIGSTOP/SIGCONT: a hung etcd, connections kept open
 
 The ports are chosen once, so a store opened before ``stop()`` reaches the restarted server. The
 heartbeat and election timeouts are shortened so that a lone member elects itself in milliseconds
@@ -83,12 +84,22 @@ class EtcdServer:
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
             return
+        process.send_signal(signal.SIGCONT)  # a paused etcd would not act on SIGTERM
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+    def pause(self) -> None:
+        """Freeze etcd (SIGSTOP): connections stay open but nothing answers, like a hung server."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._process is not None:
+            self._process.send_signal(signal.SIGCONT)
 
     def restart(self) -> None:
         self.stop()

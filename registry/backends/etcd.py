@@ -8,7 +8,7 @@ Semantics beyond ``RegistryStore``'s contract:
 * Each ``put`` with a ttl grants a new lease of ``ceil(ttl)`` seconds (etcd leases are whole
   seconds, and etcd raises a ttl below its minimum, 2 s with default server timing, to that
   minimum) and revokes the key's previous lease, if any; a ``put`` without ttl revokes it too.
-  ``refresh`` reads the key's lease and sends one keepalive. Expiry is etcd's job: a deleted lease's
+  ``refresh`` reads the key's lease and sends one keepalive. Expiry is etcd's job: an expired lease's
   key is gone for every client, and watchers see its delete (etcd checks leases every 500 ms).
 * A watch replays from etcd's history, so it misses nothing between ``watch()`` and the stream's
   creation (its first ``__anext__``): it covers every change above the newest revision this store
@@ -17,8 +17,10 @@ Semantics beyond ``RegistryStore``'s contract:
   stream is created, from then on. So list-then-watch and watch-then-list both leave no gap; the
   latter may replay changes the list already showed, in order, which ends in the same state.
 * Every call runs under one deadline (``timeout``, default 2 s); any aetcd or gRPC error and any
-  deadline overrun becomes ``RegistryUnavailable``, as does a watch stream that breaks. After
-  ``close()``, open watches end and every other call raises ``RegistryUnavailable``.
+  deadline overrun becomes ``RegistryUnavailable``, as does a watch stream that breaks, including
+  one on a connection that stops answering keepalive pings (after ``keepalive`` s idle, default
+  10 s, plus half that). After ``close()``, open watches end and every other call raises
+  ``RegistryUnavailable``.
 """
 
 from __future__ import annotations
@@ -28,14 +30,23 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncGenerator, AsyncIterator
-from types import MappingProxyType, ModuleType
+from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
 from registry.backends.base import WatchEvent
 from registry.errors import ConfigurationError, RegistryUnavailable
 
-__all__ = ["CALL_TIMEOUT_S", "DEFAULT_PORT", "DEFAULT_PREFIX", "EtcdStore", "parse_etcd_url"]
+__all__ = [
+    "CALL_TIMEOUT_S",
+    "DEFAULT_PORT",
+    "DEFAULT_PREFIX",
+    "KEEPALIVE_S",
+    "EtcdStore",
+    "channel_options",
+    "load_aetcd",
+    "parse_etcd_url",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +54,28 @@ DEFAULT_PORT = 2379
 DEFAULT_PREFIX = "/pdr"
 CALL_TIMEOUT_S = 2.0
 
-# Reconnect quickly after etcd comes back (gRPC's default first backoff is 1 s, growing to 120 s),
-# and notice a silently dead connection under an idle watch (etcd accepts pings every >= 5 s).
-CHANNEL_OPTIONS = MappingProxyType(
-    {
+KEEPALIVE_S = 10.0
+
+
+def channel_options(keepalive_s: float = KEEPALIVE_S) -> dict[str, int]:
+    """gRPC channel settings: reconnect fast, and notice a silently dead etcd under a watch.
+
+    gRPC's reconnect backoff starts at 1 s and grows to 120 s; ours stays within 0.2-2 s. An idle
+    watch stream sees nothing when etcd hangs or the network drops packets, so the channel pings
+    after ``keepalive_s`` without traffic and drops the connection when a ping goes unanswered for
+    half that (the ping timeout must be set too: gRPC's default, 60 s, overrides the keepalive
+    timeout). etcd accepts pings on an open stream every 5 s or more (``--grpc-keepalive-min-time``).
+    """
+    keepalive_ms = round(keepalive_s * 1000)
+    return {
         "grpc.initial_reconnect_backoff_ms": 200,
         "grpc.min_reconnect_backoff_ms": 200,
         "grpc.max_reconnect_backoff_ms": 2000,
-        "grpc.keepalive_time_ms": 10_000,
-        "grpc.keepalive_timeout_ms": 5_000,
+        "grpc.keepalive_time_ms": keepalive_ms,
+        "grpc.keepalive_timeout_ms": keepalive_ms // 2,
+        "grpc.http2.ping_timeout_ms": keepalive_ms // 2,
         "grpc.http2.max_pings_without_data": 0,
     }
-)
 
 
 def load_aetcd() -> ModuleType:
@@ -104,12 +125,13 @@ class EtcdStore:
         *,
         prefix: str = DEFAULT_PREFIX,
         timeout: float = CALL_TIMEOUT_S,
+        keepalive: float = KEEPALIVE_S,
     ) -> None:
         self._aetcd = load_aetcd()
         self._base = prefix.rstrip("/") + "/"
         self._timeout = timeout
         self._client: Any = self._aetcd.Client(
-            host=_grpc_host(host), port=port, timeout=timeout, options=dict(CHANNEL_OPTIONS)
+            host=_grpc_host(host), port=port, timeout=timeout, options=channel_options(keepalive)
         )
         self._errors: tuple[type[BaseException], ...] = (
             self._aetcd.ClientError,

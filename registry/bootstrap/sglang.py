@@ -93,7 +93,7 @@ DEFAULT_NAMESPACE = "default"
 KEY_ROOT = "bootstrap/sglang/"
 ROOM_TTL_S = 120.0  # SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL
 NAMESPACE_PREFIX = "/bootstrap/{namespace}"
-_NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _JSON = "application/json; charset=utf-8"  # what aiohttp's json_response sends
 # Version-specific PrefillServerInfo fields, in the dataclass's order; each is echoed only when
 # the prefill registered it. kv_layout and dsv41_spec_layout are left out when null (0.5.23).
@@ -342,7 +342,7 @@ def _parse_registration(data: object) -> _Registration | None:
 
 
 def _check_namespace(namespace: str) -> str:
-    if not _NAMESPACE_RE.fullmatch(namespace):
+    if not NAMESPACE_RE.fullmatch(namespace):
         raise ValueError(f"invalid bootstrap namespace {namespace!r}: use [A-Za-z0-9_.-], max 128")
     return namespace
 

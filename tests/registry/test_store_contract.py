@@ -382,6 +382,23 @@ async def test_watch_raises_when_etcd_stops_and_store_recovers(private_etcd: Etc
         await store.close()
 
 
+@pytest.mark.etcd
+async def test_watch_raises_when_etcd_hangs(private_etcd: EtcdServer) -> None:
+    store = EtcdStore("127.0.0.1", private_etcd.client_port, prefix="/hang", keepalive=1.0)
+    try:
+        events = store.watch("")
+        await store.put("a", b"1")
+        assert brief(await take(events, 1)) == [("put", "a", b"1")]
+        private_etcd.pause()  # the TCP connection stays up; only keepalive pings can tell
+        started = time.monotonic()
+        with pytest.raises(RegistryUnavailable):
+            await take(events, 1)
+        assert time.monotonic() - started < 4
+    finally:
+        private_etcd.resume()
+        await store.close()
+
+
 # --- open_store ----------------------------------------------------------------------------------
 
 
