@@ -35,6 +35,9 @@ class NewWorker(BaseModel):
     role: Literal["prefill", "decode"]
     url: str
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    bootstrap_namespace: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+    )
     engine: Literal["vllm-mooncake", "vllm-nixl", "sglang"] | None = None
 
     @field_validator("url")
@@ -107,7 +110,11 @@ def admin_routes(
         body: NewWorker, service: RegistryService = service_dep, view: LiveView | None = view_dep
     ) -> dict[str, Any]:
         record = await service.add_worker(
-            body.role, body.url, bootstrap_port=body.bootstrap_port, engine=body.engine
+            body.role,
+            body.url,
+            bootstrap_port=body.bootstrap_port,
+            bootstrap_namespace=body.bootstrap_namespace,
+            engine=body.engine,
         )
         return _describe(record, view)
 

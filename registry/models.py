@@ -32,6 +32,7 @@ class WorkerRecord(msgspec.Struct, kw_only=True, frozen=True):
     role: Role
     url: str
     bootstrap_port: int | None = None
+    bootstrap_namespace: str | None = None  # the prefill registers its ranks with the registry
     engine: str | None = None
     draining: bool = False
     epoch: int = 1

@@ -45,6 +45,7 @@ class RegistryService:
         url: str,
         *,
         bootstrap_port: int | None = None,
+        bootstrap_namespace: str | None = None,
         engine: str | None = None,
         source: Literal["static", "admin", "engine"] = "admin",
         ttl: float | None = None,
@@ -54,10 +55,20 @@ class RegistryService:
         wid = worker_id(role, url)
         old = await self.get_worker(wid)
         record = WorkerRecord(
-            id=wid, role=role, url=url, bootstrap_port=bootstrap_port, engine=engine, source=source
+            id=wid,
+            role=role,
+            url=url,
+            bootstrap_port=bootstrap_port,
+            bootstrap_namespace=bootstrap_namespace,
+            engine=engine,
+            source=source,
         )
         if old is not None:
-            same = (old.bootstrap_port, old.engine) == (bootstrap_port, engine)
+            same = (old.bootstrap_port, old.bootstrap_namespace, old.engine) == (
+                bootstrap_port,
+                bootstrap_namespace,
+                engine,
+            )
             record = msgspec.structs.replace(
                 record, epoch=old.epoch if same else old.epoch + 1, draining=False
             )

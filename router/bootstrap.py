@@ -8,10 +8,18 @@ from typing import Any
 
 import httpx
 
+from registry.bootstrap.tables import BootstrapTables
+from registry.errors import RegistryError
 from router.settings import EngineProtocol
 from router.workers import Worker
 
-__all__ = ["Layout", "LayoutUnavailable", "fetch_layout", "parse_vllm_query"]
+__all__ = [
+    "Layout",
+    "LayoutUnavailable",
+    "fetch_layout",
+    "namespace_layout",
+    "parse_vllm_query",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +71,27 @@ async def fetch_layout(client: httpx.AsyncClient, engine: EngineProtocol, worker
         return await _sglang_layout(client, worker)
     except (httpx.HTTPError, ValueError) as exc:
         raise LayoutUnavailable(f"bootstrap server {worker.bootstrap_addr}: {exc!r}") from exc
+
+
+async def namespace_layout(
+    tables: BootstrapTables, engine: EngineProtocol, namespace: str
+) -> Layout:
+    """The layout a prefill registered with this router's own registry; raises
+    LayoutUnavailable until every rank is there."""
+    try:
+        if engine is EngineProtocol.VLLM_MOONCAKE:
+            vllm = await tables.vllm(namespace).layout()
+            if not vllm.complete or not vllm.dp_size or None in vllm.engine_ids:
+                raise LayoutUnavailable(f"namespace {namespace!r}: vLLM ranks still registering")
+            return Layout(vllm.dp_size, tuple(str(e) for e in vllm.engine_ids))
+        if engine is EngineProtocol.SGLANG:
+            info = await tables.sglang(namespace).parallel_info()
+            if info is None or not info.complete:
+                raise LayoutUnavailable(f"namespace {namespace!r}: SGLang ranks still registering")
+            return Layout(info.dp_size)
+        return Layout(dp_size=1)
+    except RegistryError as exc:
+        raise LayoutUnavailable(f"namespace {namespace!r}: {exc}") from exc
 
 
 async def _get_json(

@@ -32,6 +32,8 @@ _FLAG_OF = {
     ("logging", "level"): "--log-level",
     ("registry", "url"): "--registry",
     ("registry", "admin_token"): "--admin-token",
+    ("registry", "advertise_host"): "--advertise-host",
+    ("registry", "bootstrap_ports"): "--bootstrap-namespace",
 }
 
 
@@ -95,13 +97,25 @@ def _prefill_spec(parser: _Parser, values: list[str]) -> dict[str, Any]:
     if len(values) > 2:
         parser.error(f"argument --prefill: expected URL [BOOTSTRAP_PORT], got {' '.join(values)}")
     spec: dict[str, Any] = {"url": values[0]}
-    if len(values) == 2 and values[1].lower() != "none":
+    if len(values) == 2 and values[1].startswith("ns:"):
+        spec["bootstrap_namespace"] = values[1][3:]
+    elif len(values) == 2 and values[1].lower() != "none":
         if not values[1].isdigit():
             parser.error(
                 f"argument --prefill: invalid bootstrap port {values[1]!r} (an integer or 'none')"
             )
         spec["bootstrap_port"] = int(values[1])
     return spec
+
+
+def _namespace_ports(parser: _Parser, items: list[str]) -> dict[str, int]:
+    ports: dict[str, int] = {}
+    for item in items:
+        name, _, port = item.partition("=")
+        if not name or not port.isdigit():
+            parser.error(f"argument --bootstrap-namespace: expected NAME=PORT, got {item!r}")
+        ports[name] = int(port)
+    return ports
 
 
 def _overrides(parser: _Parser, args: argparse.Namespace) -> dict[str, Any]:
@@ -117,6 +131,10 @@ def _overrides(parser: _Parser, args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if len(path) == 2 and value is not None:
             out.setdefault(path[0], {})[path[1]] = value
+    if args.bootstrap_namespace:
+        out.setdefault("registry", {})["bootstrap_ports"] = _namespace_ports(
+            parser, args.bootstrap_namespace
+        )
     for name in ("policy", "prefill_policy", "decode_policy"):
         if getattr(args, name):
             out.setdefault("policy", {})[name] = getattr(args, name)

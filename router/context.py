@@ -12,6 +12,7 @@ from registry.backends import open_store
 from registry.bootstrap.tables import BootstrapTables
 from registry.service import RegistryService
 from router.adapters import build_adapter
+from router.bootstrap_ports import namespace_servers
 from router.discovery import Discovery
 from router.health import HealthProber
 from router.pipeline import Pipeline
@@ -74,7 +75,7 @@ async def open_context(
     pool = UpstreamPool(needs_engine_ids=adapter.needs_engine_ids)
     store = open_store(settings.registry.url)
     service = RegistryService(store)
-    prober = HealthProber(pool, settings.engine, settings.health)
+    prober = HealthProber(pool, settings.engine, settings.health, tables)
     discovery = Discovery(pool, service, settings, prober)
     policy = settings.policy
     pipeline = Pipeline(
@@ -89,7 +90,7 @@ async def open_context(
     tables.bind(store)
     try:
         await discovery.seed()
-        async with _background(prober.run(), discovery.run()):
+        async with namespace_servers(tables, settings), _background(prober.run(), discovery.run()):
             yield AppContext(settings, pool, pipeline, prober, service, discovery)
     finally:
         tables.bind(None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -24,12 +25,18 @@ from registry.service import RegistryService
 from router.health import HealthProber
 from router.settings import RouterSettings
 from router.upstream import UpstreamClient, UpstreamPool, build_upstream
-from router.workers import Role, Worker
+from router.workers import Role, Worker, format_host
 
 __all__ = ["Discovery", "RegistryStatus"]
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.05
+
+
+def _advertised(listen_host: str) -> str:
+    if listen_host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return listen_host
 
 
 @dataclass(slots=True)
@@ -62,21 +69,33 @@ class Discovery:
 
     async def seed(self) -> None:
         """Add the CLI workers locally, then (best effort) to the registry."""
-        static = [(Role.PREFILL, s.url, s.bootstrap_port) for s in self._settings.prefill]
-        static += [(Role.DECODE, s.url, None) for s in self._settings.decode]
-        for role, url, port in static:
-            record = WorkerRecord(
-                id=worker_id(role.value, url),
-                role=role.value,
-                url=url,
-                bootstrap_port=port,
+        static = [
+            WorkerRecord(
+                id=worker_id("prefill", spec.url),
+                role="prefill",
+                url=spec.url,
+                bootstrap_port=spec.bootstrap_port,
+                bootstrap_namespace=spec.bootstrap_namespace,
                 source="static",
             )
+            for spec in self._settings.prefill
+        ]
+        static += [
+            WorkerRecord(
+                id=worker_id("decode", spec.url), role="decode", url=spec.url, source="static"
+            )
+            for spec in self._settings.decode
+        ]
+        for record in static:
             self._apply(record.id, record)
         try:
-            for role, url, port in static:
+            for record in static:
                 await self._service.add_worker(
-                    role.value, url, bootstrap_port=port, source="static"
+                    record.role,
+                    record.url,
+                    bootstrap_port=record.bootstrap_port,
+                    bootstrap_namespace=record.bootstrap_namespace,
+                    source="static",
                 )
         except RegistryUnavailable as exc:
             self._set_status(False, str(exc))
@@ -131,6 +150,7 @@ class Discovery:
             epoch=record.epoch,
             draining=record.draining,
         )
+        self._place_bootstrap(worker, record.bootstrap_namespace)
         self._pool.add(worker, build_upstream(worker, self._settings.upstream))
         logger.info("worker %s %s joined (source %s)", worker.role.value, worker.url, record.source)
         self._prober.refresh_soon(worker)
@@ -140,7 +160,7 @@ class Discovery:
             logger.info("worker %s %s is draining", worker.role.value, worker.url)
             self._spawn(self._finish_drain(worker))
         worker.draining = record.draining
-        if (record.epoch, record.bootstrap_port) != (worker.epoch, worker.bootstrap_port):
+        if record.epoch != worker.epoch:
             logger.info(
                 "worker %s %s re-registered (epoch %d): dropping its cached layout",
                 worker.role.value,
@@ -148,8 +168,24 @@ class Discovery:
                 record.epoch,
             )
             worker.epoch, worker.bootstrap_port = record.epoch, record.bootstrap_port
+            worker.bootstrap_host, worker.bootstrap_path = worker.host, ""
+            self._place_bootstrap(worker, record.bootstrap_namespace)
             worker.set_layout(worker.dp_size, ())
             self._prober.refresh_soon(worker)
+
+    def _place_bootstrap(self, worker: Worker, namespace: str | None) -> None:
+        """A prefill registering with this router: decoders bootstrap from the router."""
+        worker.bootstrap_namespace = namespace
+        if namespace is None:
+            return
+        registry, server = self._settings.registry, self._settings.server
+        worker.bootstrap_host = format_host(registry.advertise_host or _advertised(server.host))
+        port = registry.bootstrap_ports.get(namespace)
+        if port is not None:
+            worker.bootstrap_port = port
+        else:  # vLLM decoders accept a path prefix; SGLang ones need a namespace port
+            worker.bootstrap_port = server.port
+            worker.bootstrap_path = f"/bootstrap/{namespace}"
 
     def _remove(self, wid: str) -> None:
         removed = self._pool.remove(wid)

@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 
-from router.bootstrap import LayoutUnavailable, fetch_layout
+from registry.bootstrap.tables import BootstrapTables
+from router.bootstrap import LayoutUnavailable, fetch_layout, namespace_layout
 from router.settings import EngineProtocol, HealthSettings
 from router.upstream_httpx import NODELAY
 from router.workers import Role, Worker, WorkerPool
@@ -28,9 +29,14 @@ class HealthProber:
     """Owns the probe client and the probe loop; run ``run()`` as a lifespan task."""
 
     def __init__(
-        self, pool: WorkerPool[Any], engine: EngineProtocol, settings: HealthSettings
+        self,
+        pool: WorkerPool[Any],
+        engine: EngineProtocol,
+        settings: HealthSettings,
+        tables: BootstrapTables | None = None,
     ) -> None:
         self._pool = pool
+        self._tables = tables
         self._engine = engine
         self._settings = settings
         self._client = httpx.AsyncClient(
@@ -86,7 +92,12 @@ class HealthProber:
 
     async def _learn_layout(self, worker: Worker) -> bool:
         try:
-            layout = await fetch_layout(self._client, self._engine, worker)
+            if worker.bootstrap_namespace is not None and self._tables is not None:
+                layout = await namespace_layout(
+                    self._tables, self._engine, worker.bootstrap_namespace
+                )
+            else:
+                layout = await fetch_layout(self._client, self._engine, worker)
         except LayoutUnavailable as exc:
             if worker.healthy or worker.engine_ids:
                 logger.warning("prefill %s layout unavailable: %s", worker.url, exc)

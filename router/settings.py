@@ -40,6 +40,11 @@ class WorkerSpec(BaseModel):
 
     url: str
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    # set when the prefill registers its ranks with this router's registry instead of hosting
+    # its own bootstrap server (vLLM >= 0.32 bootstrap_server_address, our transfer library)
+    bootstrap_namespace: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+    )
 
     @field_validator("url")
     @classmethod

@@ -40,16 +40,22 @@ class Worker:
     engine_ids: tuple[str, ...] = ()  # vLLM Mooncake: engine id per DP rank, from /query
     rank_inflight: list[int] = field(default_factory=lambda: [0])
     host: str = ""
+    # Where decoders reach the prefill's bootstrap server: the prefill's own host by default; the
+    # router's registry (advertised host, namespace port or path) when the prefill registers there.
+    bootstrap_namespace: str | None = None
+    bootstrap_host: str = ""
+    bootstrap_path: str = ""
 
     def __post_init__(self) -> None:
         self.host = format_host(httpx.URL(self.url).host)
+        self.bootstrap_host = self.bootstrap_host or self.host
         if not self.id:
             self.id = f"{self.role.value}:{self.url}"
 
     @property
     def bootstrap_addr(self) -> str:
-        """``http://host:port`` of the prefill's bootstrap server."""
-        return f"http://{self.host}:{self.bootstrap_port}"
+        """``http://host:port[/path]`` of the prefill's bootstrap server."""
+        return f"http://{self.bootstrap_host}:{self.bootstrap_port}{self.bootstrap_path}"
 
     def set_layout(self, dp_size: int, engine_ids: tuple[str, ...] = ()) -> None:
         """Record the prefill's DP layout (from its bootstrap server)."""

@@ -63,10 +63,11 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
 
 
 def settings_for(engine: str, prefill: list[tuple[str, int | None]], decode: list[str],
-                 **overrides: Any) -> RouterSettings:
+                 *, prefill_namespace: str | None = None, **overrides: Any) -> RouterSettings:
     values: dict[str, Any] = {
         "engine": engine,
-        "prefill": [{"url": url, "bootstrap_port": port} for url, port in prefill],
+        "prefill": [{"url": url, "bootstrap_port": port, "bootstrap_namespace": prefill_namespace}
+                    for url, port in prefill],
         "decode": [{"url": url} for url in decode],
         "health": {"interval_s": 0.2, "timeout_s": 1.0},
         "upstream": {"connect_timeout_s": 2.0},
@@ -88,8 +89,8 @@ def make_cluster() -> Iterator[ClusterFactory]:
     with contextlib.ExitStack() as stack:
 
         def factory(engine: EngineProtocol, *, prefill: int = 1, decode: int = 1, dp_size: int = 1,
-                    config: Callable[[], FakeConfig] | None = None,
-                    **overrides: Any) -> Cluster:
+                    config: Callable[[], FakeConfig] | None = None, ready: bool = True,
+                    prefill_namespace: str | None = None, **overrides: Any) -> Cluster:
             new_config = config or (lambda: FakeConfig(kv_timeout=20.0))
             prefills = [FakeEngine("prefill", engine, dp_size=dp_size, config=new_config())
                         for _ in range(prefill)]
@@ -107,11 +108,15 @@ def make_cluster() -> Iterator[ClusterFactory]:
             for index, fake in enumerate(decodes):
                 own = servers[("decode", index)] = stack.enter_context(contextlib.ExitStack())
                 decode_urls.append(f"http://127.0.0.1:{own.enter_context(run_server(fake.app))}")
-            settings = settings_for(engine, prefill_addrs, decode_urls, **overrides)
+            if prefill_namespace is not None:  # the prefill registers with the router instead
+                prefill_addrs = [(url, None) for url, _ in prefill_addrs]
+            settings = settings_for(engine, prefill_addrs, decode_urls,
+                                    prefill_namespace=prefill_namespace, **overrides)
             router_port = stack.enter_context(run_server(create_app(settings)))
             cluster = Cluster(engine, f"http://127.0.0.1:{router_port}", prefills, decodes,
                               [url for url, _ in prefill_addrs], decode_urls, servers)
-            cluster.wait_ready()
+            if ready:
+                cluster.wait_ready()
             return cluster
 
         yield factory

@@ -8,8 +8,9 @@ Semantics beyond ``RegistryStore``'s contract:
 * Each ``put`` with a ttl grants a new lease of ``ceil(ttl)`` seconds (etcd leases are whole
   seconds, and etcd raises a ttl below its minimum, 2 s with default server timing, to that
   minimum) and revokes the key's previous lease, if any; a ``put`` without ttl revokes it too.
-  ``refresh`` reads the key's lease and sends one keepalive. Expiry is etcd's job: an expired lease's
-  key is gone for every client, and watchers see its delete (etcd checks leases every 500 ms).
+  ``refresh`` reads the key's lease and sends one keepalive. Expiry is etcd's job: the key of an
+  expired lease is gone for every client, and watchers see its delete (etcd checks leases every
+  500 ms).
 * A watch replays from etcd's history, so it misses nothing between ``watch()`` and the stream's
   creation (its first ``__anext__``): it covers every change above the newest revision this store
   had seen (in any reply or event) when ``watch()`` was called. A store that had seen none yet
@@ -64,7 +65,8 @@ def channel_options(keepalive_s: float = KEEPALIVE_S) -> dict[str, int]:
     watch stream sees nothing when etcd hangs or the network drops packets, so the channel pings
     after ``keepalive_s`` without traffic and drops the connection when a ping goes unanswered for
     half that (the ping timeout must be set too: gRPC's default, 60 s, overrides the keepalive
-    timeout). etcd accepts pings on an open stream every 5 s or more (``--grpc-keepalive-min-time``).
+    timeout). etcd accepts pings on an open stream every 5 s or more (its
+    ``--grpc-keepalive-min-time``).
     """
     keepalive_ms = round(keepalive_s * 1000)
     return {
@@ -200,20 +202,30 @@ class EtcdStore:
             raise RegistryUnavailable(f"etcd close failed: {exc}") from exc
 
     async def _watch(self, full_prefix: bytes, seen: int) -> AsyncGenerator[WatchEvent, None]:
-        if self._closed:
+        handle = await self._open_watch(full_prefix, seen)
+        if handle is None:
             return
-        start = seen + 1 if seen else (self._first_revision or None)
-        async with self._guard("watch"):
-            handle = await self._client.watch_prefix(full_prefix, start_revision=start)
         try:
             async for raw in handle:
                 yield self._event(raw)
         except self._errors as exc:
-            raise RegistryUnavailable(f"etcd watch broke: {exc}") from exc
+            if not self._closed:
+                raise RegistryUnavailable(f"etcd watch broke: {exc}") from exc
         finally:
             await self._cancel_watch(handle)
         if not self._closed:
             raise RegistryUnavailable("etcd watch stream ended")
+
+    async def _open_watch(self, full_prefix: bytes, seen: int) -> Any:
+        """aetcd's watch handle, or None when the store is (being) closed."""
+        start = seen + 1 if seen else (self._first_revision or None)
+        try:
+            async with self._guard("watch"):
+                return await self._client.watch_prefix(full_prefix, start_revision=start)
+        except RegistryUnavailable:
+            if self._closed:
+                return None
+            raise
 
     async def _cancel_watch(self, handle: Any) -> None:
         """Best effort: a broken stream has no server-side watch left to cancel."""

@@ -47,11 +47,11 @@ class SglangAdapter:
         rooms = [aligned_room(self._rng, prefill.dp_size, rank) for _ in range(count)]
         body = dict(request.body)
         if request.batch is None and request.n == 1:
-            body["bootstrap_host"] = prefill.host
+            body["bootstrap_host"] = prefill.bootstrap_host
             body["bootstrap_port"] = prefill.bootstrap_port
             body["bootstrap_room"] = rooms[0]
         else:
-            body["bootstrap_host"] = [prefill.host] * count
+            body["bootstrap_host"] = [prefill.bootstrap_host] * count
             body["bootstrap_port"] = [prefill.bootstrap_port] * count
             body["bootstrap_room"] = rooms
         if prefill.dp_size == 1:

@@ -83,7 +83,8 @@ def test_two_routers_share_workers_through_etcd(private_etcd: EtcdServer) -> Non
         _router(registry) as second,  # no CLI workers: everything comes from etcd
     ):
         wait_until(lambda: _ready(second), 5, "router B to learn router A's workers")
-        assert httpx.post(second + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
+        response = httpx.post(second + "/v1/completions", json=COMPLETION, timeout=10)
+        assert response.status_code == 200
         assert len(decode.records) == 1
         added = httpx.post(first + "/admin/workers", timeout=5, json={
             "role": "decode", "url": f"http://127.0.0.1:{extra_port}"})
@@ -114,7 +115,8 @@ def test_routing_survives_etcd_outage_and_resyncs(private_etcd: EtcdServer) -> N
         body = httpx.get(url + "/ready").json()
         assert body["status"] == "ready" and body["registry"]["error"]
         for _ in range(5):  # the last known workers keep serving
-            assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
+            response = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=10)
+            assert response.status_code == 200
         private_etcd.start()
         wait_until(lambda: httpx.get(url + "/ready").json()["registry"]["ok"] is True, 15,
                    "the router to resynchronise with etcd")
