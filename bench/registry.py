@@ -28,11 +28,14 @@ import contextlib
 import logging
 import math
 import platform
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -773,6 +776,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Generator[None, None, None]:
+    """While the block runs, SIGTERM unwinds it like Ctrl-C does (so etcd is stopped)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = _config(parse_args(argv))
     logging.basicConfig(level=logging.WARNING)
@@ -783,11 +803,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.perf_counter()
     etcd = EtcdServer()
-    try:
-        etcd_url = _start_etcd(etcd)
-        asyncio.run(run_bench(config, etcd_url, lambda text: print(text, flush=True)))
-    finally:
-        etcd.close()
+    with _sigterm_exits():
+        try:
+            etcd_url = _start_etcd(etcd)
+            asyncio.run(run_bench(config, etcd_url, lambda text: print(text, flush=True)))
+        finally:
+            etcd.close()
     print(f"\ntotal {time.perf_counter() - started:.1f}s")
     return 0
 

@@ -89,6 +89,17 @@ def _build_parser() -> _Parser:
     p.add_argument(
         "--admin-token", help="bearer token for /admin (prefer PDR_REGISTRY__ADMIN_TOKEN)"
     )
+    p.add_argument(
+        "--bootstrap-namespace",
+        action="append",
+        metavar="NAME=PORT",
+        help="serve namespace NAME's engine bootstrap APIs on an extra PORT; repeat",
+    )
+    p.add_argument(
+        "--advertise-host",
+        help="host decoders use to reach this router's bootstrap APIs "
+        "(default: --host, or the hostname when listening on a wildcard address)",
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -129,7 +140,7 @@ def _overrides(parser: _Parser, args: argparse.Namespace) -> dict[str, Any]:
         out["engine"] = args.engine
     for path, flag in _FLAG_OF.items():
         value = getattr(args, flag[2:].replace("-", "_"))
-        if len(path) == 2 and value is not None:
+        if len(path) == 2 and value is not None and path != ("registry", "bootstrap_ports"):
             out.setdefault(path[0], {})[path[1]] = value
     if args.bootstrap_namespace:
         out.setdefault("registry", {})["bootstrap_ports"] = _namespace_ports(
