@@ -39,6 +39,8 @@ class NewWorker(BaseModel):
         default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
     )
     engine: Literal["vllm-mooncake", "vllm-nixl", "sglang"] | None = None
+    # set by a worker registering itself: the entry expires unless heartbeated within lease_s
+    lease_s: float | None = Field(default=None, ge=1, le=3600)
 
     @field_validator("url")
     @classmethod
@@ -115,6 +117,8 @@ def admin_routes(
             bootstrap_port=body.bootstrap_port,
             bootstrap_namespace=body.bootstrap_namespace,
             engine=body.engine,
+            source="admin" if body.lease_s is None else "engine",
+            ttl=body.lease_s,
         )
         return _describe(record, view)
 
@@ -135,6 +139,13 @@ def admin_routes(
         view: LiveView | None = view_dep,
     ) -> dict[str, Any]:
         return _describe(await service.drain(record.id), view)
+
+    @router.post("/workers/{worker_id}/heartbeat")
+    async def heartbeat(worker_id: str, service: RegistryService = service_dep) -> dict[str, Any]:
+        """Renew a self-registered worker's lease; 404 once it expired (register again)."""
+        if not await service.heartbeat(worker_id):
+            raise HTTPException(404, f"no live lease for worker {worker_id!r}")
+        return {"id": worker_id, "alive": True}
 
     @router.get("/layout")
     async def layout(

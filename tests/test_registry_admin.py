@@ -149,3 +149,45 @@ def test_loopback_rule(host: str | None, loopback: bool) -> None:
     from registry.admin import _is_loopback
 
     assert _is_loopback(host) is loopback
+
+
+async def test_self_registered_worker_lives_while_it_heartbeats() -> None:
+    import asyncio
+
+    from registry.client import RegistryClient
+    from tests.servers import arun_server
+
+    prefill, decode = FakeEngine("prefill", "sglang"), FakeEngine("decode", "sglang")
+    settings = settings_for("sglang", [], [])
+    async with (
+        arun_server(prefill.app) as p_port,
+        arun_server(prefill.bootstrap_app) as b_port,
+        arun_server(decode.app) as d_port,
+        arun_server(create_app(settings)) as r_port,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{r_port}", timeout=5) as http,
+        RegistryClient(f"http://127.0.0.1:{r_port}") as registry,
+    ):
+        async def ready() -> bool:
+            return (await http.get("/ready")).status_code == 200
+
+        async def until(predicate: Any, timeout: float, what: str) -> None:
+            deadline = time.monotonic() + timeout
+            while not await predicate():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                await asyncio.sleep(0.02)
+
+        # the prefill registers itself with a 1 s lease and keeps heartbeating
+        async with registry.registered("prefill", f"http://127.0.0.1:{p_port}", lease_s=1,
+                                       bootstrap_port=b_port) as record:
+            assert record["source"] == "engine"
+            await registry.register({"role": "decode", "url": f"http://127.0.0.1:{d_port}",
+                                     "lease_s": 1})  # the decode registers once, never beats
+            await until(ready, 2, "both workers to be routable")
+            await until(lambda: _gone(http, "decode"), 4, "the silent decode's lease to expire")
+            workers = (await http.get("/ready")).json()["prefill"]
+            assert [w["url"] for w in workers] == [f"http://127.0.0.1:{p_port}"]
+        await until(lambda: _gone(http, "prefill"), 2, "deregistration on exit")
+
+
+async def _gone(http: httpx.AsyncClient, role: str) -> bool:
+    return not (await http.get("/ready")).json()[role]
