@@ -8,10 +8,9 @@ Only connect errors are retried, and only before any byte reached the client.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -24,6 +23,7 @@ from router.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from router.interrupt import Interrupt, failure_of, reap
 from router.policies import Policy, least_loaded_rank
 from router.relay import Responder
 from router.schemas import ParsedRequest
@@ -60,62 +60,6 @@ def _error_detail(body: bytes) -> str:
     return body[:500].decode(errors="replace")
 
 
-def _failure_of(task: asyncio.Future[Any]) -> BaseException | None:
-    """The exception a finished task raised, if any (None when it succeeded or was cancelled)."""
-    return None if task.cancelled() else task.exception()
-
-
-class _Interrupt:
-    """Cancels the current task on an event (prefill failure, client gone) and re-raises it.
-
-    Cheaper than running the guarded call in a task of its own and ``asyncio.wait``-ing: no extra
-    task per request. ``fire`` only acts while armed, so a late event after the guarded call
-    returned is ignored (both run on the event loop thread, so the flag cannot race).
-    """
-
-    __slots__ = ("_armed", "_reason", "_task")
-
-    def __init__(self) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        self._armed = 0
-        self._reason: BaseException | None = None
-
-    @contextlib.contextmanager
-    def on_done(
-        self,
-        future: asyncio.Future[Any],
-        reason_of: Callable[[asyncio.Future[Any]], BaseException | None],
-    ) -> Iterator[None]:
-        """While the block runs, ``future`` finishing with a reason interrupts the task."""
-
-        def fire(done: asyncio.Future[Any]) -> None:
-            reason = reason_of(done)
-            if self._armed and reason is not None and self._reason is None:
-                self._reason = reason
-                self._task.cancel()
-
-        self._armed += 1
-        future.add_done_callback(fire)
-        try:
-            if future.done():
-                fire(future)
-            yield
-        finally:
-            self._armed -= 1
-            future.remove_done_callback(fire)
-
-    async def guard(self, call: Coroutine[Any, Any, Any]) -> Any:
-        """Await ``call``; if interrupted, raise the reason instead of CancelledError."""
-        try:
-            return await call
-        except asyncio.CancelledError:
-            if self._reason is None or self._task.uncancel() > 0:
-                raise  # a real cancellation (shutdown), not ours
-            raise self._reason from None
-
-
 def _prefill_json(answer: bytes, prefill: Worker) -> Any:
     try:
         return _decode(answer)
@@ -126,17 +70,6 @@ def _prefill_json(answer: bytes, prefill: Worker) -> Any:
             url=prefill.url,
             connect=False,
         ) from exc
-
-
-async def _reap(task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` if needed and wait until it is gone, ignoring how it ended."""
-    if not task.done():
-        task.cancel()
-    try:
-        await task
-    except BaseException:  # noqa: BLE001 - its outcome was already handled or is moot
-        if not task.cancelled():
-            task.exception()
 
 
 class Pipeline:
@@ -241,7 +174,7 @@ class Pipeline:
         self, call: Coroutine[Any, Any, Any], disconnected: asyncio.Future[Any]
     ) -> Any:
         """Await ``call`` in this task; a client disconnect cancels it."""
-        interrupt = _Interrupt()
+        interrupt = Interrupt()
         with interrupt.on_done(disconnected, lambda _: ClientDisconnected()):
             return await interrupt.guard(call)
 
@@ -257,10 +190,10 @@ class Pipeline:
         child task whose failure interrupts this one.
         """
         prefill_task = asyncio.create_task(prefill_call)
-        interrupt = _Interrupt()
+        interrupt = Interrupt()
         try:
             with (
-                interrupt.on_done(prefill_task, _failure_of),
+                interrupt.on_done(prefill_task, failure_of),
                 interrupt.on_done(disconnected, lambda _: ClientDisconnected()),
             ):
                 await interrupt.guard(decode_call)
@@ -269,7 +202,7 @@ class Pipeline:
             except UpstreamError as exc:  # the client is served already
                 logger.warning("prefill failed after the decode answered: %s", exc.message)
         finally:
-            await _reap(prefill_task)
+            await reap(prefill_task)
 
     async def _prefill(
         self,
