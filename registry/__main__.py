@@ -14,6 +14,10 @@ from registry.settings import RegistrySettings
 
 __all__ = ["main"]
 
+# On SIGTERM uvicorn waits for open responses to end, and a router ends its /store/watch stream
+# only at its next resync (every 10 s); cut them after this many seconds instead.
+SHUTDOWN_GRACE_S = 3
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="registry", description="pd-router bootstrap registry")
@@ -22,7 +26,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve.add_argument(
         "--store",
         default="memory://",
-        help="memory:// or etcd://host:2379[/prefix] (default memory://)",
+        help="memory:// or etcd://host:2379[/prefix] (default memory://); routers reach it "
+        "with --registry http://HOST:PORT",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8998)
@@ -42,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
 
 

@@ -21,7 +21,7 @@ from registry.models import WorkerRecord
 from registry.service import RegistryService
 from registry.settings import RegistrySettings
 
-__all__ = ["LiveView", "NewWorker", "admin_routes"]
+__all__ = ["LiveView", "NewWorker", "admin_routes", "authorizer"]
 
 # worker id -> what this process knows live about it (health, in-flight, layout), or None
 LiveView = Callable[[str], dict[str, Any] | None]
@@ -57,7 +57,9 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
-def _authorizer(settings: RegistrySettings) -> Callable[[Request], None]:
+def authorizer(settings: RegistrySettings) -> Callable[[Request], None]:
+    """The admin API's auth, as a dependency (also guards the standalone registry's /store)."""
+
     def authorize(request: Request) -> None:
         token = settings.admin_token
         if token is None:
@@ -89,7 +91,7 @@ def admin_routes(
 ) -> APIRouter:
     """The ``/admin`` routes. ``service_of`` / ``view_of`` read the mounting app's lifespan
     context: the registry service, and (in a router) its live view of each worker."""
-    router = APIRouter(prefix="/admin", dependencies=[Depends(_authorizer(settings))])
+    router = APIRouter(prefix="/admin", dependencies=[Depends(authorizer(settings))])
     # Depends() as defaults: these names are local, so string annotations could not resolve them.
     service_dep, view_dep = Depends(service_of), Depends(view_of)
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from registry.admin import admin_routes
+from registry.admin import admin_routes, authorizer
 from registry.backends import open_store
 from registry.bootstrap import sglang_routes, vllm_routes
 from registry.bootstrap.tables import BootstrapTables
 from registry.service import RegistryService
 from registry.settings import RegistrySettings
+from registry.store_api import store_routes
 
 __all__ = ["create_registry_app"]
 
@@ -52,6 +53,10 @@ def create_registry_app(settings: RegistrySettings) -> FastAPI:
 
     app = FastAPI(title="pd-router registry", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(admin_routes(settings, _service_of, _no_live_view))
+    app.include_router(
+        store_routes(lambda request: _service_of(request).store),
+        dependencies=[Depends(authorizer(settings))],
+    )
     tables = BootstrapTables()
     app.include_router(sglang_routes(tables.sglang))
     app.include_router(vllm_routes(tables.vllm))

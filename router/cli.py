@@ -83,8 +83,9 @@ def _build_parser() -> _Parser:
     p.add_argument(
         "--registry",
         metavar="URL",
-        help="worker registry store: memory:// (default, in-process) or "
-        "etcd://host:2379[/prefix] to share workers between routers",
+        help="worker registry store: memory:// (default, in-process), "
+        "etcd://host:2379[/prefix], or http://host:port (a `registry serve` process) "
+        "to share workers between routers",
     )
     p.add_argument(
         "--admin-token", help="bearer token for /admin (prefer PDR_REGISTRY__ADMIN_TOKEN)"

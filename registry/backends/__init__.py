@@ -4,8 +4,9 @@
 |---|---|
 | ``memory://`` | ``MemoryStore``: in this process only (tests, a single router) |
 | ``etcd://host[:port][/prefix]`` | ``EtcdStore`` (aetcd); port 2379, prefix ``/pdr`` by default |
+| ``http(s)://host:port[/path]`` | ``HttpStore``: the store of a ``registry serve`` process |
 
-``open_store`` does no I/O (an etcd store connects on its first call). It raises
+``open_store`` does no I/O (etcd and http stores connect on their first call). It raises
 ``ConfigurationError`` for an unknown scheme, a malformed URL, or a missing optional dependency.
 """
 
@@ -17,12 +18,13 @@ from urllib.parse import urlsplit
 
 from registry.backends.base import RegistryStore, WatchEvent
 from registry.backends.etcd import EtcdStore
+from registry.backends.http import HttpStore
 from registry.backends.memory import MemoryStore
 from registry.errors import ConfigurationError
 
-__all__ = ["EtcdStore", "MemoryStore", "RegistryStore", "WatchEvent", "open_store"]
+__all__ = ["EtcdStore", "HttpStore", "MemoryStore", "RegistryStore", "WatchEvent", "open_store"]
 
-SUPPORTED_URLS = "memory://, etcd://host[:port][/prefix]"
+SUPPORTED_URLS = "memory://, etcd://host[:port][/prefix], http(s)://host:port"
 
 
 def _open_memory(url: str) -> MemoryStore:
@@ -36,6 +38,8 @@ _OPENERS: Mapping[str, Callable[[str], RegistryStore]] = MappingProxyType(
     {
         "memory": _open_memory,
         "etcd": EtcdStore.from_url,
+        "http": HttpStore.from_url,
+        "https": HttpStore.from_url,
     }
 )
 

@@ -1,7 +1,9 @@
 """The store seam: a narrow async key-value interface with leases and prefix watches.
 
-Two implementations honour this contract (``tests/registry/test_store_contract.py`` runs the same
-suite against both): ``memory://`` (in-process) and ``etcd://host:port[/prefix]`` (aetcd).
+Three implementations honour this contract (``tests/registry/test_store_contract.py`` runs the
+same suite against each): ``memory://`` (in-process), ``etcd://host:port[/prefix]`` (aetcd), and
+``http://host:port`` (a ``registry serve`` process; when its watch is established differs, see
+``registry/backends/http.py``).
 
 Contract:
 * Keys are ``str`` (``/``-separated paths), values are ``bytes``. Every key the store hands out is

@@ -1,8 +1,10 @@
-"""Store fixtures: ``store`` runs each contract test against ``memory://`` and a real etcd.
+"""Store fixtures: ``store`` runs each contract test against ``memory://``, a real etcd, and a
+standalone registry app over HTTP (``http://``, a ``memory://`` store behind it).
 
 The etcd server is started once per session (``etcd_server``); each test gets its own key prefix
 (the store URL's path), so tests never see each other's keys. Tests that stop etcd use
 ``private_etcd``, a server of their own. Without the etcd binary these tests fail, naming the fix.
+Each ``http`` test gets a registry server of its own (``registry_server``, about 0.2 s).
 """
 
 from __future__ import annotations
@@ -12,10 +14,17 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from registry.app import create_registry_app
 from registry.backends import RegistryStore, open_store
+from registry.settings import RegistrySettings
 from tests.etcd_server import EtcdMissing, EtcdServer
+from tests.servers import run_server
 
-BACKENDS = [pytest.param("memory"), pytest.param("etcd", marks=pytest.mark.etcd)]
+BACKENDS = [
+    pytest.param("memory"),
+    pytest.param("etcd", marks=pytest.mark.etcd),
+    pytest.param("http"),
+]
 
 
 def _started(server: EtcdServer) -> EtcdServer:
@@ -44,6 +53,13 @@ def private_etcd() -> Iterator[EtcdServer]:
     server.close()
 
 
+@pytest.fixture
+def registry_server() -> Iterator[str]:
+    """A standalone registry (``memory://`` store) on 127.0.0.1; yields its URL."""
+    with run_server(create_registry_app(RegistrySettings())) as port:
+        yield f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     name: str = request.param
@@ -54,6 +70,9 @@ def backend(request: pytest.FixtureRequest) -> str:
 def store_url(backend: str, request: pytest.FixtureRequest) -> str:
     if backend == "memory":
         return "memory://"
+    if backend == "http":
+        url: str = request.getfixturevalue("registry_server")
+        return url
     server: EtcdServer = request.getfixturevalue("etcd_server")
     return f"{server.url}/pdr-test/{uuid.uuid4().hex}"
 

@@ -1,6 +1,7 @@
 """The ``RegistryStore`` contract (registry/backends/base.py), run against every backend.
 
-``store`` is parametrized over ``memory`` and ``etcd`` (a real etcd, see conftest.py). Tests that
+``store`` is parametrized over ``memory``, ``etcd`` (a real etcd) and ``http`` (a registry app
+over a memory store; see conftest.py, and test_http_registry.py for http-only tests). Tests that
 only make sense for one backend say why where they are parametrized. Time-based tests poll with a
 deadline; the only sleeps pace refreshes or give a wrong answer time to show up.
 """
@@ -17,7 +18,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from registry.backends import EtcdStore, MemoryStore, RegistryStore, WatchEvent, open_store
+from registry.backends import (
+    EtcdStore,
+    HttpStore,
+    MemoryStore,
+    RegistryStore,
+    WatchEvent,
+    open_store,
+)
 from registry.backends.etcd import parse_etcd_url
 from registry.errors import ConfigurationError, RegistryUnavailable
 from tests.etcd_server import EtcdServer, free_port
@@ -405,11 +413,15 @@ async def test_watch_raises_when_etcd_hangs(private_etcd: EtcdServer) -> None:
 async def test_open_store_picks_the_backend_by_scheme() -> None:
     memory = open_store("memory://")
     etcd = open_store("etcd://127.0.0.1:1/custom/prefix/")  # no I/O until the first call
+    http = open_store("http://127.0.0.1:1")
+    https = open_store("https://registry.example:8443/behind/a/proxy/")
     assert isinstance(memory, MemoryStore)
     assert isinstance(etcd, EtcdStore)
+    assert isinstance(http, HttpStore)
+    assert isinstance(https, HttpStore)
     assert open_store("memory://") is not memory
-    await memory.close()
-    await etcd.close()
+    for store in (memory, etcd, http, https):
+        await store.close()
 
 
 @pytest.mark.parametrize("url", ["redis://localhost", "localhost:2379", "", "memory:"])
@@ -425,6 +437,10 @@ def test_open_store_rejects_unknown_schemes(url: str) -> None:
     ("etcd://user:secret@host", "credentials"),
     ("etcd://h1:2379,h2:2379", "one endpoint"),
     ("etcd://host?timeout=2", "no query"),
+    ("http://", "no host"),
+    ("http://host:port", "bad port"),
+    ("https://user:secret@host", "credentials"),
+    ("http://host?token=secret", "no query"),
 ])
 def test_open_store_rejects_malformed_urls(url: str, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message) as info:
