@@ -11,6 +11,12 @@ fi
 if [ ! -x /usr/bin/etcd ]; then
     APT_PACKAGES+=(etcd-server)  # the real etcd the registry's etcd tests start
 fi
+# Shared libraries the Mooncake transfer engine wheel (mooncake-transfer-engine-non-cuda) loads.
+for lib in libibverbs1 librdmacm1 libnuma1; do
+    if ! dpkg-query -W -f='${Status}' "$lib" 2>/dev/null | grep -q 'install ok installed'; then
+        APT_PACKAGES+=("$lib")
+    fi
+done
 if [ ${#APT_PACKAGES[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
     $SUDO apt-get update -qq

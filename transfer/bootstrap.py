@@ -1,0 +1,283 @@
+"""Rendezvous through the registry's SGLang bootstrap API (PROTOCOLS.md 5.6).
+
+Prefill ranks announce their control address with the SGLang 0.5.x ``PUT /route`` payload; decode
+ranks read the prefill's parallel layout and a rank's address with the 0.5.10+ ``GET /route``
+queries. The API is served by the standalone registry and by the router at its own port, at the
+plain paths (namespace ``default``) or under ``/bootstrap/{namespace}``: ``bootstrap_url`` builds
+the base URL for either.
+
+Decisions:
+
+* Registration retries transport errors and 5xx answers with exponential backoff (SGLang makes
+  5 attempts from 1 s); a 4xx answer (a refused layout) fails at once.
+* Lookups retry "not ready yet" (503: not every rank registered) and transport errors until the
+  caller's timeout, then fail with the last reason; other answers (404 unknown rank, 400) fail at
+  once. Answers are cached per base URL until ``invalidate`` (a prefill rank that restarted at
+  another address is found again after the caller invalidates).
+* Every failure is a ``BootstrapError`` (a ``TransferError``; ``code`` holds the HTTP status when
+  there was one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final, Self, TypeVar
+
+import httpx
+import msgspec
+
+from transfer.control import Peer
+from transfer.errors import TransferError
+
+__all__ = [
+    "BootstrapClient",
+    "BootstrapError",
+    "PrefillInfo",
+    "PrefillRank",
+    "bootstrap_url",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_INFO_QUERY: Final = {
+    "prefill_dp_rank": "-1",
+    "prefill_cp_rank": "-1",
+    "target_tp_rank": "-1",
+    "target_pp_rank": "-1",
+}
+
+
+class BootstrapError(TransferError):
+    """Registering with, or looking up, the bootstrap registry failed (``code``: HTTP status)."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message, op="bootstrap", code=status)
+
+
+def bootstrap_url(registry: str, namespace: str | None = None) -> str:
+    """The base URL of a namespace's bootstrap API on ``registry`` ("host:port" or a URL).
+
+    ``namespace=None`` (or ``"default"`` on a plain port) uses the plain paths.
+    """
+    url = httpx.URL(registry)
+    if url.scheme not in ("http", "https"):
+        url = httpx.URL(f"http://{registry}")
+    base = str(url).rstrip("/")
+    return f"{base}/bootstrap/{namespace}" if namespace else base
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRank:
+    """One prefill rank's place in its instance's parallel layout (SGLang 0.5.x names)."""
+
+    page_size: int
+    kv_cache_dtype: str = "auto"
+    attn_tp_size: int = 1
+    attn_tp_rank: int = 0
+    attn_dp_size: int = 1
+    attn_dp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    system_dp_size: int = 1
+    system_dp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for rank, size in (
+            ("attn_tp_rank", "attn_tp_size"),
+            ("attn_dp_rank", "attn_dp_size"),
+            ("pp_rank", "pp_size"),
+            ("system_dp_rank", "system_dp_size"),
+        ):
+            if not 0 <= getattr(self, rank) < getattr(self, size):
+                raise ValueError(f"{rank}={getattr(self, rank)} outside [0, {size})")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+
+    @property
+    def unique_rank(self) -> int:
+        """SGLang's ``prefill_unique_rank`` (no context parallelism): the status sender's id."""
+        return self.attn_tp_rank * self.pp_size + self.pp_rank
+
+    def route_body(self, address: Peer) -> dict[str, Any]:
+        """The 0.5.x ``PUT /route`` payload announcing this rank at ``address``."""
+        return {
+            "attn_tp_size": self.attn_tp_size,
+            "attn_tp_rank": self.attn_tp_rank,
+            "attn_dp_size": self.attn_dp_size,
+            "attn_dp_rank": self.attn_dp_rank,
+            "pp_size": self.pp_size,
+            "pp_rank": self.pp_rank,
+            "system_dp_size": self.system_dp_size,
+            "system_dp_rank": self.system_dp_rank,
+            "rank_ip": address.host,
+            "rank_port": address.port,
+            "page_size": self.page_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
+        }
+
+
+class PrefillInfo(msgspec.Struct, frozen=True, kw_only=True, rename={"tp_size": "attn_tp_size",
+                                                                      "cp_size": "attn_cp_size"}):
+    """A prefill instance's layout, as the 0.5.10+ parallel-info query answers it."""
+
+    tp_size: int
+    cp_size: int = 1
+    dp_size: int
+    pp_size: int
+    page_size: int | None = None
+    kv_cache_dtype: str | None = None
+    follow_bootstrap_room: bool = True
+
+
+class _RankAnswer(msgspec.Struct, frozen=True):
+    rank_ip: str
+    rank_port: int
+
+
+class BootstrapClient:
+    """Registers prefill ranks and looks them up; one per process, safe for concurrent use.
+
+    Pass an ``httpx.AsyncClient`` to share one (its timeouts apply), or let this build its own
+    with ``timeout_s`` per HTTP call; an own client is closed by ``aclose`` / ``async with``.
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient | None = None,
+        *,
+        timeout_s: float = 5.0,
+        retry_interval_s: float = 0.05,
+    ) -> None:
+        self._owned = http is None
+        self._http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s), limits=httpx.Limits(max_connections=32)
+        )
+        self._retry_interval = retry_interval_s
+        self._infos: dict[str, PrefillInfo] = {}
+        self._ranks: dict[tuple[str, int, int, int, int], Peer] = {}
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owned:
+            await self._http.aclose()
+
+    async def register(
+        self,
+        base_url: str,
+        rank: PrefillRank,
+        address: Peer,
+        *,
+        attempts: int = 5,
+        backoff_s: float = 0.5,
+    ) -> None:
+        """``PUT {base_url}/route`` announcing ``rank`` at ``address``.
+
+        Raises ``BootstrapError`` when refused (4xx) or still failing after ``attempts``.
+        """
+        body = rank.route_body(address)
+        reason = "no attempt made"
+        for attempt in range(max(attempts, 1)):
+            if attempt:
+                await asyncio.sleep(min(backoff_s * 2 ** (attempt - 1), 30.0))
+            try:
+                response = await self._http.put(f"{base_url}/route", json=body)
+            except httpx.HTTPError as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code == 200:
+                    return
+                reason = f"HTTP {response.status_code}: {response.text[:200]}"
+                if response.status_code < 500:
+                    raise BootstrapError(
+                        f"bootstrap registration at {base_url} refused: {reason}",
+                        status=response.status_code,
+                    )
+            logger.warning("bootstrap registration at %s failed (%s)", base_url, reason)
+        raise BootstrapError(
+            f"bootstrap registration at {base_url} failed after {attempts} attempts: {reason}"
+        )
+
+    async def prefill_info(self, base_url: str, *, timeout_s: float) -> PrefillInfo:
+        """The prefill layout at ``base_url``, waiting up to ``timeout_s`` for it to be complete."""
+        info = self._infos.get(base_url)
+        if info is None:
+            raw = await self._get(base_url, _INFO_QUERY, timeout_s, "parallel info")
+            info = _parse(raw, PrefillInfo, base_url)
+            self._infos[base_url] = info
+        return info
+
+    async def rank_address(
+        self, base_url: str, *, dp: int, tp: int, pp: int = 0, cp: int = 0, timeout_s: float
+    ) -> Peer:
+        """The control address of prefill rank (dp, cp, tp, pp) at ``base_url``."""
+        key = (base_url, dp, cp, tp, pp)
+        peer = self._ranks.get(key)
+        if peer is None:
+            query = {
+                "prefill_dp_rank": str(dp),
+                "prefill_cp_rank": str(cp),
+                "target_tp_rank": str(tp),
+                "target_pp_rank": str(pp),
+            }
+            what = f"rank dp={dp} cp={cp} tp={tp} pp={pp}"
+            raw = await self._get(base_url, query, timeout_s, what)
+            answer = _parse(raw, _RankAnswer, base_url)
+            peer = self._ranks[key] = Peer(answer.rank_ip, answer.rank_port)
+        return peer
+
+    def invalidate(self, base_url: str) -> None:
+        """Forget what was cached for ``base_url`` (the next lookups ask the registry again)."""
+        self._infos.pop(base_url, None)
+        for key in [key for key in self._ranks if key[0] == base_url]:
+            del self._ranks[key]
+
+    async def _get(
+        self, base_url: str, query: dict[str, str], timeout_s: float, what: str
+    ) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        reason = "no attempt made"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BootstrapError(
+                    f"bootstrap lookup of {what} at {base_url} did not succeed within "
+                    f"{timeout_s:g} s: {reason}"
+                )
+            try:
+                async with asyncio.timeout(remaining):
+                    response = await self._http.get(f"{base_url}/route", params=query)
+            except (httpx.HTTPError, TimeoutError) as exc:
+                reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+            else:
+                if response.status_code == 200:
+                    return response.content
+                reason = f"HTTP {response.status_code}: {response.text[:200]}"
+                if response.status_code != 503:
+                    raise BootstrapError(
+                        f"bootstrap lookup of {what} at {base_url} failed: {reason}",
+                        status=response.status_code,
+                    )
+            await asyncio.sleep(min(self._retry_interval, max(deadline - time.monotonic(), 0)))
+
+
+def _parse(raw: bytes, kind: type[T], base_url: str) -> T:
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.MsgspecError as exc:
+        raise BootstrapError(f"bootstrap answer from {base_url} is not understood: {exc}") from exc
