@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import time
 from collections.abc import Coroutine, Sequence
@@ -41,6 +40,7 @@ from transfer.control import ControlPlane, Peer, PeerUnreachable
 from transfer.engine.base import TransferEngine
 from transfer.errors import ProtocolMismatch, TransferError, TransferFailed
 from transfer.layout import KVLayout
+from transfer.memory import RegisteredBuffers
 from transfer.messages import Abort, RegisterKVArgs, TransferInfo, TransferStatus
 from transfer.state import Clock, KVPoll, RoomTable
 
@@ -87,20 +87,6 @@ class _Pending:
         self.lost = False
         self.status: TransferStatus | None = None
         self.settled = asyncio.Event()  # the prefill reported the room's end, or is gone
-
-
-def _memory_ranges(ptrs: Sequence[int], length: int) -> list[tuple[int, int]]:
-    """``(ptr, length)`` buffers merged where they touch: what to register with an engine.
-
-    Entries coalesced across a region boundary must lie in one registered buffer.
-    """
-    ranges: list[tuple[int, int]] = []
-    for ptr in sorted(ptrs):
-        if ranges and ranges[-1][0] + ranges[-1][1] == ptr:
-            ranges[-1] = (ranges[-1][0], ranges[-1][1] + length)
-        else:
-            ranges.append((ptr, length))
-    return ranges
 
 
 class KVReceiver:
@@ -158,8 +144,7 @@ class KVReceiver:
         self._aux = bytearray(self._aux_item_len * aux_slots)
         self._aux_slots = aux_slots if self._aux_item_len else 0
         self._aux_ptr = 0
-        self._aux_pin: ctypes.Array[ctypes.c_char] | None = None
-        self._registered_ptrs: list[int] = []
+        self._buffers = RegisteredBuffers(engine, layout, self._aux)
         self._tasks: set[asyncio.Task[None]] = set()
         self._serving: asyncio.Task[None] | None = None
         self.stats = ReceiverStats()
@@ -167,16 +152,9 @@ class KVReceiver:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        ranges = _memory_ranges(self._layout.base_ptrs, self._layout.region_bytes)
-        if self._aux:
-            # the ctypes view pins the bytearray (it cannot be resized) and gives its address
-            self._aux_pin = (ctypes.c_char * len(self._aux)).from_buffer(self._aux)
-            self._aux_ptr = ctypes.addressof(self._aux_pin)
-            ranges.append((self._aux_ptr, len(self._aux)))
         try:
-            for ptr, length in ranges:
-                self._engine.register(ptr, length)
-                self._registered_ptrs.append(ptr)
+            self._buffers.open()
+            self._aux_ptr = self._buffers.aux_ptr
             await self._control.__aenter__()
         except BaseException:
             await self.aclose()
@@ -205,10 +183,7 @@ class KVReceiver:
                     await task
         self._serving = None
         await self._control.aclose()
-        for ptr in self._registered_ptrs:
-            with contextlib.suppress(TransferError):
-                self._engine.unregister(ptr)
-        self._registered_ptrs.clear()
+        self._buffers.close()
         if self._own_bootstrap:
             await self._bootstrap.aclose()
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import time
 from collections import OrderedDict
@@ -55,6 +54,7 @@ from transfer.layout import (
     total_bytes,
     transfer_entries,
 )
+from transfer.memory import RegisteredBuffers
 from transfer.messages import Abort, RegisterKVArgs, TransferInfo, TransferStatus
 from transfer.state import Clock, KVPoll, RoomTable
 
@@ -128,17 +128,6 @@ def _targets(infos: Iterable[TransferInfo]) -> tuple[Peer, ...]:
     return tuple(dict.fromkeys(Peer(info.ip, info.port) for info in infos))
 
 
-def _memory_ranges(ptrs: Sequence[int], length: int) -> list[tuple[int, int]]:
-    """``(ptr, length)`` buffers merged where they touch (entries may span region boundaries)."""
-    ranges: list[tuple[int, int]] = []
-    for ptr in sorted(ptrs):
-        if ranges and ranges[-1][0] + ranges[-1][1] == ptr:
-            ranges[-1] = (ranges[-1][0], ranges[-1][1] + length)
-        else:
-            ranges.append((ptr, length))
-    return ranges
-
-
 def _reason(exc: Exception) -> str:
     return exc.message if isinstance(exc, TransferError) else str(exc)
 
@@ -207,10 +196,9 @@ class KVSender:
         self._refused: dict[str, str] = {}
         self._aux_item_len = aux_item_len if aux_slots > 0 else 0
         self._aux = bytearray(self._aux_item_len * aux_slots)
-        self._aux_pin: ctypes.Array[ctypes.c_char] | None = None
         self._aux_ptr = 0
         self._aux_free = list(range(aux_slots if self._aux_item_len else 0))
-        self._registered_ptrs: list[int] = []
+        self._buffers = RegisteredBuffers(engine, layout, self._aux)
         self._loops: list[asyncio.Task[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.stats = SenderStats()
@@ -218,15 +206,9 @@ class KVSender:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        ranges = _memory_ranges(self._layout.base_ptrs, self._layout.region_bytes)
-        if self._aux:
-            self._aux_pin = (ctypes.c_char * len(self._aux)).from_buffer(self._aux)
-            self._aux_ptr = ctypes.addressof(self._aux_pin)
-            ranges.append((self._aux_ptr, len(self._aux)))
         try:
-            for ptr, length in ranges:
-                self._engine.register(ptr, length)
-                self._registered_ptrs.append(ptr)
+            self._buffers.open()
+            self._aux_ptr = self._buffers.aux_ptr
             await self._control.__aenter__()
             self._loops.append(asyncio.create_task(self._serve(), name="kv-sender-control"))
             self._loops.append(asyncio.create_task(self._reap(), name="kv-sender-reaper"))
@@ -271,10 +253,7 @@ class KVSender:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._control.aclose()
-        for ptr in self._registered_ptrs:
-            with contextlib.suppress(TransferError):
-                self._engine.unregister(ptr)
-        self._registered_ptrs.clear()
+        self._buffers.close()
         if self._own_bootstrap:
             await self._bootstrap.aclose()
 
