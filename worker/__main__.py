@@ -1,0 +1,76 @@
+"""``pd-worker``: run one simulated engine rank (see ``worker.app``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+import uvicorn
+
+from transfer.engine.base import TransferEngine
+from transfer.engine.fake import LoopbackNetwork
+from worker.app import EngineFactory, SimWorker, WorkerConfig, create_app
+from worker.kv import PoolShape
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pd-worker", description="simulated PD engine worker")
+    parser.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--registry", help="bootstrap API a prefill registers with (host:port/URL)")
+    parser.add_argument("--namespace", help="registry namespace (/bootstrap/NS)")
+    parser.add_argument("--engine", choices=["loopback", "mooncake"], default="mooncake",
+                        help="transfer engine (loopback only moves KV within one process)")
+    parser.add_argument("--model", default="sim-model")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--bytes-per-token", type=int, default=4096, help="per layer, K+V")
+    parser.add_argument("--pages", type=int, default=2048)
+    parser.add_argument("--max-prompt-tokens", type=int, default=8192)
+    parser.add_argument("--transfer-timeout", type=float, default=30.0)
+    parser.add_argument("--compute-s-per-token", type=float, default=0.0)
+    parser.add_argument("--log-level", default="warning")
+    return parser.parse_args(argv)
+
+
+def _engine(name: str, host: str) -> EngineFactory:
+    async def mooncake() -> TransferEngine:
+        from transfer.engine.mooncake import MooncakeEngine
+
+        return await MooncakeEngine.start(host)
+
+    network = LoopbackNetwork()
+
+    async def loopback() -> TransferEngine:
+        return network.engine()
+
+    return mooncake if name == "mooncake" else loopback
+
+
+def build(args: argparse.Namespace) -> SimWorker:
+    shape = PoolShape(layers=args.layers, page_size=args.page_size,
+                      bytes_per_token=args.bytes_per_token, pages=args.pages)
+    config = WorkerConfig(args.role, model=args.model, shape=shape, registry=args.registry,
+                          namespace=args.namespace, host=args.host,
+                          max_prompt_tokens=args.max_prompt_tokens,
+                          transfer_timeout_s=args.transfer_timeout,
+                          compute_s_per_token=args.compute_s_per_token)
+    if args.role == "prefill" and not args.registry:
+        raise SystemExit("pd-worker: a prefill needs --registry")
+    return SimWorker(config, _engine(args.engine, args.host))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    app = create_app(build(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False)
+
+
+if __name__ == "__main__":
+    main()

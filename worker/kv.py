@@ -1,0 +1,137 @@
+"""The simulated model: a byte tokenizer, a paged KV pool, KV as a pure function, toy decoding.
+
+KV content of token ``t`` at position ``p`` in layer ``l`` (K: ``kv=0``, V: ``kv=1``) is an
+8-byte seed of ``(t, p, l, kv)`` repeated over ``bytes_per_token_per_layer`` bytes, so a decode
+can check every received page, and the tokens it generates hash the received bytes: a corrupted
+or misplaced page changes the output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transfer.layout import KVLayout, pages_for_tokens
+
+__all__ = ["KVPool", "PoolExhausted", "PoolShape", "detokenize", "generate", "tokenize"]
+
+_MASK = (1 << 64) - 1
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz "
+
+
+def tokenize(text: str) -> list[int]:
+    """The toy tokenizer: one token per UTF-8 byte."""
+    return list(text.encode("utf-8"))
+
+
+def detokenize(tokens: Sequence[int]) -> str:
+    return "".join(_ALPHABET[t % len(_ALPHABET)] for t in tokens)
+
+
+def _seed(token: int, pos: int, layer: int, kv: int) -> bytes:
+    mixed = (token * 1_000_003 + pos * 7919 + layer * 131 + kv + 1) * 0x9E3779B97F4A7C15
+    return struct.pack("<Q", (mixed ^ (mixed >> 29)) & _MASK)
+
+
+def generate(kv_digest: bytes, count: int) -> list[int]:
+    """``count`` output tokens, a pure function of the KV digest."""
+    out: list[int] = []
+    state = kv_digest
+    for _ in range(count):
+        state = hashlib.blake2b(state, digest_size=16).digest()
+        out.append(state[0])
+    return out
+
+
+class PoolExhausted(Exception):
+    """Not enough free KV pages for a request."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolShape:
+    layers: int = 4
+    page_size: int = 16
+    bytes_per_token: int = 4096  # per layer, K and V together
+    pages: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_token % 16:
+            raise ValueError("bytes_per_token must be a multiple of 16 (8 for K, 8 for V)")
+
+
+class KVPool:
+    """A packed, pinned KV pool (K and V per layer) with a free-page list."""
+
+    def __init__(self, shape: PoolShape) -> None:
+        self.shape = shape
+        self._per_layer = shape.bytes_per_token // 2
+        probe = self._layout(0)
+        self.data = bytearray(probe.total_bytes)
+        self._pin = (ctypes.c_char * len(self.data)).from_buffer(self.data)
+        self.layout = self._layout(ctypes.addressof(self._pin))
+        self._free = list(range(shape.pages - 1, -1, -1))
+        self.quarantined = 0  # pages withheld after a transfer whose writes may still land
+
+    def _layout(self, base: int) -> KVLayout:
+        return KVLayout.packed(base, num_layers=self.shape.layers,
+                               page_size_tokens=self.shape.page_size,
+                               bytes_per_token_per_layer=self._per_layer,
+                               num_pages=self.shape.pages)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.shape.pages * self.shape.page_size
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        need = pages_for_tokens(num_tokens, self.shape.page_size)
+        if need > len(self._free):
+            raise PoolExhausted(f"{need} KV pages needed, {len(self._free)} free")
+        return [self._free.pop() for _ in range(need)]
+
+    def release(self, pages: Sequence[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def quarantine(self, pages: Sequence[int]) -> None:
+        self.quarantined += len(pages)
+
+    def _offset(self, region: int, page: int, slot: int) -> int:
+        layout = self.layout
+        return (region * layout.region_bytes + page * layout.page_bytes
+                + slot * self._per_layer)
+
+    def _token_slots(self, pages: Sequence[int], count: int) -> list[tuple[int, int, int]]:
+        size = self.shape.page_size
+        return [(pos, pages[pos // size], pos % size) for pos in range(count)]
+
+    def write(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
+        """The forward pass: KV of every prompt token into its page slot."""
+        reps = self._per_layer // 8
+        for pos, page, slot in self._token_slots(pages, len(tokens)):
+            for region in range(self.layout.num_regions):
+                layer, kv = region % self.shape.layers, region // self.shape.layers
+                start = self._offset(region, page, slot)
+                self.data[start : start + self._per_layer] = _seed(tokens[pos], pos, layer,
+                                                                   kv) * reps
+
+    def read_digest(self, pages: Sequence[int], tokens: Sequence[int]) -> tuple[bytes, int]:
+        """The digest of the prompt's KV in ``pages`` and the first bad position (-1: all good)."""
+        digest = hashlib.blake2b(digest_size=32)
+        reps = self._per_layer // 8
+        bad = -1
+        view = memoryview(self.data)
+        for pos, page, slot in self._token_slots(pages, len(tokens)):
+            for region in range(self.layout.num_regions):
+                layer, kv = region % self.shape.layers, region // self.shape.layers
+                start = self._offset(region, page, slot)
+                got = view[start : start + self._per_layer]
+                digest.update(got)
+                if bad < 0 and got != _seed(tokens[pos], pos, layer, kv) * reps:
+                    bad = pos
+        return digest.digest(), bad
