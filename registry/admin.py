@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from registry.errors import NotFound
-from registry.models import WorkerRecord
+from registry.models import NAMESPACE_PATTERN, WorkerRecord
 from registry.service import RegistryService
 from registry.settings import RegistrySettings
 
@@ -36,7 +36,7 @@ class NewWorker(BaseModel):
     url: str
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
     bootstrap_namespace: str | None = Field(
-        default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+        default=None, pattern=NAMESPACE_PATTERN
     )
     engine: Literal["vllm-mooncake", "vllm-nixl", "sglang"] | None = None
     # set by a worker registering itself: the entry expires unless heartbeated within lease_s

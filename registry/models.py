@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Literal
 
 import msgspec
 
 __all__ = [
+    "NAMESPACE_PATTERN",
+    "NAMESPACE_RE",
     "WORKERS_PREFIX",
     "WorkerRecord",
     "decode_worker",
@@ -17,6 +20,9 @@ __all__ = [
 ]
 
 WORKERS_PREFIX = "workers/"
+# A bootstrap namespace (one prefill instance): also a path segment and a store key part.
+NAMESPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+NAMESPACE_RE = re.compile(NAMESPACE_PATTERN)
 
 Role = Literal["prefill", "decode"]
 

@@ -9,6 +9,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from registry.models import NAMESPACE_PATTERN
 from registry.settings import RegistrySettings
 
 __all__ = [
@@ -43,7 +44,7 @@ class WorkerSpec(BaseModel):
     # set when the prefill registers its ranks with this router's registry instead of hosting
     # its own bootstrap server (vLLM >= 0.32 bootstrap_server_address, our transfer library)
     bootstrap_namespace: str | None = Field(
-        default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+        default=None, pattern=NAMESPACE_PATTERN
     )
 
     @field_validator("url")

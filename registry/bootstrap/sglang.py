@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -70,6 +69,7 @@ from pydantic import (
 
 from registry.backends.base import RegistryStore
 from registry.errors import Conflict, NotFound, RegistryError, RegistryUnavailable
+from registry.models import NAMESPACE_RE
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -93,7 +93,6 @@ DEFAULT_NAMESPACE = "default"
 KEY_ROOT = "bootstrap/sglang/"
 ROOM_TTL_S = 120.0  # SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL
 NAMESPACE_PREFIX = "/bootstrap/{namespace}"
-NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _JSON = "application/json; charset=utf-8"  # what aiohttp's json_response sends
 # Version-specific PrefillServerInfo fields, in the dataclass's order; each is echoed only when
 # the prefill registered it. kv_layout and dsv41_spec_layout are left out when null (0.5.23).

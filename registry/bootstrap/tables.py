@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from registry.backends.base import RegistryStore
-from registry.bootstrap.sglang import NAMESPACE_RE, SglangBootstrap
+from registry.bootstrap.sglang import SglangBootstrap
 from registry.bootstrap.vllm import VllmBootstrap
 from registry.errors import NotFound, RegistryUnavailable
+from registry.models import NAMESPACE_RE
 
 __all__ = ["BootstrapTables"]
 

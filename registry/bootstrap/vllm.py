@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -58,6 +57,7 @@ from pydantic import BaseModel
 
 from registry.backends.base import RegistryStore
 from registry.errors import Conflict, NotFound, RegistryUnavailable
+from registry.models import NAMESPACE_RE
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -74,7 +74,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_NAMESPACE = "default"
 KEY_ROOT = "bootstrap/vllm/"
 NAMESPACE_PREFIX = "/bootstrap/{namespace}"
-_NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 class RegisterWorkerPayload(BaseModel):
@@ -122,7 +121,7 @@ class _DpEntry:
 
 
 def _check_namespace(namespace: str) -> str:
-    if not _NAMESPACE_RE.fullmatch(namespace):
+    if not NAMESPACE_RE.fullmatch(namespace):
         raise ValueError(f"invalid bootstrap namespace {namespace!r}: use [A-Za-z0-9_.-], max 128")
     return namespace
 
