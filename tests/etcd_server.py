@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
+
+from tests.servers import free_port
 
 __all__ = ["ETCD_BINARY", "EtcdMissing", "EtcdServer", "free_port"]
 
@@ -34,13 +35,6 @@ STOP_TIMEOUT_S = 5.0
 
 class EtcdMissing(RuntimeError):
     """The etcd binary is not installed."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class EtcdServer:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Generator, Iterator
@@ -24,7 +25,14 @@ from typing import Any, Literal
 
 import uvicorn
 
-__all__ = ["arun_server", "bound_port", "run_server", "run_servers"]
+__all__ = ["arun_server", "bound_port", "free_port", "run_server", "run_servers"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 LifespanMode = Literal["auto", "on", "off"]
 ASGIApp = Any  # any ASGI 3 application

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 
@@ -11,14 +10,8 @@ import httpx
 
 from bench.fake_engine import FakeEngine
 from tests.conftest import wait_until
-from tests.servers import run_server
+from tests.servers import free_port, run_server
 from tests.test_protocols import COMPLETION
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_router_process_routes_and_exits_on_sigterm() -> None:
@@ -28,7 +21,7 @@ def test_router_process_routes_and_exits_on_sigterm() -> None:
         run_server(prefill.bootstrap_app) as b_port,
         run_server(decode.app) as d_port,
     ):
-        port = _free_port()
+        port = free_port()
         process = subprocess.Popen(
             [sys.executable, "-m", "router", "--prefill", f"http://127.0.0.1:{p_port}",
              str(b_port), "--decode", f"http://127.0.0.1:{d_port}", "--engine",

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 
 from bench.fake_engine import FakeConfig
 from tests.conftest import ClusterFactory, wait_until
+from tests.servers import free_port
 from tests.test_protocols import COMPLETION
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _register_vllm(port: int, engine_id: str, tp_size: int) -> None:
@@ -26,7 +19,7 @@ def _register_vllm(port: int, engine_id: str, tp_size: int) -> None:
 
 
 def test_vllm_prefill_registering_with_the_router(make_cluster: ClusterFactory) -> None:
-    port = _free_port()
+    port = free_port()
     cluster = make_cluster(
         "vllm-mooncake", ready=False, config=lambda: FakeConfig(check_kv=False),
         prefill_namespace="p1",
@@ -54,7 +47,7 @@ def test_vllm_prefill_registering_with_the_router(make_cluster: ClusterFactory) 
 
 
 def test_sglang_prefill_registering_with_the_router(make_cluster: ClusterFactory) -> None:
-    port = _free_port()
+    port = free_port()
     cluster = make_cluster(
         "sglang", ready=False, config=lambda: FakeConfig(check_kv=False),
         prefill_namespace="p1",

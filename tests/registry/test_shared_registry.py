@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,20 +14,14 @@ import httpx
 from bench.fake_engine import FakeEngine
 from tests.conftest import wait_until
 from tests.etcd_server import EtcdServer
-from tests.servers import run_server
+from tests.servers import free_port, run_server
 from tests.test_protocols import COMPLETION
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
 def _router(registry: str, *worker_args: str) -> Iterator[str]:
     """A real ``router`` process; yields its URL once it answers /health."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "router", "--engine", "sglang", "--port", str(port),
          "--registry", registry, "--health-interval", "0.2", "--log-level", "warning",
