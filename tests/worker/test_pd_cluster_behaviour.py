@@ -1,0 +1,380 @@
+"""pd-worker clusters behind the real router (SGLang adapter): equality, faults, leaks.
+
+Every cluster runs in this process on 127.0.0.1: one standalone registry per prefill (its
+bootstrap API), simulated prefill and decode workers sharing a ``LoopbackNetwork`` (KV really
+moves between their pools), a co-located ``--role both`` worker for the reference output and the
+router. Faults are injected through the prefills' ``LoopbackEngine`` knobs; every fault test
+checks that the client gets an error JSON in bounded time and that pages and rooms come back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import pytest
+
+from registry.app import create_registry_app
+from registry.settings import RegistrySettings
+from router.app import create_app as create_router
+from tests.conftest import settings_for, wait_until
+from tests.servers import run_server, run_servers
+from transfer.engine.base import TransferEngine
+from transfer.engine.fake import LoopbackEngine, LoopbackNetwork
+from worker.app import EngineFactory, SimWorker, WorkerConfig, create_app
+from worker.kv import PoolShape
+
+SHAPE = PoolShape(layers=2, page_size=16, bytes_per_token=64, pages=4096)
+TRANSFER_TIMEOUT_S = 1.0
+MAX_TOKENS = 12
+
+
+@dataclass
+class Side:
+    """One worker and the transfer engines its lifespan opened."""
+
+    worker: SimWorker
+    engines: list[LoopbackEngine] = field(default_factory=list)
+
+    @property
+    def engine(self) -> LoopbackEngine:
+        return self.engines[-1]
+
+    def open_rooms(self) -> int:
+        worker = self.worker
+        if worker.sender is not None:
+            return worker.sender.open_rooms
+        return worker.receiver.open_rooms if worker.receiver is not None else 0
+
+    def idle(self) -> bool:
+        pool = self.worker.pool
+        return (pool.free_pages == pool.shape.pages and pool.quarantined == 0
+                and self.open_rooms() == 0)
+
+
+@dataclass
+class PDCluster:
+    router: str
+    reference: str
+    prefills: list[Side]
+    decodes: list[Side]
+    registries: list[int]
+    registry_servers: list[contextlib.ExitStack]
+    worker_urls: list[str]  # prefills, then decodes
+
+    @property
+    def sides(self) -> list[Side]:
+        return self.prefills + self.decodes
+
+    def wait_idle(self, timeout: float = 5.0) -> None:
+        """Every worker has all its pages free, none quarantined, no open room."""
+        wait_until(lambda: all(side.idle() for side in self.sides), timeout,
+                   f"idle workers: {self.describe()}")
+
+    def describe(self) -> str:
+        return ", ".join(f"{s.worker.config.role}: {s.worker.pool.free_pages} free, "
+                         f"{s.worker.pool.quarantined} quarantined, {s.open_rooms()} rooms"
+                         for s in self.sides)
+
+
+def _factory(engines: list[LoopbackEngine], network: LoopbackNetwork) -> EngineFactory:
+    async def factory() -> TransferEngine:
+        engine = network.engine()
+        engines.append(engine)
+        return engine
+
+    return factory
+
+
+def _sides(role: Literal["prefill", "decode"], count: int, network: LoopbackNetwork,
+           registries: Sequence[int]) -> list[Side]:
+    sides = []
+    for index in range(count):
+        registry = f"127.0.0.1:{registries[index]}" if registries else None
+        engines: list[LoopbackEngine] = []
+        config = WorkerConfig(role, shape=SHAPE, registry=registry,
+                              transfer_timeout_s=TRANSFER_TIMEOUT_S)
+        sides.append(Side(SimWorker(config, _factory(engines, network)), engines))
+    return sides
+
+
+@contextlib.contextmanager
+def pd_cluster(prefill: int = 1, decode: int = 1, **router: Any) -> Iterator[PDCluster]:
+    """``prefill``P``decode``D behind the router (``router``: settings overrides)."""
+    network = LoopbackNetwork()
+    with contextlib.ExitStack() as stack:
+        own = [stack.enter_context(contextlib.ExitStack()) for _ in range(prefill)]
+        registries = [s.enter_context(run_server(create_registry_app(RegistrySettings())))
+                      for s in own]
+        prefills = _sides("prefill", prefill, network, registries)
+        decodes = _sides("decode", decode, network, [])
+        reference = SimWorker(WorkerConfig("both", shape=SHAPE), None)
+        ports = stack.enter_context(run_servers(
+            *(create_app(side.worker) for side in prefills + decodes), create_app(reference)))
+        pairs = zip(ports[:prefill], registries, strict=True)
+        settings = settings_for(
+            "sglang", [(f"http://127.0.0.1:{p}", b) for p, b in pairs],
+            [f"http://127.0.0.1:{p}" for p in ports[prefill:prefill + decode]],
+            **{"health": {"failure_threshold": 1000}, "upstream": {"max_retries": 0}, **router})
+        router_url = f"http://127.0.0.1:{stack.enter_context(run_server(create_router(settings)))}"
+        wait_until(lambda: httpx.get(f"{router_url}/ready").status_code == 200, 10.0,
+                   "router ready")
+        cluster = PDCluster(router_url, f"http://127.0.0.1:{ports[-1]}", prefills, decodes,
+                            registries, own, [f"http://127.0.0.1:{p}" for p in ports])
+        wait_until(lambda: all(s.engines for s in cluster.sides), 5.0, "engines open")
+        yield cluster
+
+
+@pytest.fixture(scope="module", params=[(1, 1), (2, 2)], ids=["1P1D", "2P2D"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[PDCluster]:
+    with pd_cluster(*request.param) as c:
+        yield c
+
+
+def _prompts(count: int = 56) -> list[str]:
+    """Mixed lengths: page boundaries, tiny and several-thousand-token prompts."""
+    rng = random.Random(11)
+    fixed = [1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 255, 256, 257, 511, 512, 513,
+             1000, 1023, 1024, 1025, 2047, 2048, 2049, 3000, 4095, 4096, 5000, 6000, 8000]
+    lengths = fixed + [rng.randint(1, 4000) for _ in range(count - len(fixed))]
+    return ["".join(rng.choice("abcdefghij klmnopqrstuvwxyz.") for _ in range(n))
+            for n in lengths]
+
+
+def _post(url: str, path: str, body: dict[str, Any], timeout: float = 20.0) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json={"model": "sim-model", "max_tokens": MAX_TOKENS,
+                                           **body}, timeout=timeout)
+
+
+def _ok(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def _texts(answer: dict[str, Any]) -> list[str]:
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    return [c["message"]["content"] if "message" in c else c["text"] for c in choices]
+
+
+def _kv_bytes(tokens: int) -> int:
+    pages = -(-tokens // SHAPE.page_size)
+    return pages * SHAPE.page_size * SHAPE.bytes_per_token * SHAPE.layers
+
+
+def _pd_and_reference(cluster: PDCluster, path: str, body: dict[str, Any]) -> tuple[
+        dict[str, Any], dict[str, Any]]:
+    return _ok(_post(cluster.router, path, body)), _ok(_post(cluster.reference, path, body))
+
+
+# --- 1. disaggregated == co-located ----------------------------------------------------------
+
+
+def test_disaggregated_equals_colocated(cluster: PDCluster) -> None:
+    prompts = _prompts()
+
+    def one(prompt: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        return (prompt, *_pd_and_reference(cluster, "/v1/completions", {"prompt": prompt}))
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, prompts))
+    for prompt, pd, ref in results:
+        assert _texts(pd) == _texts(ref), len(prompt)
+        assert len(pd["choices"][0]["text"]) == MAX_TOKENS
+        assert pd["usage"]["prompt_tokens"] == len(prompt)
+        assert pd["usage"]["kv_bytes_received"] == _kv_bytes(len(prompt))
+    assert len({_texts(pd)[0] for _, pd, _ in results}) == len(prompts)  # outputs depend on KV
+    for side in cluster.prefills:  # every prefill did some of the work
+        assert side.worker.sender is not None and side.worker.sender.stats.rooms_succeeded > 0
+    cluster.wait_idle()
+
+
+def test_batched_completions_equal_colocated(cluster: PDCluster) -> None:
+    prompts = [p for p in _prompts(40) if len(p) < 3000][:6]
+    pd, ref = _pd_and_reference(cluster, "/v1/completions", {"prompt": prompts})
+    assert len(pd["choices"]) == len(prompts)
+    assert _texts(pd) == _texts(ref)
+    assert pd["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert pd["usage"]["kv_bytes_received"] == sum(_kv_bytes(len(p)) for p in prompts)
+    cluster.wait_idle()
+
+
+def test_chat_with_two_samples_equals_colocated(cluster: PDCluster) -> None:
+    body = {"n": 2, "messages": [{"role": "system", "content": "be brief"},
+                                 {"role": "user", "content": "hello " * 300}]}
+    pd, ref = _pd_and_reference(cluster, "/v1/chat/completions", body)
+    assert len(pd["choices"]) == 2
+    assert _texts(pd) == _texts(ref)
+    cluster.wait_idle()
+
+
+# --- 2. faults: a clear error in bounded time, everything released ---------------------------
+
+
+@pytest.fixture
+def small() -> Iterator[PDCluster]:
+    with pd_cluster() as c:
+        yield c
+
+
+def _timed_error(url: str, path: str, body: dict[str, Any], within: float) -> dict[str, Any]:
+    started = time.monotonic()
+    response = _post(url, path, body, timeout=within + 10.0)
+    elapsed = time.monotonic() - started
+    assert 500 <= response.status_code < 600, response.text
+    assert elapsed < within, f"error after {elapsed:.2f} s"
+    error = response.json()["error"]
+    assert isinstance(error, dict) and error["message"], error
+    return error
+
+
+def test_engine_write_failure_is_a_5xx(small: PDCluster) -> None:
+    small.prefills[0].engine.fail_writes(1, after_entries=1)
+    error = _timed_error(small.router, "/v1/completions", {"prompt": "x" * 2000}, within=5.0)
+    assert "transfer" in str(error["message"]).lower(), error
+    small.wait_idle()
+    _ok(_post(small.router, "/v1/completions", {"prompt": "after the fault"}))
+    small.wait_idle()
+
+
+def test_slow_transfer_times_out(small: PDCluster) -> None:
+    """A write outliving the transfer deadline: an error near the deadline, pages come back."""
+    small.prefills[0].engine.delay_s = TRANSFER_TIMEOUT_S * 1.5
+    try:
+        _timed_error(small.router, "/v1/completions", {"prompt": "y" * 300},
+                     within=TRANSFER_TIMEOUT_S + 3.0)
+        small.wait_idle(TRANSFER_TIMEOUT_S + 5.0)
+    finally:
+        small.prefills[0].engine.delay_s = 0.0
+    _ok(_post(small.router, "/v1/completions", {"prompt": "after the fault"}))
+
+
+def test_transfer_info_never_arriving(small: PDCluster) -> None:
+    """A prefill request whose decode never sends transfer info fails at the deadline."""
+    body = {"prompt": "z" * 100, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": small.registries[0], "bootstrap_room": 4242}
+    error = _timed_error(small.worker_urls[0], "/v1/completions", body,
+                         within=TRANSFER_TIMEOUT_S + 2.0)
+    assert "bootstrapping" in str(error["message"]).lower(), error
+    small.wait_idle()
+
+
+def test_registry_lookup_failing_at_the_decode(small: PDCluster) -> None:
+    """A decode pointed at a closed bootstrap port: a clear 5xx at once, nothing held."""
+    body = {"prompt": "w" * 200, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": _closed_port(), "bootstrap_room": 77}
+    error = _timed_error(small.worker_urls[1], "/v1/completions", body, within=3.0)
+    assert "transfer failed" in str(error["message"]).lower(), error
+    small.wait_idle()
+
+
+def test_registry_stopped_behind_the_router() -> None:
+    """The registry goes away after the router checked it: the client gets a clear 5xx."""
+    with pd_cluster(health={"interval_s": 60.0, "failure_threshold": 1000}) as c:
+        c.registry_servers[0].close()
+        error = _timed_error(c.router, "/v1/completions", {"prompt": "v" * 200},
+                             within=TRANSFER_TIMEOUT_S + 3.0)
+        assert error["message"]
+        c.wait_idle(TRANSFER_TIMEOUT_S + 5.0)
+        c.registry_servers.clear()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- 3. no leak across many requests ---------------------------------------------------------
+
+
+def test_no_leak_across_200_requests(small: PDCluster) -> None:
+    rng = random.Random(5)
+    prompts = [_prompts(60)[i % 60][: rng.randint(1, 600)] for i in range(200)]
+    statuses: list[int] = []
+    with ThreadPoolExecutor(8) as pool:
+        for start in range(0, 200, 40):
+            if start:  # a burst of failing writes between batches of requests
+                small.prefills[0].engine.fail_writes(2, after_entries=rng.choice([0, 1]))
+            chunk = prompts[start:start + 40]
+            statuses += [r.status_code for r in pool.map(_completion(small.router), chunk)]
+            wait_until(lambda: small.prefills[0].engine._failures.count == 0, 5.0,
+                       "injected failures consumed")
+    failures = [s for s in statuses if s != 200]
+    assert all(500 <= s < 600 for s in failures), failures
+    assert 1 <= len(failures) <= 16, failures
+    small.wait_idle()
+
+
+def _completion(router: str) -> Callable[[str], httpx.Response]:
+    def call(prompt: str) -> httpx.Response:
+        return _post(router, "/v1/completions", {"prompt": prompt}, timeout=10.0)
+
+    return call
+
+
+# --- 4. pd-cluster as a process --------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True,
+                         check=True).stdout
+    return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
+
+
+def test_pd_cluster_process_smoke(tmp_path: Path) -> None:
+    port = _closed_port()
+    log = (tmp_path / "pd-cluster.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cluster", "--prefill", "1", "--decode", "1",
+         "--port", str(port), "--ready-timeout", "12", "--", "--pages", "256",
+         "--bytes-per-token", "64"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    children: list[int] = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            assert proc.poll() is None, (tmp_path / "pd-cluster.log").read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+            return False
+
+        wait_until(ready, 12.0, "pd-cluster ready")
+        children = _children(proc.pid)
+        assert len(children) == 3, children  # router, prefill, decode
+        response = _post(url, "/v1/completions", {"prompt": "hello"})
+        assert response.status_code == 200, response.text
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        wait_until(lambda: not any(_alive(pid) for pid in children), 5.0, "children gone")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
