@@ -24,12 +24,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Final, Self, TypeVar
+from typing import Any, Final, TypeVar
 
 import httpx
 import msgspec
 
+from transfer.closing import AsyncClosing
 from transfer.control import Peer
 from transfer.errors import TransferError
 
@@ -140,7 +140,7 @@ class _RankAnswer(msgspec.Struct, frozen=True):
     rank_port: int
 
 
-class BootstrapClient:
+class BootstrapClient(AsyncClosing):
     """Registers prefill ranks and looks them up; one per process, safe for concurrent use.
 
     Pass an ``httpx.AsyncClient`` to share one (its timeouts apply), or let this build its own
@@ -162,16 +162,7 @@ class BootstrapClient:
         self._infos: dict[str, PrefillInfo] = {}
         self._ranks: dict[tuple[str, int, int, int, int], Peer] = {}
 
-    async def __aenter__(self) -> Self:
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         if self._owned:

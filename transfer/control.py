@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from types import TracebackType
 from typing import Final, NamedTuple, Self
 
 import zmq
@@ -33,6 +32,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from transfer import codec
+from transfer.closing import AsyncClosing
 from transfer.errors import TransferError
 from transfer.messages import Message, RegisterKVArgs
 
@@ -86,7 +86,7 @@ class _Link:
         self.watcher: asyncio.Task[None] | None = None
 
 
-class ControlPlane:
+class ControlPlane(AsyncClosing):
     """One rank's control sockets: a bound PULL socket and a PUSH socket per peer.
 
     Use as ``async with ControlPlane(context, host=...) as control:``. ``address`` is what peers
@@ -140,13 +140,6 @@ class ControlPlane:
         self._pull = pull
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close every socket (idempotent). Queued outgoing messages get ``linger_s`` to leave."""

@@ -30,12 +30,12 @@ import logging
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Self
 
 import zmq.asyncio
 
 from transfer.bootstrap import BootstrapClient, BootstrapError, PrefillInfo, bootstrap_url
+from transfer.closing import AsyncClosing
 from transfer.control import ControlPlane, Peer, PeerUnreachable
 from transfer.engine.base import TransferEngine
 from transfer.errors import ProtocolMismatch, TransferError, TransferFailed
@@ -89,7 +89,7 @@ class _Pending:
         self.settled = asyncio.Event()  # the prefill reported the room's end, or is gone
 
 
-class KVReceiver:
+class KVReceiver(AsyncClosing):
     """A decode rank's receiving side: one per rank, used as ``async with``.
 
     The caller allocates the KV pool that ``layout`` describes and keeps it alive; this class
@@ -162,13 +162,6 @@ class KVReceiver:
         self._serving = asyncio.create_task(self._serve(), name="kv-receiver-control")
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Fail the requests still running, close the control plane, unregister the buffers."""

@@ -35,12 +35,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, NamedTuple, Self
 
 import zmq.asyncio
 
 from transfer.bootstrap import BootstrapClient, PrefillRank, bootstrap_url
+from transfer.closing import AsyncClosing
 from transfer.control import ControlPlane, Peer
 from transfer.engine.base import TransferEngine
 from transfer.engine.mooncake import CODE_UNDRAINED
@@ -132,7 +132,7 @@ def _reason(exc: Exception) -> str:
     return exc.message if isinstance(exc, TransferError) else str(exc)
 
 
-class KVSender:
+class KVSender(AsyncClosing):
     """A prefill rank's sending side: one per rank, used as ``async with``.
 
     The caller allocates the KV pool that ``layout`` describes and keeps it alive; this class
@@ -222,13 +222,6 @@ class KVSender:
         logger.info("prefill rank %s listening on %s", self._rank.unique_rank, self.address)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Fail the rooms still open (reporting them), close the control plane, unregister."""

@@ -25,8 +25,8 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 
+from transfer.closing import AsyncClosing
 from transfer.engine.regions import RegionTable
 from transfer.errors import EngineError
 from transfer.layout import MAX_ENTRIES_PER_BATCH, Entry, batches
@@ -84,7 +84,7 @@ class _Failures:
     after_entries: int = 0
 
 
-class LoopbackEngine:
+class LoopbackEngine(AsyncClosing):
     """An in-process engine on a ``LoopbackNetwork``; make it with ``network.engine()``."""
 
     def __init__(self, network: LoopbackNetwork, session_id: str) -> None:
@@ -140,21 +140,15 @@ class LoopbackEngine:
         if failing:
             raise _fail("write", self._failures.code, f"session {session}: injected failure")
 
+    async def aclose(self) -> None:
+        await self.close()
+
     async def close(self) -> None:
         """Leave the network; later calls raise ``EngineError``. Idempotent."""
         self._closed = True
         self._network.detach(self._session_id)
 
-    async def __aenter__(self) -> LoopbackEngine:
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def _check_open(self, op: str) -> None:
         if self._closed:

@@ -68,9 +68,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Protocol
 
+from transfer.closing import AsyncClosing
 from transfer.engine.regions import RegionTable
 from transfer.errors import EngineError
 from transfer.layout import MAX_ENTRIES_PER_BATCH, Entry, batches, total_bytes
@@ -253,7 +253,7 @@ class _Batch:
         return CODE_FAILED
 
 
-class MooncakeEngine:
+class MooncakeEngine(AsyncClosing):
     """A Mooncake ``TransferEngine`` behind the ``transfer.engine.base.TransferEngine`` contract.
 
     Build with ``await MooncakeEngine.start(...)``. ``write`` never blocks the event loop: native
@@ -368,6 +368,9 @@ class MooncakeEngine:
             await self._write_batch(native, session, _Batch(batch), budget)
             native = self._open("write")
 
+    async def aclose(self) -> None:
+        await self.close()
+
     async def close(self) -> None:
         """Release the native engine; later calls raise ``EngineError``. Idempotent.
 
@@ -394,16 +397,7 @@ class MooncakeEngine:
             await asyncio.get_running_loop().run_in_executor(self._pool, holder.clear)
         self._pool.shutdown(wait=False)
 
-    async def __aenter__(self) -> MooncakeEngine:
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def _open(self, op: str) -> _Native:
         if self._native is None:
