@@ -18,14 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Generator, Iterator
 from typing import Any, Literal
 
+import httpx
 import uvicorn
 
-__all__ = ["arun_server", "bound_port", "free_port", "run_server", "run_servers"]
+__all__ = [
+    "arun_server",
+    "bound_port",
+    "free_port",
+    "http_process",
+    "run_server",
+    "run_servers",
+]
 
 
 def free_port() -> int:
@@ -176,3 +185,33 @@ async def arun_server(
             await asyncio.wait_for(task, timeout=SHUTDOWN_GRACE_S + 3)
         except TimeoutError:
             server.force_exit = True
+
+
+@contextlib.contextmanager
+def http_process(
+    argv: list[str], url: str, *, path: str = "/health", timeout: float = 20.0
+) -> Iterator[subprocess.Popen[str]]:
+    """Run ``argv`` (stdout+stderr captured as text) until ``url + path`` answers 200, then yield
+    it; afterwards SIGTERM it if still running and reap it (SIGKILL if it will not stop)."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                if httpx.get(url + path, timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, process.communicate()[0]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {argv[2:4]} at {url}")
+            time.sleep(0.01)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        try:
+            process.communicate(timeout=15)  # also closes the pipe
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()

@@ -32,9 +32,8 @@ from registry.store_api import store_routes
 from router import create_app
 from tests.conftest import settings_for
 from tests.conftest import wait_until as wait_until_sync
-from tests.etcd_server import free_port
 from tests.registry.test_store_contract import brief, take, wait_until, watching
-from tests.servers import run_server
+from tests.servers import free_port, http_process, run_server
 
 
 def _registry_app(**settings: Any) -> FastAPI:
@@ -303,27 +302,11 @@ async def _call(store: RegistryStore, op: str) -> object:
 @contextlib.contextmanager
 def _registry_process() -> Iterator[tuple[str, subprocess.Popen[str]]]:
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "registry", "serve", "--store", "memory://", "--port", str(port),
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
     url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            assert process.poll() is None, process.communicate()[0]
-            return False
-
-    try:
-        wait_until_sync(up, 20, "the registry process to start")
+    argv = [sys.executable, "-m", "registry", "serve", "--store", "memory://", "--port", str(port),
+            "--log-level", "warning"]
+    with http_process(argv, url) as process:
         yield url, process
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()
 
 
 def _router(stack: contextlib.ExitStack, registry: str) -> str:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -14,7 +12,7 @@ import httpx
 from bench.fake_engine import FakeEngine
 from tests.conftest import wait_until
 from tests.etcd_server import EtcdServer
-from tests.servers import free_port, run_server
+from tests.servers import free_port, http_process, run_server
 from tests.test_protocols import COMPLETION
 
 
@@ -22,31 +20,12 @@ from tests.test_protocols import COMPLETION
 def _router(registry: str, *worker_args: str) -> Iterator[str]:
     """A real ``router`` process; yields its URL once it answers /health."""
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "router", "--engine", "sglang", "--port", str(port),
-         "--registry", registry, "--health-interval", "0.2", "--log-level", "warning",
-         *worker_args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
     url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            assert process.poll() is None, process.communicate()[0]
-            return False
-
-    try:
-        wait_until(up, 20, "the router process to start")
+    argv = [sys.executable, "-m", "router", "--engine", "sglang", "--port", str(port),
+            "--registry", registry, "--health-interval", "0.2", "--log-level", "warning",
+            *worker_args]
+    with http_process(argv, url):
         yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
 
 
 @contextlib.contextmanager
