@@ -223,6 +223,9 @@ async def test_watches_are_independent(store: RegistryStore) -> None:
 
 
 async def test_close_ends_open_watches(store: RegistryStore) -> None:
+    # List first: the consumer task creates the stream while the put below is in flight, and a
+    # store that has seen no revision yet watches only "from then on" (see the etcd module doc).
+    assert await store.list("") == {}
     events = store.watch("")
     seen: list[WatchEvent] = []
 
