@@ -92,6 +92,13 @@ class SimWorker:
         self.receiver: KVReceiver | None = None
         self._aux_free = list(range(_AUX_SLOTS))
 
+    @property
+    def open_rooms(self) -> int:
+        """Transfer rooms started and not yet released on this worker's side."""
+        if self.sender is not None:
+            return self.sender.open_rooms
+        return self.receiver.open_rooms if self.receiver is not None else 0
+
     @contextlib.asynccontextmanager
     async def run(self) -> AsyncIterator[None]:
         if self.config.role == "both" or self._engine_factory is None:
@@ -343,7 +350,8 @@ def create_app(worker: SimWorker) -> FastAPI:
     async def health() -> dict[str, Any]:
         return {"status": "ok", "role": worker.config.role,
                 "free_pages": worker.pool.free_pages,
-                "quarantined_pages": worker.pool.quarantined}
+                "quarantined_pages": worker.pool.quarantined,
+                "open_rooms": worker.open_rooms}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
