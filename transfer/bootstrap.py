@@ -1,8 +1,12 @@
-"""Rendezvous through the registry's SGLang bootstrap API (PROTOCOLS.md 5.6).
+"""Rendezvous through the registry's bootstrap APIs: SGLang's (PROTOCOLS.md 5.6) and vLLM's (3.2).
 
 Prefill ranks announce their control address with the SGLang 0.5.x ``PUT /route`` payload; decode
 ranks read the prefill's parallel layout and a rank's address with the 0.5.10+ ``GET /route``
-queries. The API is served by the standalone registry and by the router at its own port, at the
+queries. A rank with an ``engine_id`` (a vLLM MooncakeConnector DP engine) announces itself with
+vLLM's ``POST /register`` instead (``addr`` = ``tcp://host:port``, its control socket), and a
+decode finds it by engine id in ``GET /query`` (``engine_address``).
+
+The APIs are served by the standalone registry and by the router at its own port, at the
 plain paths (namespace ``default``) or under ``/bootstrap/{namespace}``: ``bootstrap_url`` builds
 the base URL for either.
 
@@ -86,6 +90,7 @@ class PrefillRank:
     pp_rank: int = 0
     system_dp_size: int = 1
     system_dp_rank: int = 0
+    engine_id: str | None = None  # set: announce with vLLM's POST /register under this id
 
     def __post_init__(self) -> None:
         for rank, size in (
@@ -98,6 +103,11 @@ class PrefillRank:
                 raise ValueError(f"{rank}={getattr(self, rank)} outside [0, {size})")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+
+    @property
+    def dp_rank(self) -> int:
+        """The DP rank decoders address (SGLang: system DP when > 1, else attention DP)."""
+        return self.attn_dp_rank if self.system_dp_size == 1 else self.system_dp_rank
 
     @property
     def unique_rank(self) -> int:
@@ -119,6 +129,16 @@ class PrefillRank:
             "rank_port": address.port,
             "page_size": self.page_size,
             "kv_cache_dtype": self.kv_cache_dtype,
+        }
+
+    def register_body(self, address: Peer) -> dict[str, Any]:
+        """vLLM's ``POST /register`` payload announcing this rank at ``address``."""
+        return {
+            "engine_id": self.engine_id,
+            "dp_rank": self.dp_rank,
+            "tp_rank": self.attn_tp_rank,
+            "pp_rank": self.pp_rank,
+            "addr": f"tcp://{address.host}:{address.port}",
         }
 
 
@@ -161,6 +181,7 @@ class BootstrapClient(AsyncClosing):
         self._retry_interval = retry_interval_s
         self._infos: dict[str, PrefillInfo] = {}
         self._ranks: dict[tuple[str, int, int, int, int], Peer] = {}
+        self._engines: dict[tuple[str, str, int, int], Peer] = {}
 
 
 
@@ -177,17 +198,20 @@ class BootstrapClient(AsyncClosing):
         attempts: int = 5,
         backoff_s: float = 0.5,
     ) -> None:
-        """``PUT {base_url}/route`` announcing ``rank`` at ``address``.
+        """``PUT {base_url}/route`` (``POST /register`` for a vLLM rank) announcing ``rank``.
 
         Raises ``BootstrapError`` when refused (4xx) or still failing after ``attempts``.
         """
-        body = rank.route_body(address)
+        if rank.engine_id is None:
+            method, url, body = "PUT", f"{base_url}/route", rank.route_body(address)
+        else:
+            method, url, body = "POST", f"{base_url}/register", rank.register_body(address)
         reason = "no attempt made"
         for attempt in range(max(attempts, 1)):
             if attempt:
                 await asyncio.sleep(min(backoff_s * 2 ** (attempt - 1), 30.0))
             try:
-                response = await self._http.put(f"{base_url}/route", json=body)
+                response = await self._http.request(method, url, json=body)
             except httpx.HTTPError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
             else:
@@ -208,7 +232,7 @@ class BootstrapClient(AsyncClosing):
         """The prefill layout at ``base_url``, waiting up to ``timeout_s`` for it to be complete."""
         info = self._infos.get(base_url)
         if info is None:
-            raw = await self._get(base_url, _INFO_QUERY, timeout_s, "parallel info")
+            raw = await self._get(f"{base_url}/route", _INFO_QUERY, timeout_s, "parallel info")
             info = _parse(raw, PrefillInfo, base_url)
             self._infos[base_url] = info
         return info
@@ -227,9 +251,29 @@ class BootstrapClient(AsyncClosing):
                 "target_pp_rank": str(pp),
             }
             what = f"rank dp={dp} cp={cp} tp={tp} pp={pp}"
-            raw = await self._get(base_url, query, timeout_s, what)
+            raw = await self._get(f"{base_url}/route", query, timeout_s, what)
             answer = _parse(raw, _RankAnswer, base_url)
             peer = self._ranks[key] = Peer(answer.rank_ip, answer.rank_port)
+        return peer
+
+    async def engine_address(
+        self, base_url: str, engine_id: str, *, tp: int, pp: int = 0, timeout_s: float
+    ) -> Peer:
+        """The control address of ``engine_id``'s rank (tp, pp), from vLLM's ``GET /query``.
+
+        An engine id missing from the table fails at once with vLLM's wording ("... not found
+        from bootstrap server"), which routers take as a sign to re-read the prefill's layout.
+        """
+        key = (base_url, engine_id, tp, pp)
+        peer = self._engines.get(key)
+        if peer is None:
+            raw = await self._get(f"{base_url}/query", {}, timeout_s, "the engine table")
+            entry = _engine_entry(raw, engine_id, base_url)
+            addr = entry.worker_addr.get(str(tp), {}).get(str(pp))
+            if addr is None:
+                raise BootstrapError(f"engine {engine_id} at {base_url} lists no rank tp={tp} "
+                                     f"pp={pp}")
+            peer = self._engines[key] = _tcp_peer(addr, base_url)
         return peer
 
     def invalidate(self, base_url: str) -> None:
@@ -237,10 +281,12 @@ class BootstrapClient(AsyncClosing):
         self._infos.pop(base_url, None)
         for key in [key for key in self._ranks if key[0] == base_url]:
             del self._ranks[key]
+        for engine_key in [key for key in self._engines if key[0] == base_url]:
+            del self._engines[engine_key]
 
-    async def _get(
-        self, base_url: str, query: dict[str, str], timeout_s: float, what: str
-    ) -> bytes:
+    async def _get(self, url: str, query: dict[str, str], timeout_s: float, what: str) -> bytes:
+        """GET ``url`` until 200, retrying 503 and transport errors until ``timeout_s``."""
+        base_url = url.rsplit("/", 1)[0]
         deadline = time.monotonic() + timeout_s
         reason = "no attempt made"
         while True:
@@ -252,7 +298,7 @@ class BootstrapClient(AsyncClosing):
                 )
             try:
                 async with asyncio.timeout(remaining):
-                    response = await self._http.get(f"{base_url}/route", params=query)
+                    response = await self._http.get(url, params=query)
             except (httpx.HTTPError, TimeoutError) as exc:
                 reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
             else:
@@ -272,3 +318,25 @@ def _parse(raw: bytes, kind: type[T], base_url: str) -> T:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.MsgspecError as exc:
         raise BootstrapError(f"bootstrap answer from {base_url} is not understood: {exc}") from exc
+
+
+class _EngineEntry(msgspec.Struct, frozen=True):
+    engine_id: str
+    worker_addr: dict[str, dict[str, str]]
+
+
+def _engine_entry(raw: bytes, engine_id: str, base_url: str) -> _EngineEntry:
+    table = _parse(raw, dict[str, _EngineEntry], base_url)
+    for entry in table.values():
+        if entry.engine_id == engine_id:
+            return entry
+    raise BootstrapError(f"remote engine_id {engine_id} not found from bootstrap server "
+                         f"{base_url}", status=404)
+
+
+def _tcp_peer(addr: str, base_url: str) -> Peer:
+    """``tcp://host:port`` (IPv6 in brackets) -> Peer."""
+    url = httpx.URL(addr.replace("tcp://", "http://", 1))
+    if not addr.startswith("tcp://") or not url.host or url.port is None:
+        raise BootstrapError(f"bootstrap server {base_url} lists a bad worker address {addr!r}")
+    return Peer(url.host, url.port)

@@ -206,13 +206,16 @@ class KVReceiver(AsyncClosing):
         timeout_s: float,
         *,
         dp_rank: int | None = None,
+        engine_id: str | None = None,
     ) -> ReceiveResult:
         """Receive ``room``'s KV into ``dst_pages`` and aux slot ``aux_index`` within ``timeout_s``.
 
         ``bootstrap_addr`` is the prefill's bootstrap API ("host:port" or a URL, possibly under
         ``/bootstrap/{namespace}``). The prefill DP rank is ``dp_rank`` or ``room % dp_size``
-        (SGLang's ``follow_bootstrap_room``). Empty ``dst_pages`` (with ``aux_index=None``) is a
-        dummy request that receives nothing but still waits for the prefill's status.
+        (SGLang's ``follow_bootstrap_room``); with ``engine_id`` the prefill is a vLLM
+        MooncakeConnector engine, found by that id in the bootstrap API's ``GET /query``.
+        Empty ``dst_pages`` (with ``aux_index=None``) is a dummy request that receives nothing
+        but still waits for the prefill's status.
 
         Returns when the prefill reported Success. Raises ``ReceiveFailed`` (reason, and whether
         the pages may be reused: see the module notes) for every failure, within ``timeout_s``
@@ -226,7 +229,7 @@ class KVReceiver(AsyncClosing):
         try:
             if aux_index is not None and self._aux_slots:
                 self._aux_slot(aux_index)[:] = bytes(self._aux_item_len)
-            await self._start(room, pending, dst_pages, aux_index, dp_rank)
+            await self._start(room, pending, dst_pages, aux_index, dp_rank, engine_id)
             state = await self._rooms.wait(room)
             if state.poll is KVPoll.Success:
                 kv_bytes = len(dst_pages) * self._layout.page_bytes * self._layout.num_regions
@@ -295,10 +298,18 @@ class KVReceiver(AsyncClosing):
         dst_pages: Sequence[int],
         aux_index: int | None,
         dp_rank: int | None,
+        engine_id: str | None,
     ) -> None:
         """Bootstrapping -> Transferring; any failure fails the room (``request`` reports it)."""
         try:
-            peer = pending.peer = await self._resolve(room, pending.base_url, dp_rank)
+            if engine_id is None:
+                peer = await self._resolve(room, pending.base_url, dp_rank)
+            else:
+                peer = await self._bootstrap.engine_address(
+                    pending.base_url, engine_id, tp=self._tp_rank, timeout_s=self._remaining(room)
+                )
+                self._peer_urls.setdefault(peer, set()).add(pending.base_url)
+            pending.peer = peer
             await self._ensure_registered(peer, room)
         except TransferError as exc:
             if isinstance(exc, PeerUnreachable | BootstrapError):

@@ -124,10 +124,11 @@ class Pair:
     addr: str  # the bootstrap address decode requests use
 
     async def transfer(self, src: list[int], dst: list[int], tokens: int, *, aux: bytes = b"aux",
-                       aux_index: int = 0, timeout_s: float = 5.0) -> ReceiveResult:
+                       aux_index: int = 0, timeout_s: float = 5.0,
+                       engine_id: str | None = None) -> ReceiveResult:
         room = next(_rooms)
         receiving = asyncio.create_task(
-            self.receiver.request(room, self.addr, dst, aux_index, timeout_s))
+            self.receiver.request(room, self.addr, dst, aux_index, timeout_s, engine_id=engine_id))
         await self.sender.send(room, src, tokens, is_last_chunk=True, aux=aux)
         return await receiving
 
@@ -136,13 +137,14 @@ class Pair:
 async def pair(context: Ctx, registry: str, *, namespace: str | None = None,
                sender: dict[str, Any] | None = None,
                receiver: dict[str, Any] | None = None,
-               engines: tuple[Any, Any] | None = None) -> AsyncIterator[Pair]:
+               engines: tuple[Any, Any] | None = None,
+               rank: PrefillRank | None = None) -> AsyncIterator[Pair]:
     ns = f"t{next(_namespaces)}" if namespace is None else namespace
     network = LoopbackNetwork()
     p_engine, d_engine = engines or (network.engine(), network.engine())
     prefill, decode = Pool(), Pool(**(receiver or {}).pop("pool", {}))
     prefill.fill()
-    rank = PrefillRank(page_size=PAGE_TOKENS)
+    rank = rank or PrefillRank(page_size=PAGE_TOKENS)
     ns_arg = None if ns == "" else ns
     async with (
         KVSender(context, p_engine, prefill.layout, rank, registry=registry, namespace=ns_arg,
@@ -524,6 +526,42 @@ async def test_bootstrap_registration_refused_is_an_error(registry: str) -> None
         with pytest.raises(BootstrapError, match="refused") as refused:
             await client.register(base, other, Peer("127.0.0.1", 5001))
         assert isinstance(refused.value, TransferError) and refused.value.code == 400
+
+
+async def test_vllm_engine_is_found_by_engine_id(context: Ctx, registry: str) -> None:
+    rank = PrefillRank(page_size=PAGE_TOKENS, system_dp_size=2, system_dp_rank=1,
+                       engine_id="sim-engine_dp1")
+    async with pair(context, registry, rank=rank) as p:
+        async with httpx.AsyncClient() as http:
+            table = (await http.get(f"{p.addr}/query")).json()
+        address = p.sender.address
+        assert table["1"] == {"engine_id": "sim-engine_dp1",
+                              "worker_addr": {"0": {"0": f"tcp://{address.host}:{address.port}"}}}
+        result = await p.transfer([2, 3], [9, 10], tokens=7, engine_id="sim-engine_dp1")
+        assert_landed(p.prefill, p.decode, [2, 3], [9, 10])
+        assert result.kv_bytes == 2 * p.decode.page_bytes * 4
+        started = time.monotonic()
+        with pytest.raises(ReceiveFailed, match="not found from bootstrap server"):
+            await p.receiver.request(next(_rooms), p.addr, [1], 0, 5.0, engine_id="other_dp0")
+        assert time.monotonic() - started < 1.0  # an unknown engine fails at once
+
+
+async def test_bootstrap_lookup_of_vllm_engines(registry: str) -> None:
+    async with BootstrapClient() as client:
+        base = bootstrap_url(registry, "vllm-lookup")
+        for dp in range(2):
+            rank = PrefillRank(page_size=16, system_dp_size=2, system_dp_rank=dp,
+                               engine_id=f"e_dp{dp}")
+            await client.register(base, rank, Peer("127.0.0.1", 7100 + dp))
+            await client.register(base, rank, Peer("127.0.0.1", 7100 + dp))  # idempotent
+        assert await client.engine_address(base, "e_dp1", tp=0, timeout_s=1) == Peer(
+            "127.0.0.1", 7101)
+        with pytest.raises(BootstrapError, match="lists no rank tp=1"):
+            await client.engine_address(base, "e_dp0", tp=1, timeout_s=1)
+        moved = PrefillRank(page_size=16, system_dp_size=2, system_dp_rank=0, engine_id="e_dp0")
+        with pytest.raises(BootstrapError, match="already registered") as refused:
+            await client.register(base, moved, Peer("127.0.0.1", 7200))
+        assert refused.value.code == 400
 
 
 async def test_bootstrap_lookup_of_a_registered_rank(registry: str) -> None:
