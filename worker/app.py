@@ -1,11 +1,16 @@
-"""The simulated engine's HTTP app: OpenAI endpoints over the SGLang PD request fields.
+"""The simulated engine's HTTP app: OpenAI endpoints over the SGLang and vLLM PD request fields.
 
 Roles: ``prefill`` computes the prompt's KV into its pool and sends it with ``KVSender`` to the
-decode named by ``bootstrap_room`` (answering once the transfer reached Success, 500 with the
-reason otherwise); ``decode`` allocates pages, receives the KV with ``KVReceiver`` from the
-bootstrap API at ``bootstrap_host:bootstrap_port``, verifies it and generates tokens from it;
-``both`` computes the KV locally (the co-located reference output). Pages are released on
-every path (withheld only when the transfer library says writes may still land in them).
+decode named by the request's PD fields (``worker.protocol``), through the lifecycle of
+``worker.prefill`` (SGLang answers once the transfer reached Success, 500 with the reason
+otherwise; vLLM answers after the forward pass and serves the pull in the background);
+``decode`` allocates pages, receives the KV with ``KVReceiver`` from the prefill's bootstrap API,
+verifies it and generates tokens from it; ``both`` computes the KV locally (the co-located
+reference output). A prefill runs ``dp_size`` DP ranks in one process, each with its own pool,
+transfer engine and sender (SGLang: rank ``routed_dp_rank``, else ``room % dp_size``; vLLM: the
+``X-data-parallel-rank`` header, engine ids ``<id>_dp<rank>`` when ``dp_size`` > 1). Pages are
+released on every path (withheld only when the transfer library says writes may still land in
+them).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from transfer.engine.base import TransferEngine
 from transfer.errors import TransferError
 from transfer.receiver import KVReceiver, ReceiveFailed
 from transfer.sender import KVSender
-from worker.kv import KVPool, PoolExhausted, PoolShape, detokenize, generate, tokenize
+from worker.kv import KVPool, PoolExhausted, PoolShape, detokenize, generate
+from worker.prefill import PrefillJob, PrefillScheduler
+from worker.protocol import PDProtocol, Seq, WorkerError, max_tokens, sequences
 
 __all__ = ["EngineFactory", "SimWorker", "WorkerConfig", "WorkerError", "create_app"]
 
@@ -47,29 +54,22 @@ class WorkerConfig:
     role: Role
     model: str = "sim-model"
     shape: PoolShape = field(default_factory=PoolShape)
+    protocol: PDProtocol = "sglang"  # how a prefill registers and reads its requests
     registry: str | None = None  # the bootstrap API a prefill registers with
     namespace: str | None = None
     host: str = "127.0.0.1"  # control-plane bind address
+    dp_size: int = 1  # prefill DP ranks in this process
+    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))  # vLLM engine id
+    chunk_tokens: int = 2048  # chunked prefill: tokens per forward chunk
     max_prompt_tokens: int = 8192
     transfer_timeout_s: float = 30.0
     compute_s_per_token: float = 0.0
 
-
-class WorkerError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class _Seq:
-    """One sequence of a request: its prompt tokens and its PD room (None: co-located)."""
-
-    index: int
-    tokens: list[int]
-    room: int | None
-    bootstrap: str | None
+    def __post_init__(self) -> None:
+        if self.dp_size < 1 or (self.dp_size > 1 and self.role != "prefill"):
+            raise ValueError(f"dp_size={self.dp_size}: only a prefill runs more than one rank")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,132 +81,222 @@ class _Result:
     transfer_s: float
 
 
+@dataclass(slots=True)
+class _Rank:
+    """One DP rank: its pool and its side of the transfer."""
+
+    pool: KVPool
+    sender: KVSender | None = None
+    receiver: KVReceiver | None = None
+    scheduler: PrefillScheduler | None = None
+    aux_free: list[int] = field(default_factory=lambda: list(range(_AUX_SLOTS)))
+
+
 class SimWorker:
-    """One simulated engine rank; ``run()`` opens its engine, pool and transfer side."""
+    """One simulated engine instance; ``run()`` opens its engines, pools and transfer sides."""
 
     def __init__(self, config: WorkerConfig, engine: EngineFactory | None) -> None:
         self.config = config
-        self.pool = KVPool(config.shape)
+        self.ranks = [_Rank(KVPool(config.shape)) for _ in range(config.dp_size)]
         self._engine_factory = engine
-        self.sender: KVSender | None = None
-        self.receiver: KVReceiver | None = None
-        self._aux_free = list(range(_AUX_SLOTS))
+
+    @property
+    def pool(self) -> KVPool:
+        return self.ranks[0].pool
+
+    @property
+    def pools(self) -> list[KVPool]:
+        return [rank.pool for rank in self.ranks]
+
+    @property
+    def sender(self) -> KVSender | None:
+        return self.ranks[0].sender
+
+    @property
+    def receiver(self) -> KVReceiver | None:
+        return self.ranks[0].receiver
 
     @property
     def open_rooms(self) -> int:
         """Transfer rooms started and not yet released on this worker's side."""
-        if self.sender is not None:
-            return self.sender.open_rooms
-        return self.receiver.open_rooms if self.receiver is not None else 0
+        return sum(r.sender.open_rooms if r.sender is not None
+                   else r.receiver.open_rooms if r.receiver is not None else 0
+                   for r in self.ranks)
+
+    @property
+    def queues(self) -> dict[str, int]:
+        """Prefill requests per lifecycle stage (``worker.prefill``), over all ranks."""
+        total: dict[str, int] = {}
+        for rank in self.ranks:
+            if rank.scheduler is not None:
+                for stage, count in rank.scheduler.counts.items():
+                    total[stage] = total.get(stage, 0) + count
+        return total
+
+    def engine_id(self, dp_rank: int) -> str:
+        cfg = self.config
+        return cfg.engine_id if cfg.dp_size == 1 else f"{cfg.engine_id}_dp{dp_rank}"
 
     @contextlib.asynccontextmanager
     async def run(self) -> AsyncIterator[None]:
         if self.config.role == "both" or self._engine_factory is None:
             yield
             return
-        engine = await self._engine_factory()
         context = zmq.asyncio.Context()
         try:
-            async with self._transfer_side(context, engine):
+            async with contextlib.AsyncExitStack() as stack:
+                for index, rank in enumerate(self.ranks):
+                    engine = await self._engine_factory()
+                    stack.push_async_callback(engine.close)
+                    await stack.enter_async_context(self._transfer_side(context, engine, index,
+                                                                        rank))
                 yield
         finally:
-            await engine.close()
             context.term()
 
     @contextlib.asynccontextmanager
-    async def _transfer_side(self, context: zmq.asyncio.Context,
-                             engine: TransferEngine) -> AsyncIterator[None]:
+    async def _transfer_side(self, context: zmq.asyncio.Context, engine: TransferEngine,
+                             index: int, rank: _Rank) -> AsyncIterator[None]:
         cfg = self.config
         if cfg.role == "prefill":
-            rank = PrefillRank(page_size=cfg.shape.page_size)
-            async with KVSender(context, engine, self.pool.layout, rank, registry=cfg.registry,
+            place = PrefillRank(page_size=cfg.shape.page_size, system_dp_size=cfg.dp_size,
+                                system_dp_rank=index,
+                                engine_id=self.engine_id(index)
+                                if cfg.protocol == "vllm-mooncake" else None)
+            async with KVSender(context, engine, rank.pool.layout, place, registry=cfg.registry,
                                 namespace=cfg.namespace, host=cfg.host, aux_item_len=_AUX_LEN,
                                 aux_slots=_AUX_SLOTS, bootstrap_timeout_s=cfg.transfer_timeout_s,
                                 transfer_timeout_s=cfg.transfer_timeout_s) as sender:
-                self.sender = sender
-                yield
+                scheduler = PrefillScheduler(rank.pool, sender, chunk_tokens=cfg.chunk_tokens,
+                                             compute_s_per_token=cfg.compute_s_per_token)
+                rank.sender, rank.scheduler = sender, scheduler
+                try:
+                    yield
+                finally:
+                    await scheduler.aclose()
         else:
-            async with KVReceiver(context, engine, self.pool.layout, host=cfg.host,
+            async with KVReceiver(context, engine, rank.pool.layout, host=cfg.host,
                                   aux_item_len=_AUX_LEN, aux_slots=_AUX_SLOTS) as receiver:
-                self.receiver = receiver
+                rank.receiver = receiver
                 yield
 
     # --- requests ------------------------------------------------------------------------------
 
-    async def complete(self, seq: _Seq, max_tokens: int) -> _Result:
+    async def complete(self, seq: Seq, max_new: int) -> _Result:
+        limit = min(self.config.max_prompt_tokens, self.pool.max_tokens)
         if not seq.tokens:
             raise WorkerError(400, "empty prompt")
-        if len(seq.tokens) > min(self.config.max_prompt_tokens, self.pool.max_tokens):
-            raise WorkerError(400, f"prompt of {len(seq.tokens)} tokens is longer than "
-                                   f"{min(self.config.max_prompt_tokens, self.pool.max_tokens)}")
+        if len(seq.tokens) > limit:
+            raise WorkerError(400, f"prompt of {len(seq.tokens)} tokens is longer than {limit}")
+        role = self.config.role
+        if role == "both" or seq.local:
+            return await self._local(self.ranks[0], seq, max_new)
+        if role == "prefill":
+            return await self._prefill(self._prefill_rank(seq), seq)
+        return await self._decode(self.ranks[0], seq, max_new)
+
+    def _prefill_rank(self, seq: Seq) -> _Rank:
+        dp_size, room = self.config.dp_size, seq.room
+        if room is None:
+            raise WorkerError(400, "a prefill request needs bootstrap_room "
+                                   "(vLLM: kv_transfer_params with a transfer_id)")
+        dp = seq.dp_rank
+        if dp is not None and not 0 <= dp < dp_size:
+            raise WorkerError(400, f"DP rank {dp} outside [0, {dp_size})")
+        if self.config.protocol == "sglang" and dp_size > 1:
+            if dp is not None and dp != room % dp_size:
+                raise WorkerError(400, f"follow_bootstrap_room conflict: routed_dp_rank {dp} "
+                                       f"but bootstrap_room % {dp_size} = {room % dp_size}")
+            dp = room % dp_size
+        return self.ranks[dp or 0]
+
+    @contextlib.contextmanager
+    def _pages(self, rank: _Rank, seq: Seq) -> Iterator[list[int]]:
+        """Pages for ``seq`` on ``rank``, released afterwards (quarantined when unsafe)."""
         try:
-            pages = self.pool.allocate(len(seq.tokens))
+            pages = rank.pool.allocate(len(seq.tokens))
         except PoolExhausted as exc:
             raise WorkerError(503, str(exc)) from exc
-        keep = True
         try:
-            if self.config.role == "prefill":
-                return await self._prefill(seq, pages)
-            if self.config.role == "decode":
-                return await self._decode(seq, pages, max_tokens)
-            return await self._colocated(seq, pages, max_tokens)
+            yield pages
         except _Unsafe as exc:
-            keep = exc.pages_safe
+            if not exc.pages_safe:
+                rank.pool.quarantine(pages)
+                raise
+            rank.pool.release(pages)
             raise
-        finally:
-            if keep:
-                self.pool.release(pages)
-            else:
-                self.pool.quarantine(pages)
+        except BaseException:
+            rank.pool.release(pages)
+            raise
+        rank.pool.release(pages)
 
-    async def _forward(self, seq: _Seq, pages: list[int]) -> None:
-        if self.config.compute_s_per_token:
-            await asyncio.sleep(self.config.compute_s_per_token * len(seq.tokens))
-        self.pool.write(pages, seq.tokens)
+    async def _local(self, rank: _Rank, seq: Seq, max_new: int) -> _Result:
+        with self._pages(rank, seq) as pages:
+            rank.pool.write(pages, seq.tokens)
+            if self.config.compute_s_per_token:
+                await asyncio.sleep(self.config.compute_s_per_token * len(seq.tokens))
+            return self._decode_tokens(rank.pool, seq, pages, max_new, 0, 0.0)
 
-    async def _colocated(self, seq: _Seq, pages: list[int], max_tokens: int) -> _Result:
-        await self._forward(seq, pages)
-        return self._decode_tokens(seq, pages, max_tokens, 0, 0.0)
-
-    async def _prefill(self, seq: _Seq, pages: list[int]) -> _Result:
-        if self.sender is None or seq.room is None:
-            raise WorkerError(400, "a prefill request needs bootstrap_room")
-        await self._forward(seq, pages)
-        started = time.monotonic()
+    async def _prefill(self, rank: _Rank, seq: Seq) -> _Result:
+        assert rank.scheduler is not None and seq.room is not None
         aux = struct.pack("<QQ", len(seq.tokens), seq.room & ((1 << 64) - 1))
-        try:
-            await self.sender.send(seq.room, pages, len(seq.tokens), is_last_chunk=True, aux=aux)
-        except TransferError as exc:
-            raise WorkerError(500, f"KV transfer failed: {exc}") from exc
-        return _Result("", len(seq.tokens), 0, 0, time.monotonic() - started)
+        if self.config.protocol == "vllm-mooncake":
+            return await self._prefill_and_hand_off(rank, rank.scheduler, seq, aux)
+        with self._pages(rank, seq) as pages:
+            job = PrefillJob(seq.room, seq.tokens, pages, aux)
+            try:
+                transfer_s = await rank.scheduler.run(job)
+            except TransferError as exc:
+                raise WorkerError(500, f"KV transfer failed: {exc}") from exc
+        return _Result("", len(seq.tokens), 0, 0, transfer_s)
 
-    async def _decode(self, seq: _Seq, pages: list[int], max_tokens: int) -> _Result:
-        if self.receiver is None or seq.room is None or seq.bootstrap is None:
-            raise WorkerError(400, "a decode request needs bootstrap_host/port/room")
-        if not self._aux_free:
+    async def _prefill_and_hand_off(self, rank: _Rank, scheduler: PrefillScheduler, seq: Seq,
+                                    aux: bytes) -> _Result:
+        assert seq.room is not None
+        try:
+            pages = rank.pool.allocate(len(seq.tokens))
+        except PoolExhausted as exc:
+            raise WorkerError(503, str(exc)) from exc
+        job = PrefillJob(seq.room, seq.tokens, pages, aux)
+        try:
+            await scheduler.compute(job)
+        except BaseException:
+            rank.pool.release(pages)
+            raise
+        scheduler.hand_off(job, lambda: rank.pool.release(pages))
+        return _Result("", len(seq.tokens), 0, 0, 0.0)
+
+    async def _decode(self, rank: _Rank, seq: Seq, max_new: int) -> _Result:
+        if rank.receiver is None or seq.room is None or seq.bootstrap is None:
+            raise WorkerError(400, "a decode request needs bootstrap_host/port/room "
+                                   "(vLLM: kv_transfer_params)")
+        if not rank.aux_free:
             raise WorkerError(503, "no free aux slot")
-        aux_index = self._aux_free.pop()
-        try:
-            got = await self.receiver.request(seq.room, seq.bootstrap, pages, aux_index,
-                                              self.config.transfer_timeout_s)
-        except ReceiveFailed as exc:
-            if exc.pages_safe:
-                self._aux_free.append(aux_index)
-            raise _Unsafe(exc.pages_safe, f"KV transfer failed: {exc}") from exc
-        except (TransferError, ValueError) as exc:
-            self._aux_free.append(aux_index)
-            raise WorkerError(500, f"KV transfer failed: {exc}") from exc
-        self._aux_free.append(aux_index)
-        if struct.unpack("<Q", got.aux[:8])[0] != len(seq.tokens):
-            raise WorkerError(500, "aux from the prefill names another prompt length")
-        return self._decode_tokens(seq, pages, max_tokens, got.kv_bytes, got.elapsed_s)
+        with self._pages(rank, seq) as pages:
+            aux_index = rank.aux_free.pop()
+            try:
+                got = await rank.receiver.request(seq.room, seq.bootstrap, pages, aux_index,
+                                                  self.config.transfer_timeout_s,
+                                                  dp_rank=seq.dp_rank, engine_id=seq.engine_id)
+            except ReceiveFailed as exc:
+                if exc.pages_safe:
+                    rank.aux_free.append(aux_index)
+                raise _Unsafe(exc.pages_safe, f"KV transfer failed: {exc}") from exc
+            except (TransferError, ValueError) as exc:
+                rank.aux_free.append(aux_index)
+                raise WorkerError(500, f"KV transfer failed: {exc}") from exc
+            rank.aux_free.append(aux_index)
+            if struct.unpack("<Q", got.aux[:8])[0] != len(seq.tokens):
+                raise WorkerError(500, "aux from the prefill names another prompt length")
+            return self._decode_tokens(rank.pool, seq, pages, max_new, got.kv_bytes,
+                                       got.elapsed_s)
 
-    def _decode_tokens(self, seq: _Seq, pages: list[int], max_tokens: int, kv_bytes: int,
-                       transfer_s: float) -> _Result:
-        digest, bad = self.pool.read_digest(pages, seq.tokens)
+    def _decode_tokens(self, pool: KVPool, seq: Seq, pages: list[int], max_new: int,
+                       kv_bytes: int, transfer_s: float) -> _Result:
+        digest, bad = pool.read_digest(pages, seq.tokens)
         if bad >= 0:
             raise WorkerError(500, f"received KV does not match the prompt at position {bad}")
-        tokens = generate(digest, max_tokens)
+        tokens = generate(digest, max_new)
         return _Result(detokenize(tokens), len(seq.tokens), len(tokens), kv_bytes, transfer_s)
 
 
@@ -216,53 +306,6 @@ class _Unsafe(WorkerError):
     def __init__(self, pages_safe: bool, message: str) -> None:
         super().__init__(500, message)
         self.pages_safe = pages_safe
-
-
-# --- request parsing -------------------------------------------------------------------------
-
-
-def _prompts(body: dict[str, Any], chat: bool) -> list[str]:
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise WorkerError(400, "messages must be a non-empty list")
-        return ["".join(f"{m.get('role', '')}: {_content(m.get('content'))}\n"
-                        for m in messages if isinstance(m, dict))]
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    raise WorkerError(400, "prompt must be a string or a list of strings")
-
-
-def _content(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return str(content or "")
-
-
-def _as_list(value: Any, count: int) -> list[Any]:
-    if isinstance(value, list):
-        if len(value) != count:
-            raise WorkerError(400, f"{len(value)} bootstrap values for {count} sequences")
-        return value
-    if count != 1 and value is not None:
-        raise WorkerError(400, "batched requests need list bootstrap fields")
-    return [value] * count
-
-
-def _sequences(body: dict[str, Any], chat: bool) -> list[_Seq]:
-    n = int(body.get("n") or 1)
-    texts = [text for text in _prompts(body, chat) for _ in range(n)]
-    rooms = _as_list(body.get("bootstrap_room"), len(texts))
-    hosts = _as_list(body.get("bootstrap_host"), len(texts))
-    ports = _as_list(body.get("bootstrap_port"), len(texts))
-    return [
-        _Seq(i, tokenize(text), None if room is None else int(room),
-             None if host is None or port is None else f"{host}:{port}")
-        for i, (text, room, host, port) in enumerate(zip(texts, rooms, hosts, ports, strict=True))
-    ]
 
 
 # --- HTTP ------------------------------------------------------------------------------------
@@ -308,9 +351,8 @@ async def _serve(worker: SimWorker, request: Request, chat: bool) -> Response:
         body = await request.json()
         if not isinstance(body, dict):
             raise WorkerError(400, "the body must be a JSON object")
-        seqs = _sequences(body, chat)
-        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-        results = await _gather(worker, seqs, max_tokens)
+        seqs = sequences(body, chat, request.headers)
+        results = await _gather(worker, seqs, max_tokens(body))
     except WorkerError as exc:
         return JSONResponse({"error": {"message": exc.message, "code": exc.status}},
                             status_code=exc.status)
@@ -323,11 +365,14 @@ async def _serve(worker: SimWorker, request: Request, chat: bool) -> Response:
         return StreamingResponse(_chunks({**base, "object": f"{kind}.chunk"}, results, chat),
                                  media_type="text/event-stream")
     choices = [_choice(i, r, chat) for i, r in enumerate(results)]
-    return JSONResponse({**base, "object": kind, "choices": choices, "usage": _usage(results)})
+    answer = {**base, "object": kind, "choices": choices, "usage": _usage(results)}
+    if "kv_transfer_params" in body:
+        answer["kv_transfer_params"] = None  # vLLM >= 0.16's MooncakeConnector returns none
+    return JSONResponse(answer)
 
 
-async def _gather(worker: SimWorker, seqs: list[_Seq], max_tokens: int) -> list[_Result]:
-    tasks = [asyncio.create_task(worker.complete(seq, max_tokens)) for seq in seqs]
+async def _gather(worker: SimWorker, seqs: list[Seq], max_new: int) -> list[_Result]:
+    tasks = [asyncio.create_task(worker.complete(seq, max_new)) for seq in seqs]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -349,9 +394,9 @@ def create_app(worker: SimWorker) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "role": worker.config.role,
-                "free_pages": worker.pool.free_pages,
-                "quarantined_pages": worker.pool.quarantined,
-                "open_rooms": worker.open_rooms}
+                "free_pages": sum(pool.free_pages for pool in worker.pools),
+                "quarantined_pages": sum(pool.quarantined for pool in worker.pools),
+                "open_rooms": worker.open_rooms, "queues": worker.queues}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -106,19 +106,22 @@ class KVPool:
         return (region * layout.region_bytes + page * layout.page_bytes
                 + slot * self._per_layer)
 
-    def _token_slots(self, pages: Sequence[int], count: int) -> list[tuple[int, int, int]]:
+    def _token_slots(self, pages: Sequence[int], start: int,
+                     end: int) -> list[tuple[int, int, int]]:
         size = self.shape.page_size
-        return [(pos, pages[pos // size], pos % size) for pos in range(count)]
+        return [(pos, pages[pos // size], pos % size) for pos in range(start, end)]
 
-    def write(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
-        """The forward pass: KV of every prompt token into its page slot."""
+    def write(self, pages: Sequence[int], tokens: Sequence[int], start: int = 0,
+              end: int | None = None) -> None:
+        """The forward pass over positions [start, end): each token's KV into its page slot."""
         reps = self._per_layer // 8
-        for pos, page, slot in self._token_slots(pages, len(tokens)):
+        stop = len(tokens) if end is None else end
+        for pos, page, slot in self._token_slots(pages, start, stop):
             for region in range(self.layout.num_regions):
                 layer, kv = region % self.shape.layers, region // self.shape.layers
-                start = self._offset(region, page, slot)
-                self.data[start : start + self._per_layer] = _seed(tokens[pos], pos, layer,
-                                                                   kv) * reps
+                offset = self._offset(region, page, slot)
+                self.data[offset : offset + self._per_layer] = _seed(tokens[pos], pos, layer,
+                                                                     kv) * reps
 
     def read_digest(self, pages: Sequence[int], tokens: Sequence[int]) -> tuple[bytes, int]:
         """The digest of the prompt's KV in ``pages`` and the first bad position (-1: all good)."""
@@ -126,7 +129,7 @@ class KVPool:
         reps = self._per_layer // 8
         bad = -1
         view = memoryview(self.data)
-        for pos, page, slot in self._token_slots(pages, len(tokens)):
+        for pos, page, slot in self._token_slots(pages, 0, len(tokens)):
             for region in range(self.layout.num_regions):
                 layer, kv = region % self.shape.layers, region // self.shape.layers
                 start = self._offset(region, page, slot)

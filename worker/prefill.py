@@ -1,0 +1,144 @@
+"""The disaggregated prefill lifecycle of one rank, after SGLang's prefill scheduler (seed 002).
+
+A request moves through four queues; ``counts`` shows how many are in each:
+
+    bootstrap  waits for the decode's transfer info (``KVSender.bootstrap``, bounded by the
+               sender's bootstrap timeout); it holds its pages but no forward time
+    waiting    waits for the rank's forward pass (one at a time, first come first served)
+    forward    computes one chunk of at most ``chunk_tokens`` prompt tokens (the KV content is a
+               pure function of tokens and positions, plus ``compute_s_per_token`` of simulated
+               time), then sends the chunk's full pages (``KVSender.send``; the partial last page
+               waits for the next chunk) and goes back to ``waiting`` for the next chunk
+    inflight   the last chunk and the aux slot are written; waits for Success or Failed
+
+vLLM's MooncakeConnector has no bootstrap queue: the prefill computes at once, answers the HTTP
+request, and serves the decode's pull afterwards (``hand_off``: an inflight task that waits for
+the transfer info, writes and reports, bounded by the sender's timeouts).
+
+Whatever ends a request early (a failed transfer, a cancelled HTTP call) aborts its room, so the
+decode hears of it at once, and the caller gets the pages back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from transfer.sender import KVSender
+from worker.kv import KVPool
+
+__all__ = ["PrefillJob", "PrefillScheduler", "Stage"]
+
+Stage = Literal["bootstrap", "waiting", "forward", "inflight"]
+STAGES: tuple[Stage, ...] = ("bootstrap", "waiting", "forward", "inflight")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillJob:
+    room: int
+    tokens: Sequence[int]
+    pages: Sequence[int]
+    aux: bytes
+
+
+class PrefillScheduler:
+    """Runs prefill jobs through the lifecycle on one rank's pool and sender."""
+
+    def __init__(self, pool: KVPool, sender: KVSender, *, chunk_tokens: int,
+                 compute_s_per_token: float = 0.0) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self._pool = pool
+        self._sender = sender
+        self._chunk = chunk_tokens
+        self._compute = compute_s_per_token
+        self._forward = asyncio.Lock()  # FIFO: the waiting queue
+        self._counts: Counter[Stage] = Counter()
+        self._handed_off: set[asyncio.Task[None]] = set()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {stage: self._counts[stage] for stage in STAGES}
+
+    async def run(self, job: PrefillJob) -> float:
+        """SGLang: bootstrap, forward chunk by chunk, send; returns the transfer's seconds.
+
+        Raises ``TransferFailed`` (the room failed; the decode has been told).
+        """
+        with self._stage("bootstrap") as stage:
+            await self._sender.bootstrap(job.room)
+            started = time.monotonic()
+            try:
+                for start in range(0, len(job.tokens), self._chunk):
+                    end = min(start + self._chunk, len(job.tokens))
+                    await self._forward_chunk(job, start, end, stage)
+                    last = end == len(job.tokens)
+                    if last:
+                        stage("inflight")
+                    await self._sender.send(job.room, job.pages, end, is_last_chunk=last,
+                                            aux=job.aux if last else None)
+            except BaseException:
+                self._sender.abort(job.room, "the prefill request ended early")
+                raise
+            return time.monotonic() - started
+
+    async def compute(self, job: PrefillJob) -> None:
+        """vLLM: the forward pass over the whole prompt, chunk by chunk, sending nothing yet."""
+        with self._stage("waiting") as stage:
+            for start in range(0, len(job.tokens), self._chunk):
+                await self._forward_chunk(job, start, min(start + self._chunk, len(job.tokens)),
+                                          stage)
+
+    def hand_off(self, job: PrefillJob, done: Callable[[], None]) -> None:
+        """vLLM: serve the decode's pull of a computed ``job`` in the background; ``done`` runs
+        when the room ended (Success or Failed), to release the pages."""
+
+        async def inflight() -> None:
+            with self._stage("inflight"), contextlib.suppress(Exception):
+                await self._sender.send(job.room, job.pages, len(job.tokens),
+                                        is_last_chunk=True, aux=job.aux)
+
+        task = asyncio.create_task(inflight(), name=f"prefill-inflight-{job.room}")
+        self._handed_off.add(task)
+
+        def finished(finished_task: asyncio.Task[None]) -> None:
+            self._handed_off.discard(finished_task)
+            done()
+
+        task.add_done_callback(finished)
+
+    async def aclose(self) -> None:
+        """Cancel the handed-off transfers (their rooms fail; their pages come back)."""
+        for task in list(self._handed_off):
+            task.cancel()
+        await asyncio.gather(*self._handed_off, return_exceptions=True)
+
+    async def _forward_chunk(self, job: PrefillJob, start: int, end: int,
+                             stage: Callable[[Stage], None]) -> None:
+        stage("waiting")
+        async with self._forward:
+            stage("forward")
+            if self._compute:
+                await asyncio.sleep(self._compute * (end - start))
+            self._pool.write(job.pages, job.tokens, start, end)
+        stage("waiting")
+
+    @contextlib.contextmanager
+    def _stage(self, first: Stage) -> Iterator[Callable[[Stage], None]]:
+        current: list[Stage] = [first]
+        self._counts[first] += 1
+
+        def move(stage: Stage) -> None:
+            self._counts[current[0]] -= 1
+            self._counts[stage] += 1
+            current[0] = stage
+
+        try:
+            yield move
+        finally:
+            self._counts[current[0]] -= 1
