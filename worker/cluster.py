@@ -1,7 +1,9 @@
 """``pd-cluster``: the router (with its embedded registry) and N prefill + M decode workers.
 
-Each prefill registers its rank with the router's registry under its own namespace, served on a
-namespace port (``--bootstrap-namespace pI=PORT``), which is the ``bootstrap_port`` decoders get.
+Each prefill registers its ranks (``--dp`` of them) with the router's registry under its own
+namespace, served on a namespace port (``--bootstrap-namespace pI=PORT``): SGLang's ``PUT /route``
+(the port is the ``bootstrap_port`` decoders get) or, with ``--engine vllm-mooncake``, vLLM's
+``POST /register`` (decoders get ``http://127.0.0.1:PORT`` as ``remote_bootstrap_addr``).
 Everything runs on 127.0.0.1 as child processes in one process group per child; Ctrl-C/SIGTERM
 stops them all (SIGTERM, then SIGKILL after a grace period).
 """
@@ -36,8 +38,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--port", type=int, default=8000, help="router port")
-    parser.add_argument("--engine", choices=["sglang"], default="sglang",
-                        help="PD protocol (vllm-mooncake: not yet)")
+    parser.add_argument("--dp", type=int, default=1, help="DP ranks per prefill")
+    parser.add_argument("--engine", choices=["sglang", "vllm-mooncake"], default="sglang",
+                        help="PD protocol the router and the workers speak")
     parser.add_argument("--ready-timeout", type=float, default=60.0)
     parser.add_argument("worker_args", nargs=argparse.REMAINDER,
                         help="after --: extra pd-worker arguments (e.g. --pages 512)")
@@ -109,6 +112,8 @@ def _terminating() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
+    if min(args.prefill, args.decode, args.dp) < 1:
+        raise SystemExit("pd-cluster: --prefill, --decode and --dp must be >= 1")
     extra = [a for a in args.worker_args if a != "--"]
     prefills = [_free_port() for _ in range(args.prefill)]
     namespaces = [_free_port() for _ in range(args.prefill)]
@@ -121,11 +126,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             _wait(f"{router}/health", children, args.ready_timeout)
             for port, ns_port in zip(prefills, namespaces, strict=True):
                 children.start(["worker", "--role", "prefill", "--port", str(port),
-                                "--registry", f"{_HOST}:{ns_port}", *extra])
+                                "--registry", f"{_HOST}:{ns_port}", "--protocol", args.engine,
+                                "--dp", str(args.dp), *extra])
             for port in decodes:
                 children.start(["worker", "--role", "decode", "--port", str(port), *extra])
             _wait(f"{router}/ready", children, args.ready_timeout)
-            print(f"pd-cluster ready: {router}  ({args.prefill}P{args.decode}D, {args.engine})")
+            dp = f", DP={args.dp}" if args.dp > 1 else ""
+            print(f"pd-cluster ready: {router}  ({args.prefill}P{args.decode}D{dp}, {args.engine})")
             print(f"  curl {router}/v1/completions -H 'Content-Type: application/json' "
                   "-d '{\"model\": \"sim-model\", \"prompt\": \"Hello\", \"max_tokens\": 16}'",
                   flush=True)
