@@ -1,8 +1,10 @@
-"""pd-worker clusters behind the real router (SGLang adapter): equality, faults, leaks.
+"""pd-worker clusters behind the real router (SGLang and vLLM Mooncake adapters): equality,
+faults, leaks.
 
 Every cluster runs in this process on 127.0.0.1: one standalone registry per prefill (its
-bootstrap API), simulated prefill and decode workers sharing a ``LoopbackNetwork`` (KV really
-moves between their pools), a co-located ``--role both`` worker for the reference output and the
+bootstrap API: SGLang ``/route`` or vLLM ``/register`` + ``/query``), simulated prefill (one or
+two DP ranks) and decode workers sharing a ``LoopbackNetwork`` (KV really moves between their
+pools), a co-located ``--role both`` worker for the reference output and the
 router. Faults are injected through the prefills' ``LoopbackEngine`` knobs; every fault test
 checks that the client gets an error JSON in bounded time and that pages and rooms come back.
 """
@@ -53,19 +55,17 @@ class Side:
         return self.engines[-1]
 
     def open_rooms(self) -> int:
-        worker = self.worker
-        if worker.sender is not None:
-            return worker.sender.open_rooms
-        return worker.receiver.open_rooms if worker.receiver is not None else 0
+        return self.worker.open_rooms
 
     def idle(self) -> bool:
-        pool = self.worker.pool
-        return (pool.free_pages == pool.shape.pages and pool.quarantined == 0
-                and self.open_rooms() == 0)
+        return self.open_rooms() == 0 and all(
+            pool.free_pages == pool.shape.pages and pool.quarantined == 0
+            for pool in self.worker.pools)
 
 
 @dataclass
 class PDCluster:
+    engine: str
     router: str
     reference: str
     prefills: list[Side]
@@ -99,45 +99,51 @@ def _factory(engines: list[LoopbackEngine], network: LoopbackNetwork) -> EngineF
 
 
 def _sides(role: Literal["prefill", "decode"], count: int, network: LoopbackNetwork,
-           registries: Sequence[int]) -> list[Side]:
+           registries: Sequence[int], **options: Any) -> list[Side]:
     sides = []
     for index in range(count):
         registry = f"127.0.0.1:{registries[index]}" if registries else None
         engines: list[LoopbackEngine] = []
         config = WorkerConfig(role, shape=SHAPE, registry=registry,
-                              transfer_timeout_s=TRANSFER_TIMEOUT_S)
+                              transfer_timeout_s=TRANSFER_TIMEOUT_S, **options)
         sides.append(Side(SimWorker(config, _factory(engines, network)), engines))
     return sides
 
 
 @contextlib.contextmanager
-def pd_cluster(prefill: int = 1, decode: int = 1, **router: Any) -> Iterator[PDCluster]:
-    """``prefill``P``decode``D behind the router (``router``: settings overrides)."""
+def pd_cluster(prefill: int = 1, decode: int = 1, engine: str = "sglang", dp: int = 1,
+               **router: Any) -> Iterator[PDCluster]:
+    """``prefill``P``decode``D, ``dp`` ranks per prefill, behind the router speaking
+    ``engine`` (``router``: settings overrides)."""
     network = LoopbackNetwork()
     with contextlib.ExitStack() as stack:
         own = [stack.enter_context(contextlib.ExitStack()) for _ in range(prefill)]
         registries = [s.enter_context(run_server(create_registry_app(RegistrySettings())))
                       for s in own]
-        prefills = _sides("prefill", prefill, network, registries)
+        prefills = _sides("prefill", prefill, network, registries, protocol=engine, dp_size=dp)
         decodes = _sides("decode", decode, network, [])
         reference = SimWorker(WorkerConfig("both", shape=SHAPE), None)
         ports = stack.enter_context(run_servers(
             *(create_app(side.worker) for side in prefills + decodes), create_app(reference)))
         pairs = zip(ports[:prefill], registries, strict=True)
         settings = settings_for(
-            "sglang", [(f"http://127.0.0.1:{p}", b) for p, b in pairs],
+            engine, [(f"http://127.0.0.1:{p}", b) for p, b in pairs],
             [f"http://127.0.0.1:{p}" for p in ports[prefill:prefill + decode]],
             **{"health": {"failure_threshold": 1000}, "upstream": {"max_retries": 0}, **router})
         router_url = f"http://127.0.0.1:{stack.enter_context(run_server(create_router(settings)))}"
         wait_until(lambda: httpx.get(f"{router_url}/ready").status_code == 200, 10.0,
                    "router ready")
-        cluster = PDCluster(router_url, f"http://127.0.0.1:{ports[-1]}", prefills, decodes,
+        cluster = PDCluster(engine, router_url, f"http://127.0.0.1:{ports[-1]}", prefills, decodes,
                             registries, own, [f"http://127.0.0.1:{p}" for p in ports])
-        wait_until(lambda: all(s.engines for s in cluster.sides), 5.0, "engines open")
+        wait_until(lambda: all(len(s.engines) == len(s.worker.ranks) for s in cluster.sides), 5.0,
+                   "engines open")
         yield cluster
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 2)], ids=["1P1D", "2P2D"])
+@pytest.fixture(scope="module", params=[
+    (1, 1, "sglang", 1), (2, 2, "sglang", 1), (1, 1, "sglang", 2),
+    (1, 1, "vllm-mooncake", 1), (2, 2, "vllm-mooncake", 2),
+], ids=["sglang-1P1D", "sglang-2P2D", "sglang-1P1D-DP2", "vllm-1P1D", "vllm-2P2D-DP2"])
 def cluster(request: pytest.FixtureRequest) -> Iterator[PDCluster]:
     with pd_cluster(*request.param) as c:
         yield c
@@ -196,13 +202,18 @@ def test_disaggregated_equals_colocated(cluster: PDCluster) -> None:
         assert pd["usage"]["prompt_tokens"] == len(prompt)
         assert pd["usage"]["kv_bytes_received"] == _kv_bytes(len(prompt))
     assert len({_texts(pd)[0] for _, pd, _ in results}) == len(prompts)  # outputs depend on KV
-    for side in cluster.prefills:  # every prefill did some of the work
-        assert side.worker.sender is not None and side.worker.sender.stats.rooms_succeeded > 0
+    for side in cluster.prefills:  # every prefill DP rank did some of the work
+        for rank in side.worker.ranks:
+            assert rank.sender is not None and rank.sender.stats.rooms_succeeded > 0
     cluster.wait_idle()
 
 
 def test_batched_completions_equal_colocated(cluster: PDCluster) -> None:
     prompts = [p for p in _prompts(40) if len(p) < 3000][:6]
+    if cluster.engine == "vllm-mooncake":  # one transfer_id per request: the router refuses
+        refused = _post(cluster.router, "/v1/completions", {"prompt": prompts})
+        assert refused.status_code == 400 and "vllm-mooncake" in refused.text, refused.text
+        return
     pd, ref = _pd_and_reference(cluster, "/v1/completions", {"prompt": prompts})
     assert len(pd["choices"]) == len(prompts)
     assert _texts(pd) == _texts(ref)
@@ -212,10 +223,11 @@ def test_batched_completions_equal_colocated(cluster: PDCluster) -> None:
 
 
 def test_chat_with_two_samples_equals_colocated(cluster: PDCluster) -> None:
-    body = {"n": 2, "messages": [{"role": "system", "content": "be brief"},
+    n = 2 if cluster.engine == "sglang" else 1  # vLLM: one sequence per transfer_id
+    body = {"n": n, "messages": [{"role": "system", "content": "be brief"},
                                  {"role": "user", "content": "hello " * 300}]}
     pd, ref = _pd_and_reference(cluster, "/v1/chat/completions", body)
-    assert len(pd["choices"]) == 2
+    assert len(pd["choices"]) == n
     assert _texts(pd) == _texts(ref)
     cluster.wait_idle()
 
@@ -223,10 +235,29 @@ def test_chat_with_two_samples_equals_colocated(cluster: PDCluster) -> None:
 # --- 2. faults: a clear error in bounded time, everything released ---------------------------
 
 
-@pytest.fixture
-def small() -> Iterator[PDCluster]:
-    with pd_cluster() as c:
+@pytest.fixture(params=["sglang", "vllm-mooncake"])
+def small(request: pytest.FixtureRequest) -> Iterator[PDCluster]:
+    with pd_cluster(engine=request.param) as c:
         yield c
+
+
+def _prefill_fields(engine: str, bootstrap_port: int, room: int) -> dict[str, Any]:
+    """What the router would send a prefill, with no decode ever pulling."""
+    if engine == "sglang":
+        return {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+                "bootstrap_room": room}
+    return {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                   "transfer_id": f"xfer-{room}"}}
+
+
+def _decode_fields(engine: str, bootstrap_port: int, room: int) -> dict[str, Any]:
+    """What the router would send a decode for a prefill whose bootstrap API is at the port."""
+    if engine == "sglang":
+        return {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+                "bootstrap_room": room}
+    return {"kv_transfer_params": {"do_remote_decode": False, "do_remote_prefill": True,
+                                   "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap_port}",
+                                   "remote_engine_id": "some-engine", "transfer_id": f"x{room}"}}
 
 
 def _timed_error(url: str, path: str, body: dict[str, Any], within: float) -> dict[str, Any]:
@@ -262,19 +293,26 @@ def test_slow_transfer_times_out(small: PDCluster) -> None:
 
 
 def test_transfer_info_never_arriving(small: PDCluster) -> None:
-    """A prefill request whose decode never sends transfer info fails at the deadline."""
-    body = {"prompt": "z" * 100, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": small.registries[0], "bootstrap_room": 4242}
-    error = _timed_error(small.worker_urls[0], "/v1/completions", body,
-                         within=TRANSFER_TIMEOUT_S + 2.0)
-    assert "bootstrapping" in str(error["message"]).lower(), error
-    small.wait_idle()
+    """A prefill request whose decode never sends transfer info ends at the deadline.
+
+    SGLang: the prefill's answer is the error. vLLM: the prefill answers once computed (as vLLM
+    does) and holds the KV for the pull until the deadline, then releases it.
+    """
+    body = {"prompt": "z" * 100, **_prefill_fields(small.engine, small.registries[0], 4242)}
+    if small.engine == "sglang":
+        error = _timed_error(small.worker_urls[0], "/v1/completions", body,
+                             within=TRANSFER_TIMEOUT_S + 2.0)
+        assert "bootstrapping" in str(error["message"]).lower(), error
+    else:
+        answer = _ok(_post(small.worker_urls[0], "/v1/completions", body, timeout=2.0))
+        assert answer["kv_transfer_params"] is None
+        assert small.prefills[0].worker.queues["inflight"] == 1  # waiting for the pull
+    small.wait_idle(TRANSFER_TIMEOUT_S + 3.0)
 
 
 def test_registry_lookup_failing_at_the_decode(small: PDCluster) -> None:
     """A decode pointed at a closed bootstrap port: a clear 5xx at once, nothing held."""
-    body = {"prompt": "w" * 200, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": _closed_port(), "bootstrap_room": 77}
+    body = {"prompt": "w" * 200, **_decode_fields(small.engine, _closed_port(), 77)}
     error = _timed_error(small.worker_urls[1], "/v1/completions", body, within=3.0)
     assert "transfer failed" in str(error["message"]).lower(), error
     small.wait_idle()
@@ -344,11 +382,13 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
 
 
-def test_pd_cluster_process_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("engine", "dp"), [("sglang", 1), ("vllm-mooncake", 2)])
+def test_pd_cluster_process_smoke(tmp_path: Path, engine: str, dp: int) -> None:
     port = _closed_port()
     log = (tmp_path / "pd-cluster.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "worker.cluster", "--prefill", "1", "--decode", "1",
+         "--engine", engine, "--dp", str(dp),
          "--port", str(port), "--ready-timeout", "12", "--", "--pages", "256",
          "--bytes-per-token", "64"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -366,8 +406,12 @@ def test_pd_cluster_process_smoke(tmp_path: Path) -> None:
         wait_until(ready, 12.0, "pd-cluster ready")
         children = _children(proc.pid)
         assert len(children) == 3, children  # router, prefill, decode
-        response = _post(url, "/v1/completions", {"prompt": "hello"})
-        assert response.status_code == 200, response.text
+        ready = httpx.get(f"{url}/ready").json()
+        assert ready["prefill"][0]["dp_size"] == dp
+        for _ in range(2 * dp):  # the router spreads requests over the DP ranks
+            response = _post(url, "/v1/completions", {"prompt": "hello"})
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["kv_bytes_received"] > 0
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
         wait_until(lambda: not any(_alive(pid) for pid in children), 5.0, "children gone")
