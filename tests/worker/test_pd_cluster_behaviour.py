@@ -406,8 +406,8 @@ def test_pd_cluster_process_smoke(tmp_path: Path, engine: str, dp: int) -> None:
         wait_until(ready, 12.0, "pd-cluster ready")
         children = _children(proc.pid)
         assert len(children) == 3, children  # router, prefill, decode
-        ready = httpx.get(f"{url}/ready").json()
-        assert ready["prefill"][0]["dp_size"] == dp
+        status = httpx.get(f"{url}/ready").json()
+        assert status["prefill"][0]["dp_size"] == dp
         for _ in range(2 * dp):  # the router spreads requests over the DP ranks
             response = _post(url, "/v1/completions", {"prompt": "hello"})
             assert response.status_code == 200, response.text
