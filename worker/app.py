@@ -277,7 +277,8 @@ class SimWorker:
             try:
                 got = await rank.receiver.request(seq.room, seq.bootstrap, pages, aux_index,
                                                   self.config.transfer_timeout_s,
-                                                  dp_rank=seq.dp_rank, engine_id=seq.engine_id)
+                                                  dp_rank=seq.source_dp_rank,
+                                                  engine_id=seq.engine_id)
             except ReceiveFailed as exc:
                 if exc.pages_safe:
                     rank.aux_free.append(aux_index)

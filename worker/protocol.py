@@ -46,7 +46,8 @@ class Seq:
     tokens: list[int]
     room: int | None = None
     bootstrap: str | None = None  # the prefill's bootstrap API, for a decode
-    dp_rank: int | None = None  # the prefill DP rank (routed_dp_rank / X-data-parallel-rank)
+    dp_rank: int | None = None  # a prefill's DP rank (routed_dp_rank / X-data-parallel-rank)
+    source_dp_rank: int | None = None  # the prefill DP rank a decode pulls from
     engine_id: str | None = None  # vLLM: the prefill DP engine a decode pulls from
     local: bool = False  # vLLM params too incomplete to disaggregate: prefill locally
 
@@ -88,8 +89,7 @@ def _sglang(texts: list[str], body: Mapping[str, Any]) -> list[Seq]:
         room_id = _optional_int(room, "bootstrap_room")
         if room_id is not None and not 0 <= room_id < 1 << 64:
             raise WorkerError(400, f"bootstrap_room {room_id} is outside [0, 2^64)")
-        dp_rank = pulled if bootstrap is not None else routed
-        seqs.append(Seq(i, tokenize(text), room_id, bootstrap, dp_rank))
+        seqs.append(Seq(i, tokenize(text), room_id, bootstrap, routed, pulled))
     return seqs
 
 
