@@ -508,9 +508,7 @@ class KVSender(AsyncClosing):
         write = rec.write if rec.write is not None and not rec.write.done() else None
         closed = _Closed(room, state.poll, state.reason, _targets(rec.infos), write, rec.aux_slot,
                          quiet=not rec.undrained)
-        self._tombs[room] = closed._replace(write=None)
-        while len(self._tombs) > _TOMBSTONES:
-            self._tombs.popitem(last=False)
+        self._remember(closed)
         if state.poll is KVPoll.Success:
             self.stats.rooms_succeeded += 1
         else:
@@ -570,9 +568,20 @@ class KVSender(AsyncClosing):
         return TransferStatus(room=room, status=KVPoll.Failed,
                               prefill_rank=self._rank.unique_rank, reason=reason)
 
-    def _drop_early(self, room: int, reason: str) -> None:
+    def _drop_early(self, room: int, reason: str, *, lost: Peer | None = None) -> None:
+        """Drop transfer info no call claimed, telling its decode ranks (but ``lost``); a later
+        call for the room fails at once."""
         early = self._early.pop(room)
-        self._spawn(self._push(_targets(early.infos), self._failed_status(room, reason)))
+        self._remember(_Closed(room, KVPoll.Failed, reason, (), None, None))
+        targets = tuple(peer for peer in _targets(early.infos) if peer != lost)
+        if targets:
+            self._spawn(self._push(targets, self._failed_status(room, reason)))
+
+    def _remember(self, closed: _Closed) -> None:
+        self._tombs[closed.room] = closed._replace(write=None)
+        self._tombs.move_to_end(closed.room)
+        while len(self._tombs) > _TOMBSTONES:
+            self._tombs.popitem(last=False)
 
     # --- control messages ----------------------------------------------------------------------
 
@@ -667,7 +676,7 @@ class KVSender(AsyncClosing):
                 self._fail(room, f"lost connection to decode {peer}")
         for room, early in list(self._early.items()):
             if any(info.session_id in lost for info in early.infos):
-                del self._early[room]
+                self._drop_early(room, f"lost connection to decode {peer}", lost=peer)
 
     # --- background ----------------------------------------------------------------------------
 

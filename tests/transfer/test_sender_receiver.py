@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from registry.app import create_registry_app
 from registry.settings import RegistrySettings
+from tests.conftest import await_until
 from tests.servers import run_server
 from transfer.bootstrap import BootstrapClient, BootstrapError, PrefillRank, bootstrap_url
 from transfer.control import ControlPlane, Peer, PeerUnreachable
@@ -436,6 +437,49 @@ async def test_prefill_killed_mid_transfer_is_seen_at_once(context: Ctx, registr
         if proc.returncode is None:
             proc.kill()
         await proc.wait()
+
+
+_KILLED_DECODE = """
+import asyncio, sys
+import zmq.asyncio
+from transfer.layout import KVLayout
+from transfer.receiver import KVReceiver
+
+class Engine:
+    session_id = "doomed:0"
+    def register(self, ptr, length): pass
+    def unregister(self, ptr): pass
+    async def close(self): pass
+
+async def main():
+    layout = KVLayout.packed(1 << 20, num_layers=2, page_size_tokens=4,
+                             bytes_per_token_per_layer=8, num_pages=32)
+    async with KVReceiver(zmq.asyncio.Context(), Engine(), layout, aux_item_len=16,
+                          aux_slots=4) as receiver:
+        await receiver.request(int(sys.argv[2]), sys.argv[1], [1, 2], 0, 60.0)
+
+asyncio.run(main())
+"""
+
+
+async def test_decode_killed_before_the_prefill_claims_its_info(context: Ctx,
+                                                                 registry: str) -> None:
+    """Transfer info arrived before the prefill's request; its decode dies: the request, when it
+    comes, fails at once instead of waiting out the bootstrap timeout."""
+    async with pair(context, registry, sender={"bootstrap_timeout_s": 30.0}) as p:
+        room = next(_rooms)
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _KILLED_DECODE, p.addr,
+                                                    str(room))
+        try:
+            await await_until(lambda: p.sender.unclaimed_infos == 1, 10.0, "the decode's info")
+        finally:
+            proc.kill()
+            await proc.wait()
+        await await_until(lambda: p.sender.unclaimed_infos == 0, 5.0, "the loss to be noticed")
+        started = time.monotonic()
+        with pytest.raises(TransferFailed, match="lost connection to decode"):
+            await p.sender.bootstrap(room)
+        assert time.monotonic() - started < 0.5 and p.sender.open_rooms == 0
 
 
 async def test_registry_unreachable(context: Ctx, registry: str) -> None:
