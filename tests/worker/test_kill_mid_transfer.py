@@ -1,7 +1,8 @@
 """Real processes, real SIGKILL: a worker dying mid-transfer ends in a clear client error.
 
 Each test starts, as ``pd-cluster`` does, the router (its embedded registry serving namespace
-``p0`` on a bootstrap port), one prefill registering there and one decode, each a ``python -m``
+``p0`` on a bootstrap port), one prefill registering there and one decode, speaking SGLang's or
+vLLM MooncakeConnector's protocol, each a ``python -m``
 child on 127.0.0.1 with the real Mooncake engine (TCP over loopback). The prefill simulates
 compute (``--compute-s-per-token``), so a ``PROMPT_TOKENS``-token prompt keeps its room open for
 ~2.5 s after the decode has asked the prefill for the KV. The victim is SIGKILLed in that window:
@@ -177,7 +178,7 @@ class KillCluster:
             raise AssertionError(f"{role} /health: {last}\n{exc}") from None
 
 
-def _worker_argv(role: Role, port: int, ns_port: int) -> list[str]:
+def _worker_argv(role: Role, port: int, ns_port: int, engine: str) -> list[str]:
     argv = (
         f"worker --role {role} --port {port} --engine mooncake --layers 2 --pages {PAGES} "
         f"--page-size {PAGE_SIZE} --bytes-per-token 256 --transfer-timeout {TRANSFER_TIMEOUT_S} "
@@ -185,32 +186,34 @@ def _worker_argv(role: Role, port: int, ns_port: int) -> list[str]:
     ).split()
     if role == "prefill":
         argv += (
-            f"--registry 127.0.0.1:{ns_port} --compute-s-per-token {COMPUTE_S_PER_TOKEN}".split()
+            f"--registry 127.0.0.1:{ns_port} --compute-s-per-token {COMPUTE_S_PER_TOKEN} "
+            f"--protocol {engine}".split()
         )
     return argv
 
 
-def _router_argv(port: int, ns_port: int, prefill: str, decode: str) -> list[str]:
+def _router_argv(port: int, ns_port: int, prefill: str, decode: str, engine: str) -> list[str]:
     """What ``pd-cluster`` runs (``worker.cluster._router_args``), with fast health probes."""
     return (
-        f"router --engine sglang --host 127.0.0.1 --port {port} --advertise-host 127.0.0.1 "
+        f"router --engine {engine} --host 127.0.0.1 --port {port} --advertise-host 127.0.0.1 "
         f"--bootstrap-namespace p0={ns_port} --prefill {prefill} ns:p0 --decode {decode} "
         "--health-interval 0.2 --health-timeout 1 --log-level info"
     ).split()
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[KillCluster]:
+def cluster(tmp_path: Path, engine: str) -> Iterator[KillCluster]:
     port, ns_port = free_port(), free_port()
     ports: dict[Role, int] = {"prefill": free_port(), "decode": free_port()}
     urls: dict[Role, str] = {role: f"http://127.0.0.1:{p}" for role, p in ports.items()}
     router = Child(
         "router",
-        _router_argv(port, ns_port, urls["prefill"], urls["decode"]),
+        _router_argv(port, ns_port, urls["prefill"], urls["decode"], engine),
         tmp_path / "router.log",
     )
     workers = {
-        role: Child(role, _worker_argv(role, ports[role], ns_port), tmp_path / f"{role}.log")
+        role: Child(role, _worker_argv(role, ports[role], ns_port, engine),
+                    tmp_path / f"{role}.log")
         for role in ports
     }
     c = KillCluster(f"http://127.0.0.1:{port}", urls, router, workers)
@@ -320,9 +323,12 @@ def _kill_mid_transfer(c: KillCluster, victim: Role, stream: bool) -> Outcome:
             raise AssertionError(f"no answer from the router: {exc!r}\n{c.logs()}") from exc
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize("victim", ["prefill", "decode"])
-def test_kill_mid_transfer(cluster: KillCluster, victim: Role, stream: bool) -> None:
+@pytest.mark.parametrize(("engine", "victim", "stream"), [
+    ("sglang", "prefill", False), ("sglang", "prefill", True),
+    ("sglang", "decode", False), ("sglang", "decode", True),
+    ("vllm-mooncake", "prefill", True), ("vllm-mooncake", "decode", False),
+], ids=lambda value: {False: "whole", True: "stream"}.get(value, value))
+def test_kill_mid_transfer(cluster: KillCluster, engine: str, victim: Role, stream: bool) -> None:
     survivor: Role = "decode" if victim == "prefill" else "prefill"
     _ok(_complete(cluster.router_url, "warm up " * 2, stream))  # connections and registration
     cluster.wait_idle(survivor, 2.0)
