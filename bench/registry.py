@@ -36,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import uvicorn
@@ -563,14 +563,15 @@ class _QuietServer(uvicorn.Server):
 
 
 @contextlib.asynccontextmanager
-async def serve(app: FastAPI, start_timeout: float = 10.0) -> AsyncIterator[int]:
+async def serve(app: FastAPI, start_timeout: float = 10.0, *,
+                lifespan: Literal["on", "off"] = "off") -> AsyncIterator[int]:
     """Run ``app`` on uvicorn at 127.0.0.1 (an OS-chosen port) on this event loop; yields the
     port, stops the server on exit (forced after ``STOP_GRACE_S``)."""
     config = uvicorn.Config(
         app,
         host=LOOPBACK,
         port=0,
-        lifespan="off",
+        lifespan=lifespan,
         log_config=None,
         log_level="warning",
         access_log=False,
