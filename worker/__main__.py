@@ -32,10 +32,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", choices=["loopback", "mooncake"], default="mooncake",
                         help="transfer engine (loopback only moves KV within one process)")
     parser.add_argument("--model", default="sim-model")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--bytes-per-token", type=int, default=4096, help="per layer, K+V")
-    parser.add_argument("--pages", type=int, default=2048)
+    parser.add_argument("--pages", type=int, default=1024)
     parser.add_argument("--max-prompt-tokens", type=int, default=8192)
     parser.add_argument("--transfer-timeout", type=float, default=30.0)
     parser.add_argument("--compute-s-per-token", type=float, default=0.0)

@@ -52,10 +52,10 @@ class PoolExhausted(Exception):
 
 @dataclass(frozen=True, slots=True)
 class PoolShape:
-    layers: int = 4
+    layers: int = 8
     page_size: int = 16
     bytes_per_token: int = 4096  # per layer, K and V together
-    pages: int = 2048
+    pages: int = 1024
 
     def __post_init__(self) -> None:
         if self.bytes_per_token % 16:
