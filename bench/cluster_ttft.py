@@ -45,6 +45,7 @@ from typing import Any
 
 import httpx
 
+from bench.cli import positive_ints, sigterm_raises
 from bench.loadgen import Percentiles, percentiles
 
 __all__ = ["BenchError", "Sample", "TTFTConfig", "TTFTRow", "main", "render", "run_bench"]
@@ -291,23 +292,6 @@ def _started(cfg: TTFTConfig, target: str) -> Iterator[tuple[_Child, str]]:
         child.stop()
 
 
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises ``KeyboardInterrupt`` here, so every ``finally`` (child cleanup) runs."""
-
-    def interrupt(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 # --- requests ----------------------------------------------------------------------------------
 
 
@@ -402,7 +386,7 @@ def run_bench(cfg: TTFTConfig) -> list[TTFTRow]:
     rows: list[TTFTRow] = []
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0)
     with (
-        _sigterm_interrupts(),
+        sigterm_raises(),
         contextlib.ExitStack() as stack,
         httpx.Client(timeout=timeout) as client,
     ):
@@ -475,10 +459,6 @@ def render(cfg: TTFTConfig, rows: Sequence[TTFTRow]) -> str:
     return "\n".join([head, "", table, "", legend, *(["", "errors:", *errors] if errors else [])])
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part.strip())
-
-
 def parse_args(argv: Sequence[str] | None = None) -> TTFTConfig:
     parser = argparse.ArgumentParser(
         prog="bench.cluster_ttft", description=(__doc__ or "").split("\n")[0]
@@ -491,7 +471,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TTFTConfig:
     )
     parser.add_argument(
         "--lengths",
-        type=_ints,
+        type=positive_ints,
         default=TTFTConfig.lengths,
         help="comma-separated prompt lengths in tokens",
     )
@@ -512,8 +492,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TTFTConfig:
         "baseline), e.g. -- --layers 32 --bytes-per-token 8192",
     )
     args = parser.parse_args(argv)
-    if args.requests < 1 or not args.lengths or min(args.lengths) < 1:
-        parser.error("--requests and --lengths need values >= 1")
+    if args.requests < 1:
+        parser.error("--requests needs a value >= 1")
     extra = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
     return TTFTConfig(
         requests=args.requests,

@@ -28,20 +28,18 @@ import contextlib
 import logging
 import math
 import platform
-import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
-from types import FrameType
 from typing import Any, Literal
 
 import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from bench.cli import sigterm_raises
 from registry.backends import RegistryStore, WatchEvent, open_store
 from registry.bootstrap import RegisterWorkerPayload, vllm_routes
 from registry.bootstrap.tables import BootstrapTables
@@ -563,8 +561,9 @@ class _QuietServer(uvicorn.Server):
 
 
 @contextlib.asynccontextmanager
-async def serve(app: FastAPI, start_timeout: float = 10.0, *,
-                lifespan: Literal["on", "off"] = "off") -> AsyncIterator[int]:
+async def serve(
+    app: FastAPI, start_timeout: float = 10.0, *, lifespan: Literal["on", "off"] = "off"
+) -> AsyncIterator[int]:
     """Run ``app`` on uvicorn at 127.0.0.1 (an OS-chosen port) on this event loop; yields the
     port, stops the server on exit (forced after ``STOP_GRACE_S``)."""
     config = uvicorn.Config(
@@ -777,23 +776,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def _sigterm_exits() -> Generator[None, None, None]:
-    """While the block runs, SIGTERM unwinds it like Ctrl-C does (so etcd is stopped)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     config = _config(parse_args(argv))
     logging.basicConfig(level=logging.WARNING)
@@ -804,7 +786,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.perf_counter()
     etcd = EtcdServer()
-    with _sigterm_exits():
+    with sigterm_raises(lambda signum: SystemExit(128 + signum)):  # etcd is stopped
         try:
             etcd_url = _start_etcd(etcd)
             asyncio.run(run_bench(config, etcd_url, lambda text: print(text, flush=True)))

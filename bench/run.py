@@ -34,6 +34,7 @@ from typing import IO, Any
 import httpx
 import msgspec
 
+from bench.cli import positive_ints
 from bench.loadgen import LoadResult
 
 __all__ = ["BenchConfig", "BenchError", "Report", "main", "run_bench"]
@@ -688,25 +689,13 @@ def render(report: Report) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
-    return values
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.run",
         description="Benchmark the PD router against direct access to a fake decode engine.",
     )
     p.add_argument("--engine", choices=ENGINES, default="sglang")
-    p.add_argument("--concurrency", type=_int_list, default=None, help="e.g. 1,32,128")
+    p.add_argument("--concurrency", type=positive_ints, default=None, help="e.g. 1,32,128")
     p.add_argument("--requests", type=int, default=None, help="max measured requests per run")
     p.add_argument("--duration", type=float, default=None, help="max measured seconds per run")
     p.add_argument("--tokens", type=int, default=16, help="max_tokens (SSE events) per request")
