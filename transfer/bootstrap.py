@@ -232,7 +232,7 @@ class BootstrapClient(AsyncClosing):
         """The prefill layout at ``base_url``, waiting up to ``timeout_s`` for it to be complete."""
         info = self._infos.get(base_url)
         if info is None:
-            raw = await self._get(f"{base_url}/route", _INFO_QUERY, timeout_s, "parallel info")
+            raw = await self._get(base_url, "/route", _INFO_QUERY, timeout_s, "parallel info")
             info = _parse(raw, PrefillInfo, base_url)
             self._infos[base_url] = info
         return info
@@ -251,7 +251,7 @@ class BootstrapClient(AsyncClosing):
                 "target_pp_rank": str(pp),
             }
             what = f"rank dp={dp} cp={cp} tp={tp} pp={pp}"
-            raw = await self._get(f"{base_url}/route", query, timeout_s, what)
+            raw = await self._get(base_url, "/route", query, timeout_s, what)
             answer = _parse(raw, _RankAnswer, base_url)
             peer = self._ranks[key] = Peer(answer.rank_ip, answer.rank_port)
         return peer
@@ -267,7 +267,7 @@ class BootstrapClient(AsyncClosing):
         key = (base_url, engine_id, tp, pp)
         peer = self._engines.get(key)
         if peer is None:
-            raw = await self._get(f"{base_url}/query", {}, timeout_s, "the engine table")
+            raw = await self._get(base_url, "/query", {}, timeout_s, "the engine table")
             entry = _engine_entry(raw, engine_id, base_url)
             addr = entry.worker_addr.get(str(tp), {}).get(str(pp))
             if addr is None:
@@ -284,9 +284,11 @@ class BootstrapClient(AsyncClosing):
         for engine_key in [key for key in self._engines if key[0] == base_url]:
             del self._engines[engine_key]
 
-    async def _get(self, url: str, query: dict[str, str], timeout_s: float, what: str) -> bytes:
-        """GET ``url`` until 200, retrying 503 and transport errors until ``timeout_s``."""
-        base_url = url.rsplit("/", 1)[0]
+    async def _get(
+        self, base_url: str, path: str, query: dict[str, str], timeout_s: float, what: str
+    ) -> bytes:
+        """GET ``base_url + path`` until 200, retrying 503 and transport errors until
+        ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         reason = "no attempt made"
         while True:
@@ -298,7 +300,7 @@ class BootstrapClient(AsyncClosing):
                 )
             try:
                 async with asyncio.timeout(remaining):
-                    response = await self._http.get(url, params=query)
+                    response = await self._http.get(base_url + path, params=query)
             except (httpx.HTTPError, TimeoutError) as exc:
                 reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
             else:
