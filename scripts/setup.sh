@@ -11,6 +11,9 @@ fi
 if [ ! -x /usr/bin/etcd ]; then
     APT_PACKAGES+=(etcd-server)  # the real etcd the registry's etcd tests start
 fi
+if ! command -v ps >/dev/null; then
+    APT_PACKAGES+=(procps)  # ps: the pd-cluster test checks that no child outlives it
+fi
 # Shared libraries the Mooncake transfer engine wheel (mooncake-transfer-engine-non-cuda) loads.
 for lib in libibverbs1 librdmacm1 libnuma1; do
     if ! dpkg-query -W -f='${Status}' "$lib" 2>/dev/null | grep -q 'install ok installed'; then
