@@ -8,7 +8,6 @@ Only connect errors are retried, and only before any byte reached the client.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -92,7 +91,6 @@ class Pipeline:
         self._settings = upstream_settings
         self._failure_threshold = health_settings.failure_threshold
         self._on_stale_layout = on_stale_layout
-        self._rank_counter = itertools.count()
 
     async def handle(
         self,
@@ -142,7 +140,7 @@ class Pipeline:
             decodes = [w for w in decodes if w.id not in failed] or decodes
         prefill = self._prefill_policy.choose(prefills)
         decode = self._decode_policy.choose(decodes)
-        rank = least_loaded_rank(prefill, next(self._rank_counter)) if prefill.dp_size > 1 else 0
+        rank = least_loaded_rank(prefill) if prefill.dp_size > 1 else 0
         return prefill, rank, decode
 
     async def _attempt(

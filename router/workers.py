@@ -39,6 +39,7 @@ class Worker:
     dp_size: int = 1
     engine_ids: tuple[str, ...] = ()  # vLLM Mooncake: engine id per DP rank, from /query
     rank_inflight: list[int] = field(default_factory=lambda: [0])
+    rank_turn: int = 0  # this prefill's own round-robin cursor over tied DP ranks
     host: str = ""
     # Where decoders reach the prefill's bootstrap server: the prefill's own host by default; the
     # router's registry (advertised host, namespace port or path) when the prefill registers there.

@@ -63,8 +63,7 @@ def test_least_loaded_rank() -> None:
     worker = Worker(Role.PREFILL, "http://127.0.0.1:1")
     worker.set_layout(4)
     worker.rank_inflight[:] = [3, 1, 1, 2]
-    assert least_loaded_rank(worker, 0) == 1
-    assert least_loaded_rank(worker, 1) == 2
+    assert [least_loaded_rank(worker) for _ in range(3)] == [1, 2, 1]
     with worker.load(1):
         assert worker.rank_inflight == [3, 2, 1, 2] and worker.inflight == 1
     assert worker.rank_inflight == [3, 1, 1, 2] and worker.inflight == 0

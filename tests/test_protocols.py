@@ -166,6 +166,22 @@ def test_sglang_dp_prefill_rooms_follow_the_chosen_rank(make_cluster: ClusterFac
     assert sorted(ranks) == [0, 0, 1, 1]
 
 
+@pytest.mark.parametrize("engine", ["vllm-mooncake", "sglang"])
+def test_every_dp_rank_of_every_prefill_gets_work_when_idle(
+    make_cluster: ClusterFactory, engine: str
+) -> None:
+    """Sequential requests (every rank idle, so every pick is a tie) over two DP2 prefills
+    round-robin: each of the four ranks serves two of eight requests."""
+    cluster = make_cluster(engine, prefill=2, dp_size=2, policy={"policy": "round_robin"})
+    with cluster.client() as client:
+        for _ in range(8):
+            assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+    for prefill in cluster.prefills:
+        ranks = [int(r.headers["x-data-parallel-rank"]) if engine == "vllm-mooncake"
+                 else r.body["routed_dp_rank"] for r in prefill.records]
+        assert sorted(ranks) == [0, 0, 1, 1], ranks
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_x_request_id_is_generated_when_absent(make_cluster: ClusterFactory, engine: str) -> None:
     cluster = make_cluster(engine)

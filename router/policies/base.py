@@ -20,9 +20,12 @@ class Policy(Protocol):
         ...
 
 
-def least_loaded_rank(worker: Worker, turn: int) -> int:
-    """The DP rank of ``worker`` with the fewest in-flight requests; ties go round-robin."""
+def least_loaded_rank(worker: Worker) -> int:
+    """The DP rank of ``worker`` with the fewest in-flight requests; ties go round-robin on the
+    worker's own cursor (a cursor shared by all prefills aliases with a round-robin over them:
+    with two prefills, each would only ever see even or only odd turns)."""
     loads = worker.rank_inflight
     lowest = min(loads)
     tied = [rank for rank, load in enumerate(loads) if load == lowest]
+    turn, worker.rank_turn = worker.rank_turn, worker.rank_turn + 1
     return tied[turn % len(tied)]
