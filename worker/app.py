@@ -124,6 +124,11 @@ class SimWorker:
                    for r in self.ranks)
 
     @property
+    def kv_bytes_sent(self) -> int:
+        """KV and aux bytes this prefill's ranks have written into decode memory."""
+        return sum(r.sender.stats.bytes_written for r in self.ranks if r.sender is not None)
+
+    @property
     def queues(self) -> dict[str, int]:
         """Prefill requests per lifecycle stage (``worker.prefill``), over all ranks."""
         total: dict[str, int] = {}
@@ -397,7 +402,8 @@ def create_app(worker: SimWorker) -> FastAPI:
         return {"status": "ok", "role": worker.config.role,
                 "free_pages": sum(pool.free_pages for pool in worker.pools),
                 "quarantined_pages": sum(pool.quarantined for pool in worker.pools),
-                "open_rooms": worker.open_rooms, "queues": worker.queues}
+                "open_rooms": worker.open_rooms, "queues": worker.queues,
+                "kv_bytes_sent": worker.kv_bytes_sent}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

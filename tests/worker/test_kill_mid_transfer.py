@@ -4,11 +4,17 @@ Each test starts, as ``pd-cluster`` does, the router (its embedded registry serv
 ``p0`` on a bootstrap port), one prefill registering there and one decode, speaking SGLang's or
 vLLM MooncakeConnector's protocol, each a ``python -m``
 child on 127.0.0.1 with the real Mooncake engine (TCP over loopback). The prefill simulates
-compute (``--compute-s-per-token``), so a ``PROMPT_TOKENS``-token prompt keeps its room open for
-~2.5 s after the decode has asked the prefill for the KV. The victim is SIGKILLed in that window:
-once the decode's ``/health`` reports the room open and the prefill's reports the request in its
-forward pass (``queues.forward``: its bootstrap is over, so the decode's TransferInfo, naming the
-destination pages, has arrived and the prefill is about to write into them).
+compute (``--compute-s-per-token``) in chunks of ``CHUNK_TOKENS``, so a ``PROMPT_TOKENS``-token
+prompt keeps its room open for ~2.5 s after the decode has asked the prefill for the KV. The
+victim is SIGKILLed in that window, once the decode's ``/health`` reports the room open and the
+prefill's reports the request in its forward pass (``queues.forward``):
+
+- SGLang sends each chunk's pages right after computing it, so the kill waits until the prefill's
+  ``kv_bytes_sent`` has grown as well: the first chunks' pages are in decode memory, the rest are
+  still to be written. That is a kill in the middle of the transfer.
+- vLLM's MooncakeConnector writes the whole prompt's KV in one go after the forward pass (a few
+  milliseconds for this prompt), so there the kill lands after the decode's TransferInfo arrived
+  and before the write: the rendezvous is done, the destination pages are reserved.
 
 Checked: the client gets an OpenAI error naming the dead worker (a 5xx JSON, or a final SSE
 ``error`` event once the stream started) within ``ERROR_WITHIN_S``; the survivor ends with every
@@ -45,6 +51,7 @@ PAGE_SIZE = 16
 TRANSFER_TIMEOUT_S = 5.0
 COMPUTE_S_PER_TOKEN = 0.0125
 PROMPT_TOKENS = 200  # one token per byte
+CHUNK_TOKENS = 32  # seven chunks, ~0.4 s of compute each
 COMPUTE_S = PROMPT_TOKENS * COMPUTE_S_PER_TOKEN  # 2.5 s: the window the kill lands in
 ERROR_WITHIN_S = TRANSFER_TIMEOUT_S + 5.0  # the decode's deadline, its 2 s drain, slack
 # A prefill whose decode died fails the room at once (its control connection dropped) but its
@@ -187,7 +194,7 @@ def _worker_argv(role: Role, port: int, ns_port: int, engine: str) -> list[str]:
     if role == "prefill":
         argv += (
             f"--registry 127.0.0.1:{ns_port} --compute-s-per-token {COMPUTE_S_PER_TOKEN} "
-            f"--protocol {engine}".split()
+            f"--chunk-tokens {CHUNK_TOKENS} --protocol {engine}".split()
         )
     return argv
 
@@ -303,18 +310,23 @@ def _ok(outcome: Outcome) -> str:
 # --- the tests ---------------------------------------------------------------------------------
 
 
-def _in_transfer(c: KillCluster) -> bool:
-    """The decode waits for the room's KV; the prefill has its TransferInfo and computes."""
-    prefill_queues: dict[str, int] = c.health("prefill").get("queues", {})
-    return c.health("decode")["open_rooms"] >= 1 and prefill_queues.get("forward", 0) >= 1
+def _in_transfer(c: KillCluster, sent_before: int | None) -> bool:
+    """The decode waits for the room's KV; the prefill has its TransferInfo and computes (and,
+    unless ``sent_before`` is None, has written more KV bytes than ``sent_before``)."""
+    prefill = c.health("prefill")
+    queues: dict[str, int] = prefill.get("queues", {})
+    return (c.health("decode")["open_rooms"] >= 1 and queues.get("forward", 0) >= 1
+            and (sent_before is None or prefill["kv_bytes_sent"] > sent_before))
 
 
-def _kill_mid_transfer(c: KillCluster, victim: Role, stream: bool) -> Outcome:
+def _kill_mid_transfer(c: KillCluster, engine: str, victim: Role, stream: bool) -> Outcome:
     """Start a long-prefill request, SIGKILL ``victim`` once the room is mid-transfer."""
+    sent_before = c.health("prefill")["kv_bytes_sent"] if engine == "sglang" else None
     with ThreadPoolExecutor(1) as pool:
         future: Future[Outcome] = pool.submit(_complete, c.router_url, "k" * PROMPT_TOKENS, stream)
-        what = "decode room open and prefill in its forward pass"
-        c.wait(lambda: future.done() or _in_transfer(c), COMPUTE_S, what)
+        what = "decode room open, prefill in its forward pass" + (
+            " and its first chunks written" if sent_before is not None else "")
+        c.wait(lambda: future.done() or _in_transfer(c, sent_before), COMPUTE_S, what)
         assert not future.done(), f"finished before the kill: {future.result()}"
         c.workers[victim].kill()
         try:
@@ -333,7 +345,7 @@ def test_kill_mid_transfer(cluster: KillCluster, engine: str, victim: Role, stre
     _ok(_complete(cluster.router_url, "warm up " * 2, stream))  # connections and registration
     cluster.wait_idle(survivor, 2.0)
 
-    outcome = _kill_mid_transfer(cluster, victim, stream)
+    outcome = _kill_mid_transfer(cluster, engine, victim, stream)
     error = _error_of(outcome)
     assert outcome.elapsed_s < ERROR_WITHIN_S, f"error after {outcome.elapsed_s:.2f}s: {error}"
     # names the dead side: the router's error for the broken leg or, should the decode's answer
