@@ -40,7 +40,7 @@ class _AiohttpResponse:
         content = self._response.content
         try:
             while True:
-                data, _ = await content.readchunk()
+                data = await content.readany()
                 if not data:
                     break
                 yield data
