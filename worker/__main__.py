@@ -38,7 +38,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pages", type=int, default=1024)
     parser.add_argument("--max-prompt-tokens", type=int, default=8192)
     parser.add_argument("--transfer-timeout", type=float, default=30.0)
-    parser.add_argument("--compute-s-per-token", type=float, default=0.0)
+    parser.add_argument("--compute-s-per-token", type=float, default=0.0,
+                        help="simulated prefill forward time per prompt token")
+    parser.add_argument("--decode-s-per-token", type=float, default=0.0,
+                        help="simulated decode step: seconds between streamed tokens")
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
 
@@ -69,7 +72,8 @@ def build(args: argparse.Namespace) -> SimWorker:
                               dp_size=args.dp, chunk_tokens=args.chunk_tokens,
                               max_prompt_tokens=args.max_prompt_tokens,
                               transfer_timeout_s=args.transfer_timeout,
-                              compute_s_per_token=args.compute_s_per_token, **extra)
+                              compute_s_per_token=args.compute_s_per_token,
+                              decode_s_per_token=args.decode_s_per_token, **extra)
     except ValueError as exc:
         raise SystemExit(f"pd-worker: {exc}") from exc
     return SimWorker(config, _engine(args.engine, args.host))

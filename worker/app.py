@@ -63,13 +63,16 @@ class WorkerConfig:
     chunk_tokens: int = 2048  # chunked prefill: tokens per forward chunk
     max_prompt_tokens: int = 8192
     transfer_timeout_s: float = 30.0
-    compute_s_per_token: float = 0.0
+    compute_s_per_token: float = 0.0  # simulated prefill forward time per prompt token
+    decode_s_per_token: float = 0.0  # simulated time per generated token after the first
 
     def __post_init__(self) -> None:
         if self.dp_size < 1 or (self.dp_size > 1 and self.role != "prefill"):
             raise ValueError(f"dp_size={self.dp_size}: only a prefill runs more than one rank")
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.compute_s_per_token < 0 or self.decode_s_per_token < 0:
+            raise ValueError("simulated compute times must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,9 +339,13 @@ def _choice(index: int, result: _Result, chat: bool) -> dict[str, Any]:
     return {"index": index, "text": result.text, "finish_reason": "length", "logprobs": None}
 
 
-def _chunks(base: dict[str, Any], results: list[_Result], chat: bool) -> Iterator[bytes]:
+async def _chunks(base: dict[str, Any], results: list[_Result], chat: bool,
+                  s_per_token: float) -> AsyncIterator[bytes]:
+    """The SSE events, one per generated token, ``s_per_token`` apart (one decode step)."""
     for index, result in enumerate(results):
-        for char in result.text:
+        for position, char in enumerate(result.text):
+            if position and s_per_token:
+                await asyncio.sleep(s_per_token)
             delta: dict[str, Any] = ({"delta": {"content": char}} if chat else {"text": char})
             choice = {"index": index, "finish_reason": None, **delta}
             yield _sse({**base, "choices": [choice]})
@@ -368,8 +375,9 @@ async def _serve(worker: SimWorker, request: Request, chat: bool) -> Response:
     base = {"id": f"sim-{uuid.uuid4().hex[:12]}", "created": int(time.time()),
             "model": worker.config.model}
     if body.get("stream") and worker.config.role != "prefill":
-        return StreamingResponse(_chunks({**base, "object": f"{kind}.chunk"}, results, chat),
-                                 media_type="text/event-stream")
+        events = _chunks({**base, "object": f"{kind}.chunk"}, results, chat,
+                         worker.config.decode_s_per_token)
+        return StreamingResponse(events, media_type="text/event-stream")
     choices = [_choice(i, r, chat) for i, r in enumerate(results)]
     answer = {**base, "object": kind, "choices": choices, "usage": _usage(results)}
     if "kv_transfer_params" in body:

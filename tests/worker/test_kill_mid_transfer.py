@@ -185,11 +185,12 @@ class KillCluster:
             raise AssertionError(f"{role} /health: {last}\n{exc}") from None
 
 
-def _worker_argv(role: Role, port: int, ns_port: int, engine: str) -> list[str]:
+def _worker_argv(role: Role, port: int, ns_port: int, engine: str,
+                 decode_s_per_token: float) -> list[str]:
     argv = (
         f"worker --role {role} --port {port} --engine mooncake --layers 2 --pages {PAGES} "
         f"--page-size {PAGE_SIZE} --bytes-per-token 256 --transfer-timeout {TRANSFER_TIMEOUT_S} "
-        "--log-level info"
+        f"--decode-s-per-token {decode_s_per_token} --log-level info"
     ).split()
     if role == "prefill":
         argv += (
@@ -209,7 +210,13 @@ def _router_argv(port: int, ns_port: int, prefill: str, decode: str, engine: str
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, engine: str) -> Iterator[KillCluster]:
+def decode_s_per_token() -> float:
+    """The decode's simulated step (seconds between streamed tokens); 0: all at once."""
+    return 0.0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, engine: str, decode_s_per_token: float) -> Iterator[KillCluster]:
     port, ns_port = free_port(), free_port()
     ports: dict[Role, int] = {"prefill": free_port(), "decode": free_port()}
     urls: dict[Role, str] = {role: f"http://127.0.0.1:{p}" for role, p in ports.items()}
@@ -219,7 +226,7 @@ def cluster(tmp_path: Path, engine: str) -> Iterator[KillCluster]:
         tmp_path / "router.log",
     )
     workers = {
-        role: Child(role, _worker_argv(role, ports[role], ns_port, engine),
+        role: Child(role, _worker_argv(role, ports[role], ns_port, engine, decode_s_per_token),
                     tmp_path / f"{role}.log")
         for role in ports
     }
@@ -351,12 +358,57 @@ def test_kill_mid_transfer(cluster: KillCluster, engine: str, victim: Role, stre
     # names the dead side: the router's error for the broken leg or, should the decode's answer
     # win the race after a prefill death, the decode's "lost connection to prefill rank ..."
     assert victim in error["message"], error
+    _recovers(cluster, victim, stream)
+
+
+def _recovers(cluster: KillCluster, victim: Role, stream: bool) -> str:
+    """The survivor's pages come back; the router notices the death; once ``victim`` is
+    restarted with the same command a request succeeds (its text returned) and nothing is left
+    in flight anywhere."""
+    survivor: Role = "decode" if victim == "prefill" else "prefill"
     cluster.wait_idle(survivor, RELEASED_WITHIN_S)
     cluster.wait(lambda: cluster.ready_status() == 503, 5.0, "router sees the dead worker")
 
     cluster.workers[victim].start()  # the same command on the same port
     cluster.wait_ready()
-    _ok(_complete(cluster.router_url, "after the restart", stream))
+    text = _ok(_complete(cluster.router_url, "after the restart", stream))
     for role in ("prefill", "decode"):
         cluster.wait_idle(role, 5.0)
     cluster.wait_router_idle(5.0)
+    return text
+
+
+DECODE_STEP_S = 0.25  # MAX_TOKENS tokens stream for ~1.75 s
+
+
+@pytest.mark.parametrize("decode_s_per_token", [DECODE_STEP_S])
+@pytest.mark.parametrize("engine", ["sglang", "vllm-mooncake"])
+def test_decode_killed_mid_stream(cluster: KillCluster, engine: str) -> None:
+    """The client has tokens already when the decode dies: its stream ends at once with a final
+    SSE error event (the router can no longer answer with a status), and what it got before is
+    a prefix of the answer the restarted cluster gives."""
+    _ok(_complete(cluster.router_url, "warm up " * 2, True))
+    body = {"model": "sim-model", "prompt": "after the restart", "max_tokens": MAX_TOKENS,
+            "stream": True}
+    received: list[str] = []
+    with (
+        httpx.Client(timeout=CLIENT_TIMEOUT_S) as client,
+        client.stream("POST", f"{cluster.router_url}/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200, response.read()
+        killed_at = 0.0
+        for line in response.iter_lines():
+            received.append(line)
+            if line.startswith("data:") and not killed_at:
+                cluster.workers["decode"].kill()
+                killed_at = time.monotonic()
+        ended_after_s = time.monotonic() - killed_at
+    outcome = Outcome(200, "text/event-stream", "\n".join(received).encode(), ended_after_s)
+    error = _error_of(outcome)
+    assert "decode" in error["message"], error
+    assert ended_after_s < 2.0, f"the stream ended {ended_after_s:.2f}s after the kill"
+    partial = "".join(c.get("text", "") for e in outcome.events()[:-1] for c in e["choices"])
+    assert 0 < len(partial) < MAX_TOKENS, received
+
+    full = _recovers(cluster, "decode", stream=True)
+    assert full.startswith(partial), (partial, full)
