@@ -34,7 +34,9 @@ class UpstreamResponse(Protocol):
     content_type: bytes
 
     def chunks(self) -> AsyncIterator[bytes]:
-        """The body pieces as they arrive (transfer-decoded only); raises UpstreamError."""
+        """The body bytes as they arrive (transfer-decoded only), never held back to fill a
+        piece. A client may hand over all that is buffered at once (aiohttp does: SSE events
+        that arrived together go to the client in one write). Raises UpstreamError."""
         ...
 
     async def read(self) -> bytes:
