@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Iterable
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
-__all__ = ["AsyncClosing"]
+__all__ = ["AsyncClosing", "cancel_and_wait"]
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any] | None]) -> None:
+    """Cancel every task (None entries skipped), then wait until each has ended."""
+    running = [task for task in tasks if task is not None]
+    for task in running:
+        task.cancel()
+    for task in running:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 class AsyncClosing:

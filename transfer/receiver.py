@@ -25,7 +25,6 @@ sends ``Abort`` in the background and its pages count as unsafe.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Sequence
@@ -35,7 +34,7 @@ from typing import Any, Self
 import zmq.asyncio
 
 from transfer.bootstrap import BootstrapClient, BootstrapError, PrefillInfo, bootstrap_url
-from transfer.closing import AsyncClosing
+from transfer.closing import AsyncClosing, cancel_and_wait
 from transfer.control import ControlPlane, Peer, PeerUnreachable
 from transfer.engine.base import TransferEngine
 from transfer.errors import ProtocolMismatch, TransferError, TransferFailed
@@ -167,13 +166,7 @@ class KVReceiver(AsyncClosing):
         """Fail the requests still running, close the control plane, unregister the buffers."""
         for room in list(self._pending):
             self._rooms.fail(room, "decode rank shutting down")
-        for task in [self._serving, *self._tasks]:
-            if task is not None:
-                task.cancel()
-        for task in [self._serving, *self._tasks]:
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait([self._serving, *self._tasks])
         self._serving = None
         await self._control.aclose()
         self._buffers.close()

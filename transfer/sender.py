@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, Self
 import zmq.asyncio
 
 from transfer.bootstrap import BootstrapClient, PrefillRank, bootstrap_url
-from transfer.closing import AsyncClosing
+from transfer.closing import AsyncClosing, cancel_and_wait
 from transfer.control import ControlPlane, Peer
 from transfer.engine.base import TransferEngine
 from transfer.engine.mooncake import CODE_UNDRAINED
@@ -225,11 +225,7 @@ class KVSender(AsyncClosing):
 
     async def aclose(self) -> None:
         """Fail the rooms still open (reporting them), close the control plane, unregister."""
-        for task in self._loops:
-            task.cancel()
-        for task in self._loops:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._loops)
         self._loops.clear()
         for room in list(self._recs):
             self._fail(room, "prefill rank shutting down")
@@ -241,10 +237,7 @@ class KVSender(AsyncClosing):
         self._closing = True
         if self._draining:
             logger.error("%d engine write(s) still running at close", len(self._draining))
-        for task in list(self._tasks):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(list(self._tasks))
         await self._control.aclose()
         self._buffers.close()
         if self._own_bootstrap:

@@ -8,11 +8,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import Self
 
 import zmq
 import zmq.asyncio
+
+from transfer.closing import AsyncClosing, cancel_and_wait
 
 from . import codec
 from .models import EventBatch, KVEvent
@@ -22,7 +23,7 @@ __all__ = ["KVEventPublisher"]
 logger = logging.getLogger(__name__)
 
 
-class KVEventPublisher:
+class KVEventPublisher(AsyncClosing):
     """Publishes :class:`EventBatch` es as vLLM >= 0.26 / SGLang 0.5.23 do (PROTOCOLS.md 7.1).
 
     Use as ``async with KVEventPublisher(endpoint, replay_endpoint=...) as pub``. The PUB
@@ -90,19 +91,11 @@ class KVEventPublisher:
             if self._requested[1] is not None:
                 await self._start_replay(self._requested[1])
         except BaseException:
-            await self._close()
+            await self.aclose()
             raise
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._close()
-
-    async def _close(self) -> None:
+    async def aclose(self) -> None:
         self._pub = None
         self._endpoint = self._replay_endpoint = None
         await self._stack.aclose()
@@ -140,7 +133,7 @@ class KVEventPublisher:
         self._replay_endpoint = _last_endpoint(router)
         task = asyncio.create_task(self._serve_replay(router), name="kv-event-replay")
         task.add_done_callback(_log_crash)
-        self._stack.push_async_callback(_cancel_and_wait, task)
+        self._stack.push_async_callback(cancel_and_wait, [task])
 
     async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
         while True:
@@ -172,7 +165,3 @@ def _log_crash(task: asyncio.Task[None]) -> None:
         logger.error("KV event replay server stopped", exc_info=task.exception())
 
 
-async def _cancel_and_wait(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
