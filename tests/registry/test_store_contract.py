@@ -329,13 +329,13 @@ async def test_store_prefix_isolates_and_is_hidden(store: RegistryStore, store_u
         await sibling.close()
 
 
-@pytest.mark.etcd
+@pytest.mark.parametrize("scheme", [pytest.param("etcd", marks=pytest.mark.etcd), "http"])
 @pytest.mark.parametrize("op", ["get", "put", "list", "delete", "refresh", "watch"])
-async def test_unreachable_etcd_raises_registry_unavailable_fast(op: str) -> None:
-    store = open_store(f"etcd://127.0.0.1:{free_port()}")  # nothing listens there
+async def test_unreachable_store_raises_registry_unavailable_fast(scheme: str, op: str) -> None:
+    store = open_store(f"{scheme}://127.0.0.1:{free_port()}")  # nothing listens there
     started = time.monotonic()
     with pytest.raises(RegistryUnavailable):
-        await _call(store, op)
+        await call_op(store, op)
     assert time.monotonic() - started < 3
     await store.close()
 
@@ -349,12 +349,13 @@ async def test_silent_etcd_hits_the_call_deadline() -> None:
         for op in ("get", "put", "watch"):
             started = time.monotonic()
             with pytest.raises(RegistryUnavailable):
-                await _call(store, op)
+                await call_op(store, op)
             assert time.monotonic() - started < 2
         await store.close()
 
 
-async def _call(store: RegistryStore, op: str) -> object:
+async def call_op(store: RegistryStore, op: str) -> object:
+    """Run store operation ``op`` with fixed arguments."""
     calls: dict[str, Callable[[], Awaitable[object]]] = {
         "get": lambda: store.get("a"),
         "put": lambda: store.put("a", b"1", ttl=5),
