@@ -6,11 +6,12 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Self
 
 import zmq
 import zmq.asyncio
+
+from transfer.closing import AsyncClosing
 
 from . import codec
 from .errors import EventGapError, KVEventDecodeError, ReplayTimeout
@@ -43,7 +44,7 @@ class SubscriberStats:
     restarts: int = 0  # times the publisher's seq went backwards (it restarted)
 
 
-class KVEventSubscriber:
+class KVEventSubscriber(AsyncClosing):
     """Reads one publisher's batches in seq order, replaying what the live stream missed.
 
     ``async with KVEventSubscriber(endpoint, replay_endpoint=...) as sub`` connects a SUB to
@@ -107,12 +108,7 @@ class KVEventSubscriber:
             self._dealer = self._open_dealer(self._replay_endpoint)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def aclose(self) -> None:
         for sock in (self._sub, self._dealer):
             if sock is not None:
                 sock.close(linger=0)
