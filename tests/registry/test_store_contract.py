@@ -340,12 +340,18 @@ async def test_unreachable_store_raises_registry_unavailable_fast(scheme: str, o
     await store.close()
 
 
-@pytest.mark.etcd
-async def test_silent_etcd_hits_the_call_deadline() -> None:
+_SILENT_STORES: dict[str, Callable[[int], RegistryStore]] = {
+    "etcd": lambda port: EtcdStore("127.0.0.1", port, timeout=0.5),
+    "http": lambda port: HttpStore(f"http://127.0.0.1:{port}", timeout=0.5),
+}
+
+
+@pytest.mark.parametrize("scheme", [pytest.param("etcd", marks=pytest.mark.etcd), "http"])
+async def test_silent_store_hits_the_call_deadline(scheme: str) -> None:
     with socket.socket() as listener:  # accepts TCP connections (backlog), never answers
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        store = EtcdStore("127.0.0.1", listener.getsockname()[1], timeout=0.5)
+        store = _SILENT_STORES[scheme](listener.getsockname()[1])
         for op in ("get", "put", "watch"):
             started = time.monotonic()
             with pytest.raises(RegistryUnavailable):
