@@ -25,8 +25,9 @@ CLIENTS = ("httpx", "httpx-lean", "aiohttp")
 _NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 
-async def _closed_loop(one: Callable[[], Awaitable[None]], concurrency: int,
-                       requests: int) -> tuple[float, float]:
+async def _closed_loop(
+    one: Callable[[], Awaitable[None]], concurrency: int, requests: int
+) -> tuple[float, float]:
     remaining = [requests]
 
     async def user() -> None:
@@ -43,17 +44,21 @@ async def _httpx(url: str, body: bytes, lean: bool, c: int, n: int) -> tuple[flo
     from router.transport import LeanPoolTransport
 
     transport: httpx.AsyncBaseTransport = (
-        LeanPoolTransport(max_connections=4096, max_idle=1024, keepalive_expiry=4.0,
-                          socket_options=_NODELAY)
-        if lean else httpx.AsyncHTTPTransport(
+        LeanPoolTransport(
+            max_connections=4096, max_idle=1024, keepalive_expiry=4.0, socket_options=_NODELAY
+        )
+        if lean
+        else httpx.AsyncHTTPTransport(
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024),
-            socket_options=_NODELAY)
+            socket_options=_NODELAY,
+        )
     )
     async with httpx.AsyncClient(transport=transport, timeout=30) as client:
 
         async def one() -> None:
-            request = client.build_request("POST", url, content=body,
-                                           headers={"content-type": "application/json"})
+            request = client.build_request(
+                "POST", url, content=body, headers={"content-type": "application/json"}
+            )
             response = await client.send(request, stream=True)
             async for _ in response.aiter_raw():
                 pass
@@ -70,8 +75,9 @@ async def _aiohttp(url: str, body: bytes, c: int, n: int) -> tuple[float, float]
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def one() -> None:
-            async with session.post(url, data=body,
-                                    headers={"content-type": "application/json"}) as response:
+            async with session.post(
+                url, data=body, headers={"content-type": "application/json"}
+            ) as response:
                 while (await response.content.readchunk())[0]:
                     pass
 
@@ -82,7 +88,7 @@ async def _aiohttp(url: str, body: bytes, c: int, n: int) -> tuple[float, float]
 def _child(client: str, url: str, concurrency: int, requests: int, tokens: int) -> None:
     import uvloop
 
-    body = (b'{"model":"fake-model","prompt":"hi","stream":true,"max_tokens":%d}' % tokens)
+    body = b'{"model":"fake-model","prompt":"hi","stream":true,"max_tokens":%d}' % tokens
     if client == "aiohttp":
         coro = _aiohttp(url, body, concurrency, requests)
     else:
@@ -120,27 +126,57 @@ def main(argv: list[str] | None = None) -> None:
         _child(args.child, args.url, args.concurrency, args.requests, args.tokens)
         return
     port = _free_port()
-    fake = subprocess.Popen([sys.executable, "-m", "bench.fake_engine", "--role", "decode",
-                             "--protocol", "sglang", "--port", str(port), "--no-check-kv",
-                             "--tokens", str(args.tokens)])
+    fake = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.fake_engine",
+            "--role",
+            "decode",
+            "--protocol",
+            "sglang",
+            "--port",
+            str(port),
+            "--no-check-kv",
+            "--tokens",
+            str(args.tokens),
+        ]
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_health(base)
         results = {}
         for client in CLIENTS:
             out = subprocess.run(
-                [sys.executable, "-m", "bench.clients", "--child", client, "--url",
-                 base + "/v1/completions", "--concurrency", str(args.concurrency),
-                 "--requests", str(args.requests), "--tokens", str(args.tokens)],
-                check=True, capture_output=True, text=True, timeout=300,
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.clients",
+                    "--child",
+                    client,
+                    "--url",
+                    base + "/v1/completions",
+                    "--concurrency",
+                    str(args.concurrency),
+                    "--requests",
+                    str(args.requests),
+                    "--tokens",
+                    str(args.tokens),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=300,
             ).stdout.split()
             results[client] = (float(out[0]), float(out[1]))
     finally:
         fake.terminate()
         fake.wait(timeout=10)
     base_us, base_rps = results["httpx"]
-    print(f"streaming POST + {args.tokens} SSE events, C={args.concurrency}, "
-          f"{args.requests} requests per client")
+    print(
+        f"streaming POST + {args.tokens} SSE events, C={args.concurrency}, "
+        f"{args.requests} requests per client"
+    )
     print(f"{'client':<12}{'CPU us/req':>12}{'vs httpx':>10}{'req/s':>10}{'vs httpx':>10}")
     for client, (us, rps) in results.items():
         print(f"{client:<12}{us:>12.0f}{us / base_us:>9.2f}x{rps:>10.0f}{rps / base_rps:>9.2f}x")

@@ -64,14 +64,29 @@ def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def _fake(role: str, engine: str, port: int, bootstrap: int | None) -> list[str]:
-    cmd = [sys.executable, "-m", "bench.fake_engine", "--role", role, "--protocol", engine,
-           "--port", str(port), "--token-delay", "0.02"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.fake_engine",
+        "--role",
+        role,
+        "--protocol",
+        engine,
+        "--port",
+        str(port),
+        "--token-delay",
+        "0.02",
+    ]
     return cmd + (["--bootstrap-port", str(bootstrap)] if bootstrap else [])
 
 
 def _sample(url: str) -> str:
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "Hello!"}],
-            "max_tokens": 8, "stream": False}
+    body = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "Hello!"}],
+        "max_tokens": 8,
+        "stream": False,
+    }
     response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
     response.raise_for_status()
     return json.dumps(response.json()["choices"][0]["message"])
@@ -79,8 +94,9 @@ def _sample(url: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--engine", default="sglang",
-                        choices=["sglang", "vllm-mooncake", "vllm-nixl"])
+    parser.add_argument(
+        "--engine", default="sglang", choices=["sglang", "vllm-mooncake", "vllm-nixl"]
+    )
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--port", type=int, default=8000)
@@ -89,8 +105,17 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with _processes() as procs:
-        router_cmd = [sys.executable, "-m", "router", "--engine", args.engine,
-                      "--port", str(args.port), "--health-interval", "1"]
+        router_cmd = [
+            sys.executable,
+            "-m",
+            "router",
+            "--engine",
+            args.engine,
+            "--port",
+            str(args.port),
+            "--health-interval",
+            "1",
+        ]
         for _ in range(args.prefill):
             port, boot = _free_port(), _free_port()
             procs.append(subprocess.Popen(_fake("prefill", args.engine, port, boot)))
@@ -104,9 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         _wait_http(url + "/ready", 30, "the router")
         print(f"\npd-router ({args.engine}, {args.prefill}P{args.decode}D) is ready at {url}")
         print(f"sample answer: {_sample(url)}")
-        print(f"try: curl -N {url}/v1/chat/completions -H 'content-type: application/json' "
-              "-d '{\"model\":\"fake-model\",\"messages\":[{\"role\":\"user\",\"content\":"
-              "\"hi\"}],\"stream\":true}'")
+        print(
+            f"try: curl -N {url}/v1/chat/completions -H 'content-type: application/json' "
+            '-d \'{"model":"fake-model","messages":[{"role":"user","content":'
+            '"hi"}],"stream":true}\''
+        )
         if args.once:
             return
         print("Ctrl-C to stop.")

@@ -57,8 +57,10 @@ class Row:
         return self.nbytes / self.wall_s / 1e9
 
     def render(self) -> str:
-        return (f"{self.name:<28} {self.entries:>7} {self.gbps:>7.2f} {self.wall_s * 1e3:>9.1f} "
-                f"{self.cpu_s * 1e3:>9.1f} {self.cpu_s / self.entries * 1e6:>8.1f}")
+        return (
+            f"{self.name:<28} {self.entries:>7} {self.gbps:>7.2f} {self.wall_s * 1e3:>9.1f} "
+            f"{self.cpu_s * 1e3:>9.1f} {self.cpu_s / self.entries * 1e6:>8.1f}"
+        )
 
 
 HEADER = f"{'path':<28} {'entries':>7} {'GB/s':>7} {'wall ms':>9} {'cpu ms':>9} {'us/entry':>8}"
@@ -71,15 +73,23 @@ def plan(src: int, dst: int, total: int, page: int, run_pages: int) -> list[Entr
 
 
 async def measure(
-    name: str, entries: Sequence[Entry], move: Callable[[], Awaitable[None]],
-    check: Callable[[], bool], repeat: int,
+    name: str,
+    entries: Sequence[Entry],
+    move: Callable[[], Awaitable[None]],
+    check: Callable[[], bool],
+    repeat: int,
 ) -> Row:
     best: Row | None = None
     for _ in range(repeat):
         wall, cpu = time.perf_counter(), time.process_time()
         await move()
-        row = Row(name, len(entries), sum(e.length for e in entries),
-                  time.perf_counter() - wall, time.process_time() - cpu)
+        row = Row(
+            name,
+            len(entries),
+            sum(e.length for e in entries),
+            time.perf_counter() - wall,
+            time.process_time() - cpu,
+        )
         if not check():
             raise RuntimeError(f"{name}: the destination does not hold the source bytes")
         best = row if best is None or row.wall_s < best.wall_s else best
@@ -142,8 +152,9 @@ async def run_bench(total: int, page: int, run_pages: int, repeat: int) -> list[
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.transfer_engine",
-                                     description=(__doc__ or "").split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="bench.transfer_engine", description=(__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("--total-mib", type=int, default=64)
     parser.add_argument("--page", type=int, default=4096)
     parser.add_argument("--run-pages", type=int, default=64)

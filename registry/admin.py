@@ -35,9 +35,7 @@ class NewWorker(BaseModel):
     role: Literal["prefill", "decode"]
     url: str
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
-    bootstrap_namespace: str | None = Field(
-        default=None, pattern=NAMESPACE_PATTERN
-    )
+    bootstrap_namespace: str | None = Field(default=None, pattern=NAMESPACE_PATTERN)
     engine: Literal["vllm-mooncake", "vllm-nixl", "sglang"] | None = None
     # set by a worker registering itself: the entry expires unless heartbeated within lease_s
     lease_s: float | None = Field(default=None, ge=1, le=3600)

@@ -30,8 +30,9 @@ class RegistryClient:
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 5.0) -> None:
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
-                                       timeout=timeout)
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout
+        )
 
     async def __aenter__(self) -> Self:
         return self

@@ -43,9 +43,7 @@ class WorkerSpec(BaseModel):
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
     # set when the prefill registers its ranks with this router's registry instead of hosting
     # its own bootstrap server (vLLM >= 0.32 bootstrap_server_address, our transfer library)
-    bootstrap_namespace: str | None = Field(
-        default=None, pattern=NAMESPACE_PATTERN
-    )
+    bootstrap_namespace: str | None = Field(default=None, pattern=NAMESPACE_PATTERN)
 
     @field_validator("url")
     @classmethod

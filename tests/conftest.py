@@ -41,8 +41,11 @@ class Cluster:
         return body
 
     def wait_ready(self, timeout: float = 10.0) -> None:
-        wait_until(lambda: httpx.get(self.router_url + "/ready", timeout=5).status_code == 200,
-                   timeout, "router /ready")
+        wait_until(
+            lambda: httpx.get(self.router_url + "/ready", timeout=5).status_code == 200,
+            timeout,
+            "router /ready",
+        )
 
     def wait_idle(self, timeout: float = 5.0) -> None:
         """Every worker's in-flight counter at the router is back to zero."""
@@ -72,12 +75,20 @@ async def await_until(predicate: Callable[[], bool], timeout: float, what: str) 
         await asyncio.sleep(0.01)
 
 
-def settings_for(engine: str, prefill: list[tuple[str, int | None]], decode: list[str],
-                 *, prefill_namespace: str | None = None, **overrides: Any) -> RouterSettings:
+def settings_for(
+    engine: str,
+    prefill: list[tuple[str, int | None]],
+    decode: list[str],
+    *,
+    prefill_namespace: str | None = None,
+    **overrides: Any,
+) -> RouterSettings:
     values: dict[str, Any] = {
         "engine": engine,
-        "prefill": [{"url": url, "bootstrap_port": port, "bootstrap_namespace": prefill_namespace}
-                    for url, port in prefill],
+        "prefill": [
+            {"url": url, "bootstrap_port": port, "bootstrap_namespace": prefill_namespace}
+            for url, port in prefill
+        ],
         "decode": [{"url": url} for url in decode],
         "health": {"interval_s": 0.2, "timeout_s": 1.0},
         "upstream": {"connect_timeout_s": 2.0},
@@ -98,21 +109,33 @@ def make_cluster() -> Iterator[ClusterFactory]:
     """``make_cluster(engine, prefill=1, decode=1, dp_size=1, config=..., **router_overrides)``."""
     with contextlib.ExitStack() as stack:
 
-        def factory(engine: EngineProtocol, *, prefill: int = 1, decode: int = 1, dp_size: int = 1,
-                    config: Callable[[], FakeConfig] | None = None, ready: bool = True,
-                    prefill_namespace: str | None = None, **overrides: Any) -> Cluster:
+        def factory(
+            engine: EngineProtocol,
+            *,
+            prefill: int = 1,
+            decode: int = 1,
+            dp_size: int = 1,
+            config: Callable[[], FakeConfig] | None = None,
+            ready: bool = True,
+            prefill_namespace: str | None = None,
+            **overrides: Any,
+        ) -> Cluster:
             new_config = config or (lambda: FakeConfig(kv_timeout=20.0))
-            prefills = [FakeEngine("prefill", engine, dp_size=dp_size, config=new_config())
-                        for _ in range(prefill)]
-            decodes = [FakeEngine("decode", engine, config=new_config())
-                       for _ in range(decode)]
+            prefills = [
+                FakeEngine("prefill", engine, dp_size=dp_size, config=new_config())
+                for _ in range(prefill)
+            ]
+            decodes = [FakeEngine("decode", engine, config=new_config()) for _ in range(decode)]
             servers: dict[tuple[str, int], contextlib.ExitStack] = {}
             prefill_addrs: list[tuple[str, int | None]] = []
             for index, fake in enumerate(prefills):
                 own = servers[("prefill", index)] = stack.enter_context(contextlib.ExitStack())
                 port = own.enter_context(run_server(fake.app))
-                boot = (own.enter_context(run_server(fake.bootstrap_app))
-                        if fake.bootstrap_app is not None else None)
+                boot = (
+                    own.enter_context(run_server(fake.bootstrap_app))
+                    if fake.bootstrap_app is not None
+                    else None
+                )
                 prefill_addrs.append((f"http://127.0.0.1:{port}", boot))
             decode_urls = []
             for index, fake in enumerate(decodes):
@@ -120,11 +143,19 @@ def make_cluster() -> Iterator[ClusterFactory]:
                 decode_urls.append(f"http://127.0.0.1:{own.enter_context(run_server(fake.app))}")
             if prefill_namespace is not None:  # the prefill registers with the router instead
                 prefill_addrs = [(url, None) for url, _ in prefill_addrs]
-            settings = settings_for(engine, prefill_addrs, decode_urls,
-                                    prefill_namespace=prefill_namespace, **overrides)
+            settings = settings_for(
+                engine, prefill_addrs, decode_urls, prefill_namespace=prefill_namespace, **overrides
+            )
             router_port = stack.enter_context(run_server(create_app(settings)))
-            cluster = Cluster(engine, f"http://127.0.0.1:{router_port}", prefills, decodes,
-                              [url for url, _ in prefill_addrs], decode_urls, servers)
+            cluster = Cluster(
+                engine,
+                f"http://127.0.0.1:{router_port}",
+                prefills,
+                decodes,
+                [url for url, _ in prefill_addrs],
+                decode_urls,
+                servers,
+            )
             if ready:
                 cluster.wait_ready()
             return cluster

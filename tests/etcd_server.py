@@ -67,10 +67,12 @@ class EtcdServer:
         if not os.access(self.binary, os.X_OK):
             raise EtcdMissing(
                 f"etcd binary not found at {self.binary}: run scripts/setup.sh "
-                "(it installs the Debian package etcd-server)")
+                "(it installs the Debian package etcd-server)"
+            )
         with open(self.data_dir / "etcd.log", "ab") as log:
             self._process = subprocess.Popen(
-                self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         self._wait_healthy()
 
     def stop(self) -> None:
@@ -113,25 +115,40 @@ class EtcdServer:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def _command(self) -> list[str]:
         peer = f"http://127.0.0.1:{self.peer_port}"
         return [
             str(self.binary),
-            "--name", "pdr-test",
-            "--data-dir", str(self.data_dir / "data"),
-            "--listen-client-urls", self.endpoint,
-            "--advertise-client-urls", self.endpoint,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"pdr-test={peer}",
-            "--heartbeat-interval", "10",
-            "--election-timeout", "100",
-            "--logger", "zap",
-            "--log-level", "warn",
+            "--name",
+            "pdr-test",
+            "--data-dir",
+            str(self.data_dir / "data"),
+            "--listen-client-urls",
+            self.endpoint,
+            "--advertise-client-urls",
+            self.endpoint,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"pdr-test={peer}",
+            "--heartbeat-interval",
+            "10",
+            "--election-timeout",
+            "100",
+            "--logger",
+            "zap",
+            "--log-level",
+            "warn",
         ]
 
     def _wait_healthy(self) -> None:
@@ -141,8 +158,7 @@ class EtcdServer:
                 raise RuntimeError(f"etcd exited during start-up:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(
-                    f"etcd not healthy after {START_TIMEOUT_S}s:\n{self.log_tail()}")
+                raise RuntimeError(f"etcd not healthy after {START_TIMEOUT_S}s:\n{self.log_tail()}")
             time.sleep(0.02)
 
     def _healthy(self) -> bool:

@@ -43,6 +43,7 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
+
 LifespanMode = Literal["auto", "on", "off"]
 ASGIApp = Any  # any ASGI 3 application
 SHUTDOWN_GRACE_S = 2

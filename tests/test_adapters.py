@@ -30,9 +30,15 @@ DECODE = Worker(Role.DECODE, "http://10.0.0.6:8200")
 
 def test_mooncake_prefill_leg_is_one_token_non_streaming_with_transfer_id() -> None:
     adapter = VllmMooncakeAdapter(new_transfer_id=lambda: "xfer-1")
-    request = _req(Endpoint.CHAT, messages=[{"role": "user", "content": "hi"}], stream=True,
-                   stream_options={"include_usage": True}, max_tokens=50,
-                   max_completion_tokens=50, min_tokens=3)
+    request = _req(
+        Endpoint.CHAT,
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+        max_tokens=50,
+        max_completion_tokens=50,
+        min_tokens=3,
+    )
     plan = adapter.plan(request, _prefill(dp=2), 1, DECODE)
     assert plan.prefill_headers == {"x-data-parallel-rank": "1"}
     p = plan.prefill_body
@@ -40,31 +46,44 @@ def test_mooncake_prefill_leg_is_one_token_non_streaming_with_transfer_id() -> N
     assert "stream_options" not in p
     assert p["min_tokens"] == 3  # only the NIXL proxy strips min_tokens
     assert p["kv_transfer_params"] == {
-        "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "xfer-1"}
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": "xfer-1",
+    }
     d = plan.decode_body
     assert d is not None
     assert d["stream"] is True and d["max_tokens"] == 50
     assert d["stream_options"] == {"include_usage": True}
     assert d["kv_transfer_params"] == {
-        "do_remote_decode": False, "do_remote_prefill": True,
-        "remote_bootstrap_addr": "http://10.0.0.5:8998", "remote_engine_id": "eng_dp1",
-        "transfer_id": "xfer-1"}
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_bootstrap_addr": "http://10.0.0.5:8998",
+        "remote_engine_id": "eng_dp1",
+        "transfer_id": "xfer-1",
+    }
     assert "kv_transfer_params" not in request.body  # the client's body is not mutated
 
 
 def test_mooncake_mints_a_fresh_transfer_id_per_attempt() -> None:
     adapter = VllmMooncakeAdapter()
     request = _req(Endpoint.COMPLETIONS, prompt="x")
-    ids = {adapter.plan(request, _prefill(), 0, DECODE).prefill_body["kv_transfer_params"]
-           ["transfer_id"] for _ in range(50)}
+    ids = {
+        adapter.plan(request, _prefill(), 0, DECODE).prefill_body["kv_transfer_params"][
+            "transfer_id"
+        ]
+        for _ in range(50)
+    }
     assert len(ids) == 50
 
 
 def test_mooncake_bootstrap_addr_brackets_ipv6() -> None:
     plan = VllmMooncakeAdapter().plan(
-        _req(Endpoint.COMPLETIONS, prompt="x"), _prefill("http://[fd00::5]:8100"), 0, DECODE)
+        _req(Endpoint.COMPLETIONS, prompt="x"), _prefill("http://[fd00::5]:8100"), 0, DECODE
+    )
     assert plan.decode_body is not None
-    assert plan.decode_body["kv_transfer_params"]["remote_bootstrap_addr"] == "http://[fd00::5]:8998"
+    assert (
+        plan.decode_body["kv_transfer_params"]["remote_bootstrap_addr"] == "http://[fd00::5]:8998"
+    )
 
 
 @pytest.mark.parametrize("adapter", [VllmMooncakeAdapter(), VllmNixlAdapter()])
@@ -76,15 +95,26 @@ def test_vllm_protocols_reject_multi_sequence_requests(adapter: Any, body: dict[
 
 def test_nixl_prefill_strips_min_tokens_and_decode_gets_params_verbatim() -> None:
     adapter = VllmNixlAdapter()
-    request = _req(Endpoint.COMPLETIONS, prompt="x", stream=True, min_tokens=4,
-                   min_completion_tokens=2, max_tokens=9)
+    request = _req(
+        Endpoint.COMPLETIONS,
+        prompt="x",
+        stream=True,
+        min_tokens=4,
+        min_completion_tokens=2,
+        max_tokens=9,
+    )
     plan = adapter.plan(request, _prefill(), 0, DECODE)
     assert plan.decode_body is None
     p = plan.prefill_body
     assert "min_tokens" not in p and "min_completion_tokens" not in p
     assert p["kv_transfer_params"] == {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     params = {"remote_block_ids": [[1]], "remote_engine_id": "e", "future_field": {"a": 1}}
     d = adapter.decode_after_prefill(request, {"kv_transfer_params": params})
     assert d["kv_transfer_params"] == params
@@ -110,7 +140,8 @@ def test_sglang_same_body_to_both_with_bootstrap_fields() -> None:
 
 def test_sglang_null_port_and_ipv6_host() -> None:
     plan = SglangAdapter().plan(
-        _req(Endpoint.COMPLETIONS, prompt="x"), _prefill("http://[::1]:30000", None), 0, DECODE)
+        _req(Endpoint.COMPLETIONS, prompt="x"), _prefill("http://[::1]:30000", None), 0, DECODE
+    )
     assert plan.prefill_body["bootstrap_host"] == "[::1]"
     assert plan.prefill_body["bootstrap_port"] is None
 

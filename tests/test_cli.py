@@ -12,18 +12,46 @@ from router.settings import EngineProtocol
 
 
 def test_seed_proxy_and_sglang_router_syntax() -> None:
-    s = parse_args([
-        "--prefill", "http://p1:8100", "8998", "--prefill", "http://p2:8100", "none",
-        "--prefill", "http://p3:8100", "--decode", "http://d1:8200", "--decode", "http://d2:8200",
-        "--engine", "sglang", "--policy", "least_load", "--decode-policy", "power_of_two",
-        "--port", "8001", "--host", "0.0.0.0", "--log-level", "debug",
-    ])
+    s = parse_args(
+        [
+            "--prefill",
+            "http://p1:8100",
+            "8998",
+            "--prefill",
+            "http://p2:8100",
+            "none",
+            "--prefill",
+            "http://p3:8100",
+            "--decode",
+            "http://d1:8200",
+            "--decode",
+            "http://d2:8200",
+            "--engine",
+            "sglang",
+            "--policy",
+            "least_load",
+            "--decode-policy",
+            "power_of_two",
+            "--port",
+            "8001",
+            "--host",
+            "0.0.0.0",
+            "--log-level",
+            "debug",
+        ]
+    )
     assert [(w.url, w.bootstrap_port) for w in s.prefill] == [
-        ("http://p1:8100", 8998), ("http://p2:8100", None), ("http://p3:8100", None)]
+        ("http://p1:8100", 8998),
+        ("http://p2:8100", None),
+        ("http://p3:8100", None),
+    ]
     assert [w.url for w in s.decode] == ["http://d1:8200", "http://d2:8200"]
     assert s.engine is EngineProtocol.SGLANG
     assert (s.policy.policy, s.policy.prefill_policy, s.policy.decode_policy) == (
-        "least_load", None, "power_of_two")
+        "least_load",
+        None,
+        "power_of_two",
+    )
     assert (s.server.host, s.server.port, s.logging.level) == ("0.0.0.0", 8001, "debug")
 
 

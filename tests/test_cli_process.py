@@ -21,9 +21,22 @@ def test_router_process_routes_and_exits_on_sigterm() -> None:
     ):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "router", "--prefill", f"http://127.0.0.1:{p_port}",
-                str(b_port), "--decode", f"http://127.0.0.1:{d_port}", "--engine",
-                "vllm-mooncake", "--port", str(port), "--health-interval", "0.2"]
+        argv = [
+            sys.executable,
+            "-m",
+            "router",
+            "--prefill",
+            f"http://127.0.0.1:{p_port}",
+            str(b_port),
+            "--decode",
+            f"http://127.0.0.1:{d_port}",
+            "--engine",
+            "vllm-mooncake",
+            "--port",
+            str(port),
+            "--health-interval",
+            "0.2",
+        ]
         with http_process(argv, url, path="/ready", timeout=15) as process:
             response = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=10)
             assert response.status_code == 200, response.text

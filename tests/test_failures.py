@@ -39,8 +39,11 @@ def test_prefill_error_reaches_client_fast_and_cancels_decode(
     decode = cluster.decodes[0]
     if engine != "vllm-nixl":  # NIXL never sends decode when prefill fails
         # The decode leg either never got out or was cancelled; it must not keep waiting.
-        wait_until(lambda: all(r.done and r.disconnected for r in decode.records), 2,
-                   "the decode leg to be cancelled")
+        wait_until(
+            lambda: all(r.done and r.disconnected for r in decode.records),
+            2,
+            "the decode leg to be cancelled",
+        )
     else:
         assert decode.records == []
     cluster.wait_idle()
@@ -71,8 +74,9 @@ def test_prefill_failing_after_stream_started_ends_with_sse_error_event(
     cluster.prefills[0].config.fail_status = 503
     started = time.monotonic()
     with cluster.client() as client:
-        response = client.post("/v1/completions",
-                               json={**COMPLETION, "max_tokens": 100, "stream": True})
+        response = client.post(
+            "/v1/completions", json={**COMPLETION, "max_tokens": 100, "stream": True}
+        )
     assert time.monotonic() - started < 3.0
     assert response.status_code == 200
     events = [line for line in response.text.split("\n") if line.startswith("data: ")]
@@ -132,13 +136,15 @@ def test_decode_crash_mid_stream_ends_with_sse_error_event(
 def test_client_disconnect_mid_stream_cancels_both_legs(
     make_cluster: ClusterFactory, engine: str
 ) -> None:
-    cluster = make_cluster(engine, config=lambda: FakeConfig(check_kv=False, token_delay=0.05,
-                                                             tokens=200))
+    cluster = make_cluster(
+        engine, config=lambda: FakeConfig(check_kv=False, token_delay=0.05, tokens=200)
+    )
     cluster.prefills[0].config.hang = True  # still in flight when the client leaves
     with (
         httpx.Client(base_url=cluster.router_url, timeout=10) as client,
-        client.stream("POST", "/v1/completions",
-                      json={**COMPLETION, "max_tokens": 200, "stream": True}) as response,
+        client.stream(
+            "POST", "/v1/completions", json={**COMPLETION, "max_tokens": 200, "stream": True}
+        ) as response,
     ):
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -190,8 +196,11 @@ def test_only_worker_down_gives_502_promptly_then_marks_it_unhealthy(
         assert time.monotonic() - started < 2.0
         assert response.status_code == 502
         assert "cannot connect" in _error(response)["message"]
-        wait_until(lambda: not cluster.ready_body()["decode"][0]["healthy"], 2,
-                   "the decode to be marked unhealthy after consecutive failures")
+        wait_until(
+            lambda: not cluster.ready_body()["decode"][0]["healthy"],
+            2,
+            "the decode to be marked unhealthy after consecutive failures",
+        )
         response = client.post("/v1/completions", json=COMPLETION)
     assert response.status_code == 503
     assert "no healthy decode worker" in _error(response)["message"]

@@ -29,8 +29,12 @@ def test_bad_input_gets_openai_error_and_reaches_no_engine(
     make_cluster: ClusterFactory, path: str, content: bytes, status: int, needle: str
 ) -> None:
     cluster = make_cluster("sglang")
-    response = httpx.post(cluster.router_url + path, content=content, timeout=5,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        cluster.router_url + path,
+        content=content,
+        timeout=5,
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == status
     error = response.json()["error"]
     assert needle in error["message"]
@@ -58,8 +62,9 @@ def test_oversized_body_is_413(make_cluster: ClusterFactory) -> None:
 
 def test_vllm_rejects_batched_prompts_with_400(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster("vllm-mooncake")
-    response = httpx.post(cluster.router_url + "/v1/completions",
-                          json={**COMPLETION, "prompt": ["a", "b"]}, timeout=5)
+    response = httpx.post(
+        cluster.router_url + "/v1/completions", json={**COMPLETION, "prompt": ["a", "b"]}, timeout=5
+    )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt"
 
@@ -86,8 +91,9 @@ def test_ready_follows_worker_health() -> None:
         decode_server = run_server(decode.app)
         d_port = decode_server.__enter__()
         try:
-            settings = settings_for("sglang", [(f"http://127.0.0.1:{p_port}", b_port)],
-                                    [f"http://127.0.0.1:{d_port}"])
+            settings = settings_for(
+                "sglang", [(f"http://127.0.0.1:{p_port}", b_port)], [f"http://127.0.0.1:{d_port}"]
+            )
             with run_server(create_app(settings)) as r_port:
                 url = f"http://127.0.0.1:{r_port}"
                 assert httpx.get(url + "/health", timeout=5).status_code == 200
@@ -101,8 +107,11 @@ def test_ready_follows_worker_health() -> None:
                 assert response.status_code == 503
                 assert response.json()["error"]["type"] == "service_unavailable"
                 with run_server(decode.app, port=d_port):
-                    wait_until(lambda: httpx.get(url + "/ready").status_code == 200, 5,
-                               "ready again once the decode is back")
+                    wait_until(
+                        lambda: httpx.get(url + "/ready").status_code == 200,
+                        5,
+                        "ready again once the decode is back",
+                    )
         finally:
             decode_server.__exit__(None, None, None)
 
@@ -112,8 +121,11 @@ def test_router_without_workers_is_alive_but_not_ready() -> None:
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.get(url + "/ready").status_code == 503
-        response = httpx.post(url + "/v1/chat/completions", timeout=5, json={
-            "model": "m", "messages": [{"role": "user", "content": "x"}]})
+        response = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=5,
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )
         assert response.status_code == 503
         assert "no healthy prefill" in response.json()["error"]["message"]
         assert httpx.get(url + "/v1/models").status_code == 503

@@ -14,8 +14,11 @@ def test_openai_sdk_chat_stream_and_completion(make_cluster: ClusterFactory, eng
     client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="sk-test", max_retries=0)
     try:
         stream = client.chat.completions.create(
-            model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-            stream=True, stream_options={"include_usage": True},
+            model="fake-model",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         pieces = [c.choices[0].delta.content for c in stream if c.choices]
         assert len("".join(p or "" for p in pieces).split()) == 4

@@ -23,7 +23,13 @@ def test_round_robin_cycles_in_order() -> None:
     policy = build_policy("round_robin")
     workers = _workers(0, 0, 0)
     assert [policy.choose(workers).url[-4:] for _ in range(6)] == [
-        "9000", "9001", "9002", "9000", "9001", "9002"]
+        "9000",
+        "9001",
+        "9002",
+        "9000",
+        "9001",
+        "9002",
+    ]
 
 
 def test_least_load_picks_fewest_inflight() -> None:

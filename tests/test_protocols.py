@@ -15,33 +15,39 @@ import pytest
 from tests.conftest import ClusterFactory, wait_until
 
 ENGINES = ["vllm-mooncake", "vllm-nixl", "sglang"]
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 5}
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
 COMPLETION = {"model": "fake-model", "prompt": "hello", "max_tokens": 5}
 
 
 def sse_events(text: str) -> list[Any]:
-    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", text
     return [json.loads(event) for event in events[:-1]]
 
 
 def completion_text(events: list[dict[str, Any]]) -> str:
-    return "".join(choice.get("text") or choice.get("delta", {}).get("content") or ""
-                   for event in events for choice in event.get("choices", []))
+    return "".join(
+        choice.get("text") or choice.get("delta", {}).get("content") or ""
+        for event in events
+        for choice in event.get("choices", [])
+    )
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION),
-                                       ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize(
+    "path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)]
+)
 @pytest.mark.parametrize("stream", [True, False])
 def test_request_reaches_both_legs_and_decode_answers(
     make_cluster: ClusterFactory, engine: str, path: str, body: dict[str, Any], stream: bool
 ) -> None:
     cluster = make_cluster(engine)
     with cluster.client() as client:
-        response = client.post(path, json={**body, "stream": stream},
-                               headers={"Authorization": "Bearer sk-test", "X-Request-Id": "r-1"})
+        response = client.post(
+            path,
+            json={**body, "stream": stream},
+            headers={"Authorization": "Bearer sk-test", "X-Request-Id": "r-1"},
+        )
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"] == "r-1"
     if stream:
@@ -98,8 +104,10 @@ def test_mooncake_prefill_restart_is_picked_up(make_cluster: ClusterFactory) -> 
     with cluster.client() as client:
         response = client.post("/v1/completions", json=COMPLETION)
     assert response.status_code == 200, response.text
-    assert cluster.decodes[0].records[-1].body["kv_transfer_params"]["remote_engine_id"] == (
-        prefill.engine_ids[0])
+    assert (
+        cluster.decodes[0].records[-1].body["kv_transfer_params"]["remote_engine_id"]
+        == (prefill.engine_ids[0])
+    )
 
 
 def test_mooncake_unknown_engine_id_on_decode_triggers_requery(
@@ -123,8 +131,9 @@ def test_nixl_decode_gets_prefill_params_verbatim_and_min_tokens_back(
 ) -> None:
     cluster = make_cluster("vllm-nixl")
     with cluster.client() as client:
-        response = client.post("/v1/completions", json={**COMPLETION, "min_tokens": 2,
-                                                        "stream": True})
+        response = client.post(
+            "/v1/completions", json={**COMPLETION, "min_tokens": 2, "stream": True}
+        )
     assert response.status_code == 200, response.text
     p, d = cluster.prefills[0].records[0], cluster.decodes[0].records[0]
     assert "min_tokens" not in p.body
@@ -135,9 +144,11 @@ def test_nixl_decode_gets_prefill_params_verbatim_and_min_tokens_back(
 
 @pytest.mark.parametrize(
     "path,body",
-    [("/v1/completions", {**COMPLETION, "prompt": ["a", "b", "c"]}),
-     ("/v1/completions", {**COMPLETION, "n": 2}),
-     ("/v1/chat/completions", {**CHAT, "n": 3})],
+    [
+        ("/v1/completions", {**COMPLETION, "prompt": ["a", "b", "c"]}),
+        ("/v1/completions", {**COMPLETION, "n": 2}),
+        ("/v1/chat/completions", {**CHAT, "n": 3}),
+    ],
 )
 def test_sglang_multi_sequence_requests_get_room_lists(
     make_cluster: ClusterFactory, path: str, body: dict[str, Any]
@@ -177,8 +188,12 @@ def test_every_dp_rank_of_every_prefill_gets_work_when_idle(
         for _ in range(8):
             assert client.post("/v1/completions", json=COMPLETION).status_code == 200
     for prefill in cluster.prefills:
-        ranks = [int(r.headers["x-data-parallel-rank"]) if engine == "vllm-mooncake"
-                 else r.body["routed_dp_rank"] for r in prefill.records]
+        ranks = [
+            int(r.headers["x-data-parallel-rank"])
+            if engine == "vllm-mooncake"
+            else r.body["routed_dp_rank"]
+            for r in prefill.records
+        ]
         assert sorted(ranks) == [0, 0, 1, 1], ranks
 
 

@@ -55,8 +55,11 @@ def test_worker_added_through_admin_gets_traffic_within_a_second(
         assert time.monotonic() - started < 1.0
         worker_id = added.json()["id"]
         assert client.delete(f"/admin/workers/{worker_id}").status_code == 204
-        wait_until(lambda: all(w["url"] != url for w in cluster.ready_body()["decode"]), 1.0,
-                   "the removed decode to leave the pool")
+        wait_until(
+            lambda: all(w["url"] != url for w in cluster.ready_body()["decode"]),
+            1.0,
+            "the removed decode to leave the pool",
+        )
         served = len(extra.records)
         for _ in range(4):
             assert client.post("/v1/completions", json=COMPLETION).status_code == 200
@@ -66,9 +69,12 @@ def test_worker_added_through_admin_gets_traffic_within_a_second(
 def test_admin_errors(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster("sglang")
     with cluster.client() as client:
-        for body in ({"role": "router", "url": "http://127.0.0.1:1"},
-                     {"role": "decode", "url": "ftp://x"},
-                     {"role": "decode"}, {"role": "decode", "url": "http://a:1", "x": 1}):
+        for body in (
+            {"role": "router", "url": "http://127.0.0.1:1"},
+            {"role": "decode", "url": "ftp://x"},
+            {"role": "decode"},
+            {"role": "decode", "url": "http://a:1", "x": 1},
+        ):
             response = client.post("/admin/workers", json=body)
             assert response.status_code in (400, 422), body
             assert response.json()["error"]["message"]
@@ -119,8 +125,11 @@ def test_drain_lets_live_stream_finish_then_removes_worker(make_cluster: Cluster
     assert len(cluster.decodes[0].records) == before  # no new request reached the drained one
     thread.join(timeout=20)
     assert streamed["text"].rstrip().endswith("data: [DONE]")  # the live stream finished
-    wait_until(lambda: all(w["id"] != target["id"] for w in _workers(cluster.router_url)), 5,
-               "the drained worker to be removed once idle")
+    wait_until(
+        lambda: all(w["id"] != target["id"] for w in _workers(cluster.router_url)),
+        5,
+        "the drained worker to be removed once idle",
+    )
 
 
 def test_router_with_zero_workers_becomes_ready_when_added() -> None:
@@ -135,16 +144,19 @@ def test_router_with_zero_workers_becomes_ready_when_added() -> None:
         response = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=5)
         assert response.status_code == 503
         assert "no healthy prefill worker" in response.json()["error"]["message"]
-        for body in ({"role": "prefill", "url": f"http://127.0.0.1:{p_port}",
-                      "bootstrap_port": b_port},
-                     {"role": "decode", "url": f"http://127.0.0.1:{d_port}"}):
+        for body in (
+            {"role": "prefill", "url": f"http://127.0.0.1:{p_port}", "bootstrap_port": b_port},
+            {"role": "decode", "url": f"http://127.0.0.1:{d_port}"},
+        ):
             assert httpx.post(url + "/admin/workers", json=body).status_code == 201
         wait_until(lambda: httpx.get(url + "/ready").status_code == 200, 1.0, "ready")
         assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=5).status_code == 200
 
 
-@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("::1", True),
-                                          ("10.0.0.1", False), (None, False), ("x", False)])
+@pytest.mark.parametrize(
+    "host,loopback",
+    [("127.0.0.1", True), ("::1", True), ("10.0.0.1", False), (None, False), ("x", False)],
+)
 def test_loopback_rule(host: str | None, loopback: bool) -> None:
     from registry.admin import _is_loopback
 
@@ -167,6 +179,7 @@ async def test_self_registered_worker_lives_while_it_heartbeats() -> None:
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{r_port}", timeout=5) as http,
         RegistryClient(f"http://127.0.0.1:{r_port}") as registry,
     ):
+
         async def ready() -> bool:
             return (await http.get("/ready")).status_code == 200
 
@@ -177,11 +190,13 @@ async def test_self_registered_worker_lives_while_it_heartbeats() -> None:
                 await asyncio.sleep(0.02)
 
         # the prefill registers itself with a 1 s lease and keeps heartbeating
-        async with registry.registered("prefill", f"http://127.0.0.1:{p_port}", lease_s=1,
-                                       bootstrap_port=b_port) as record:
+        async with registry.registered(
+            "prefill", f"http://127.0.0.1:{p_port}", lease_s=1, bootstrap_port=b_port
+        ) as record:
             assert record["source"] == "engine"
-            await registry.register({"role": "decode", "url": f"http://127.0.0.1:{d_port}",
-                                     "lease_s": 1})  # the decode registers once, never beats
+            await registry.register(
+                {"role": "decode", "url": f"http://127.0.0.1:{d_port}", "lease_s": 1}
+            )  # the decode registers once, never beats
             await until(ready, 2, "both workers to be routable")
             await until(lambda: _gone(http, "decode"), 4, "the silent decode's lease to expire")
             workers = (await http.get("/ready")).json()["prefill"]

@@ -12,16 +12,26 @@ from tests.test_protocols import COMPLETION
 
 def _register_vllm(port: int, engine_id: str, tp_size: int) -> None:
     for tp in range(tp_size):
-        response = httpx.post(f"http://127.0.0.1:{port}/register", timeout=5, json={
-            "engine_id": engine_id, "dp_rank": 0, "tp_rank": tp, "pp_rank": 0,
-            "addr": f"tcp://127.0.0.1:{40000 + tp}"})
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/register",
+            timeout=5,
+            json={
+                "engine_id": engine_id,
+                "dp_rank": 0,
+                "tp_rank": tp,
+                "pp_rank": 0,
+                "addr": f"tcp://127.0.0.1:{40000 + tp}",
+            },
+        )
         assert response.status_code == 200, response.text
 
 
 def test_vllm_prefill_registering_with_the_router(make_cluster: ClusterFactory) -> None:
     port = free_port()
     cluster = make_cluster(
-        "vllm-mooncake", ready=False, config=lambda: FakeConfig(check_kv=False),
+        "vllm-mooncake",
+        ready=False,
+        config=lambda: FakeConfig(check_kv=False),
         prefill_namespace="p1",
         registry={"bootstrap_ports": {"p1": port}, "advertise_host": "127.0.0.1"},
     )
@@ -49,14 +59,25 @@ def test_vllm_prefill_registering_with_the_router(make_cluster: ClusterFactory) 
 def test_sglang_prefill_registering_with_the_router(make_cluster: ClusterFactory) -> None:
     port = free_port()
     cluster = make_cluster(
-        "sglang", ready=False, config=lambda: FakeConfig(check_kv=False),
+        "sglang",
+        ready=False,
+        config=lambda: FakeConfig(check_kv=False),
         prefill_namespace="p1",
         registry={"bootstrap_ports": {"p1": port}, "advertise_host": "127.0.0.1"},
     )
     for rank in range(2):
-        response = httpx.put(f"http://127.0.0.1:{port}/route", timeout=5, json={
-            "role": "Prefill", "tp_size": 2, "dp_size": 2, "rank_ip": "127.0.0.1",
-            "rank_port": 41000 + rank, "engine_rank": rank})
+        response = httpx.put(
+            f"http://127.0.0.1:{port}/route",
+            timeout=5,
+            json={
+                "role": "Prefill",
+                "tp_size": 2,
+                "dp_size": 2,
+                "rank_ip": "127.0.0.1",
+                "rank_port": 41000 + rank,
+                "engine_rank": rank,
+            },
+        )
         assert response.status_code == 200, response.text
     cluster.wait_ready()
     assert cluster.ready_body()["prefill"][0]["dp_size"] == 2

@@ -29,8 +29,9 @@ def test_stream_and_whole_answers(make_cluster: ClusterFactory, client: str) -> 
 
 @pytest.mark.parametrize("client", CLIENTS)
 def test_connect_error_is_retried(make_cluster: ClusterFactory, client: str) -> None:
-    cluster = make_cluster("sglang", decode=2, upstream={"client": client},
-                           health={"interval_s": 60.0})
+    cluster = make_cluster(
+        "sglang", decode=2, upstream={"client": client}, health={"interval_s": 60.0}
+    )
     cluster.stop("decode", 0)
     with cluster.client() as http:
         for _ in range(3):
@@ -39,8 +40,11 @@ def test_connect_error_is_retried(make_cluster: ClusterFactory, client: str) -> 
 
 @pytest.mark.parametrize("client", CLIENTS)
 def test_idle_read_timeout(make_cluster: ClusterFactory, client: str) -> None:
-    cluster = make_cluster("sglang", upstream={"client": client, "read_timeout_s": 0.3},
-                           config=lambda: FakeConfig(check_kv=False))
+    cluster = make_cluster(
+        "sglang",
+        upstream={"client": client, "read_timeout_s": 0.3},
+        config=lambda: FakeConfig(check_kv=False),
+    )
     cluster.decodes[0].config.token_delay = 2.0
     started = time.monotonic()
     with cluster.client() as http:
@@ -59,14 +63,17 @@ def test_idle_read_timeout(make_cluster: ClusterFactory, client: str) -> None:
 
 @pytest.mark.parametrize("client", CLIENTS)
 def test_disconnect_closes_both_connections(make_cluster: ClusterFactory, client: str) -> None:
-    cluster = make_cluster("sglang", upstream={"client": client},
-                           config=lambda: FakeConfig(check_kv=False, token_delay=0.05,
-                                                     tokens=200))
+    cluster = make_cluster(
+        "sglang",
+        upstream={"client": client},
+        config=lambda: FakeConfig(check_kv=False, token_delay=0.05, tokens=200),
+    )
     cluster.prefills[0].config.hang = True
     with (
         httpx.Client(base_url=cluster.router_url, timeout=10) as http,
-        http.stream("POST", "/v1/completions",
-                    json={**COMPLETION, "max_tokens": 200, "stream": True}) as response,
+        http.stream(
+            "POST", "/v1/completions", json={**COMPLETION, "max_tokens": 200, "stream": True}
+        ) as response,
     ):
         next(response.iter_lines())
     wait_until(lambda: cluster.decodes[0].records[0].disconnected, 3, "decode disconnect")

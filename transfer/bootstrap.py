@@ -142,8 +142,12 @@ class PrefillRank:
         }
 
 
-class PrefillInfo(msgspec.Struct, frozen=True, kw_only=True, rename={"tp_size": "attn_tp_size",
-                                                                      "cp_size": "attn_cp_size"}):
+class PrefillInfo(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    rename={"tp_size": "attn_tp_size", "cp_size": "attn_cp_size"},
+):
     """A prefill instance's layout, as the 0.5.10+ parallel-info query answers it."""
 
     tp_size: int
@@ -182,8 +186,6 @@ class BootstrapClient(AsyncClosing):
         self._infos: dict[str, PrefillInfo] = {}
         self._ranks: dict[tuple[str, int, int, int, int], Peer] = {}
         self._engines: dict[tuple[str, str, int, int], Peer] = {}
-
-
 
     async def aclose(self) -> None:
         if self._owned:
@@ -271,8 +273,9 @@ class BootstrapClient(AsyncClosing):
             entry = _engine_entry(raw, engine_id, base_url)
             addr = entry.worker_addr.get(str(tp), {}).get(str(pp))
             if addr is None:
-                raise BootstrapError(f"engine {engine_id} at {base_url} lists no rank tp={tp} "
-                                     f"pp={pp}")
+                raise BootstrapError(
+                    f"engine {engine_id} at {base_url} lists no rank tp={tp} pp={pp}"
+                )
             peer = self._engines[key] = _tcp_peer(addr, base_url)
         return peer
 
@@ -332,8 +335,9 @@ def _engine_entry(raw: bytes, engine_id: str, base_url: str) -> _EngineEntry:
     for entry in table.values():
         if entry.engine_id == engine_id:
             return entry
-    raise BootstrapError(f"remote engine_id {engine_id} not found from bootstrap server "
-                         f"{base_url}", status=404)
+    raise BootstrapError(
+        f"remote engine_id {engine_id} not found from bootstrap server {base_url}", status=404
+    )
 
 
 def _tcp_peer(addr: str, base_url: str) -> Peer:

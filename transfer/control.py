@@ -135,11 +135,11 @@ class ControlPlane(AsyncClosing):
                 self._bound_port = pull.bind_to_random_port(base)
         except zmq.ZMQError as exc:
             pull.close(linger=0)
-            raise TransferError(f"cannot bind control socket on {self._host}:{self._port}: {exc}",
-                                op="bind") from exc
+            raise TransferError(
+                f"cannot bind control socket on {self._host}:{self._port}: {exc}", op="bind"
+            ) from exc
         self._pull = pull
         return self
-
 
     async def aclose(self) -> None:
         """Close every socket (idempotent). Queued outgoing messages get ``linger_s`` to leave."""
@@ -240,4 +240,3 @@ class ControlPlane(AsyncClosing):
                 link.push.disable_monitor()
             link.monitor.close(linger=0)
         link.push.close(linger=self._linger_ms)
-

@@ -161,7 +161,6 @@ class KVReceiver(AsyncClosing):
         self._serving = asyncio.create_task(self._serve(), name="kv-receiver-control")
         return self
 
-
     async def aclose(self) -> None:
         """Fail the requests still running, close the control plane, unregister the buffers."""
         for room in list(self._pending):
@@ -235,8 +234,12 @@ class KVReceiver(AsyncClosing):
             reason = state.reason or "unknown"
             self.stats.rooms_failed += 1
             pages_safe = await self._settle(room, pending)
-            logger.warning("room %d failed (pages %s): %s", room,
-                           "reusable" if pages_safe else "NOT reusable", reason)
+            logger.warning(
+                "room %d failed (pages %s): %s",
+                room,
+                "reusable" if pages_safe else "NOT reusable",
+                reason,
+            )
             raise ReceiveFailed(room, reason, pages_safe=pages_safe)
         except asyncio.CancelledError:
             if pending.info_sent and pending.peer is not None and not pending.settled.is_set():
@@ -357,8 +360,10 @@ class KVReceiver(AsyncClosing):
         if None not in dtypes and dtypes[0] != dtypes[1]:
             problems.append(f"kv_cache_dtype {dtypes[0]} != {dtypes[1]}")
         if info.tp_size != self._tp_size:
-            problems.append(f"attn_tp_size {info.tp_size} != decode tp_size {self._tp_size} "
-                            "(TP resharding is not supported)")
+            problems.append(
+                f"attn_tp_size {info.tp_size} != decode tp_size {self._tp_size} "
+                "(TP resharding is not supported)"
+            )
         if (info.pp_size, info.cp_size) != (1, 1):
             problems.append(f"pp_size={info.pp_size} cp_size={info.cp_size} (only 1 supported)")
         if problems:

@@ -85,8 +85,7 @@ class _Session:
 
 
 class _Room:
-    __slots__ = ("aux_slot", "busy", "changed", "infos", "room", "sent_pages", "undrained",
-                 "write")
+    __slots__ = ("aux_slot", "busy", "changed", "infos", "room", "sent_pages", "undrained", "write")
 
     def __init__(self, room: int, infos: Iterable[TransferInfo]) -> None:
         self.room = room
@@ -222,7 +221,6 @@ class KVSender(AsyncClosing):
         logger.info("prefill rank %s listening on %s", self._rank.unique_rank, self.address)
         return self
 
-
     async def aclose(self) -> None:
         """Fail the rooms still open (reporting them), close the control plane, unregister."""
         await cancel_and_wait(self._loops)
@@ -315,8 +313,9 @@ class KVSender(AsyncClosing):
     ) -> KVPoll:
         rec = self._open(room, timeout_s)
         if rec.busy:
-            raise TransferError(f"room {room}: another call for it is running", room=room,
-                                op="send")
+            raise TransferError(
+                f"room {room}: another call for it is running", room=room, op="send"
+            )
         rec.busy = True
         try:
             await step(rec)
@@ -357,8 +356,11 @@ class KVSender(AsyncClosing):
         while state.poll is KVPoll.Bootstrapping:
             remaining = state.deadline - self._clock()
             if remaining <= 0:
-                self._rooms.fail(room, f"timed out in Bootstrapping: transfer info from "
-                                       f"{len(rec.infos)} decode rank(s) before the deadline")
+                self._rooms.fail(
+                    room,
+                    f"timed out in Bootstrapping: transfer info from "
+                    f"{len(rec.infos)} decode rank(s) before the deadline",
+                )
                 return
             rec.changed.clear()
             with contextlib.suppress(TimeoutError):
@@ -382,8 +384,9 @@ class KVSender(AsyncClosing):
         if state.poll is KVPoll.WaitingForInput:
             self._rooms.advance(room, KVPoll.Transferring)
         try:
-            plan = ready_pages(num_tokens, self._layout.page_size_tokens, rec.sent_pages,
-                               is_last_chunk)
+            plan = ready_pages(
+                num_tokens, self._layout.page_size_tokens, rec.sent_pages, is_last_chunk
+            )
             if len(src_pages) < plan.send.stop:
                 raise ValueError(f"{len(src_pages)} source pages for {plan.send.stop} pages")
             src = [src_pages[i] for i in plan.send]
@@ -421,8 +424,9 @@ class KVSender(AsyncClosing):
             raise ValueError(f"aux of {len(aux)} bytes, slots hold {self._aux_item_len}")
         if rec.aux_slot is None:
             if not self._aux_free:
-                raise TransferError(f"room {rec.room}: no free aux staging slot", room=rec.room,
-                                    op="aux")
+                raise TransferError(
+                    f"room {rec.room}: no free aux staging slot", room=rec.room, op="aux"
+                )
             rec.aux_slot = self._aux_free.pop()
         start = rec.aux_slot * self._aux_item_len
         self._aux[start : start + self._aux_item_len] = aux.ljust(self._aux_item_len, b"\0")
@@ -430,10 +434,18 @@ class KVSender(AsyncClosing):
     def _aux_entries(self, rec: _Room, info: TransferInfo) -> list[Entry]:
         session = self._session(info)
         if session.aux_ptr is None or info.dst_aux_index is None or rec.aux_slot is None:
-            raise TransferError(f"decode session {info.session_id} registered no aux buffer",
-                                room=rec.room, op="aux")
-        return aux_entries([self._aux_ptr], [session.aux_ptr], [self._aux_item_len],
-                           rec.aux_slot, info.dst_aux_index)
+            raise TransferError(
+                f"decode session {info.session_id} registered no aux buffer",
+                room=rec.room,
+                op="aux",
+            )
+        return aux_entries(
+            [self._aux_ptr],
+            [session.aux_ptr],
+            [self._aux_item_len],
+            rec.aux_slot,
+            info.dst_aux_index,
+        )
 
     async def _write_entries(self, room: int, session_id: str, entries: Sequence[Entry]) -> None:
         for batch in batches(entries):
@@ -460,8 +472,9 @@ class KVSender(AsyncClosing):
             raise
         if not done:
             self._recs[room].write = task
-            raise TransferError(f"room {room}: engine write still running at the deadline",
-                                room=room, op="write")
+            raise TransferError(
+                f"room {room}: engine write still running at the deadline", room=room, op="write"
+            )
         try:
             task.result()
         except EngineError as exc:
@@ -499,8 +512,15 @@ class KVSender(AsyncClosing):
         state = self._rooms.release(room)
         assert state is not None
         write = rec.write if rec.write is not None and not rec.write.done() else None
-        closed = _Closed(room, state.poll, state.reason, _targets(rec.infos), write, rec.aux_slot,
-                         quiet=not rec.undrained)
+        closed = _Closed(
+            room,
+            state.poll,
+            state.reason,
+            _targets(rec.infos),
+            write,
+            rec.aux_slot,
+            quiet=not rec.undrained,
+        )
         self._remember(closed)
         if state.poll is KVPoll.Success:
             self.stats.rooms_succeeded += 1
@@ -534,8 +554,9 @@ class KVSender(AsyncClosing):
 
     def _drained(self, closed: _Closed) -> None:
         self._draining.pop(closed.room, None)
-        logger.info("room %d: late engine write ended; reporting %s", closed.room,
-                    closed.status.name)
+        logger.info(
+            "room %d: late engine write ended; reporting %s", closed.room, closed.status.name
+        )
         if not self._closing:
             self._spawn(self._report(closed))
 
@@ -543,8 +564,12 @@ class KVSender(AsyncClosing):
         """Push the room's status (no write of the room is running); free its aux slot."""
         if closed.aux_slot is not None:
             self._aux_free.append(closed.aux_slot)
-        status = TransferStatus(room=closed.room, status=closed.status,
-                                prefill_rank=self._rank.unique_rank, reason=closed.reason)
+        status = TransferStatus(
+            room=closed.room,
+            status=closed.status,
+            prefill_rank=self._rank.unique_rank,
+            reason=closed.reason,
+        )
         await self._push(closed.targets, status)
 
     async def _push(self, targets: Iterable[Peer], status: TransferStatus) -> None:
@@ -552,14 +577,16 @@ class KVSender(AsyncClosing):
             try:
                 await self._control.send(peer, status)
             except TransferError as exc:
-                logger.warning("room %d: status not delivered to %s: %s", status.room, peer,
-                               exc.message)
+                logger.warning(
+                    "room %d: status not delivered to %s: %s", status.room, peer, exc.message
+                )
 
         await asyncio.gather(*(one(peer) for peer in targets))
 
     def _failed_status(self, room: int, reason: str) -> TransferStatus:
-        return TransferStatus(room=room, status=KVPoll.Failed,
-                              prefill_rank=self._rank.unique_rank, reason=reason)
+        return TransferStatus(
+            room=room, status=KVPoll.Failed, prefill_rank=self._rank.unique_rank, reason=reason
+        )
 
     def _drop_early(self, room: int, reason: str, *, lost: Peer | None = None) -> None:
         """Drop transfer info no call claimed, telling its decode ranks (but ``lost``); a later
@@ -598,8 +625,9 @@ class KVSender(AsyncClosing):
     def _on_register(self, args: RegisterKVArgs) -> None:
         sid = args.session_id
         try:
-            layout = self._layout.peer(args.kv_data_ptrs, page_bytes=args.kv_item_len,
-                                       num_pages=args.kv_num_pages)
+            layout = self._layout.peer(
+                args.kv_data_ptrs, page_bytes=args.kv_item_len, num_pages=args.kv_num_pages
+            )
             if len(args.aux_data_ptrs) > 1:
                 raise ValueError(f"{len(args.aux_data_ptrs)} aux buffers, this rank writes one")
         except ValueError as exc:
@@ -621,8 +649,9 @@ class KVSender(AsyncClosing):
         rec = self._recs.get(room)
         infos = rec.infos if rec is not None else self._early.get(room, _Early(0)).infos
         if any(known_info.session_id == info.session_id for known_info in infos):
-            logger.warning("room %d: duplicate transfer info from %s ignored", room,
-                           info.session_id)
+            logger.warning(
+                "room %d: duplicate transfer info from %s ignored", room, info.session_id
+            )
             return
         if rec is not None:
             rec.infos.append(info)
@@ -654,8 +683,12 @@ class KVSender(AsyncClosing):
         elif room in self._tombs and room not in self._draining and self._tombs[room].quiet:
             # already over here (the status may have crossed the abort): say so again
             tomb = self._tombs[room]
-            status = TransferStatus(room=room, status=tomb.status,
-                                    prefill_rank=self._rank.unique_rank, reason=tomb.reason)
+            status = TransferStatus(
+                room=room,
+                status=tomb.status,
+                prefill_rank=self._rank.unique_rank,
+                reason=tomb.reason,
+            )
             self._spawn(self._push(tomb.targets, status))
 
     def _on_peer_lost(self, peer: Peer) -> None:
@@ -685,17 +718,19 @@ class KVSender(AsyncClosing):
                     self._finish_later(room)
             for room, early in list(self._early.items()):
                 if now - early.since >= self._bootstrap_timeout:
-                    self._drop_early(room, f"prefill rank {self._rank.unique_rank} got no "
-                                           f"request for room {room} within "
-                                           f"{self._bootstrap_timeout:g} s")
+                    self._drop_early(
+                        room,
+                        f"prefill rank {self._rank.unique_rank} got no "
+                        f"request for room {room} within "
+                        f"{self._bootstrap_timeout:g} s",
+                    )
 
     async def _keep_registered(self, every: float) -> None:
         assert self._registry is not None
         while True:
             await asyncio.sleep(every)
             try:
-                await self._bootstrap.register(self._registry, self._rank, self.address,
-                                               attempts=1)
+                await self._bootstrap.register(self._registry, self._rank, self.address, attempts=1)
             except TransferError as exc:
                 logger.warning("bootstrap refresh failed: %s", exc.message)
 
@@ -703,4 +738,3 @@ class KVSender(AsyncClosing):
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-

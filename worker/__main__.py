@@ -23,14 +23,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--registry", help="bootstrap API a prefill registers with (host:port/URL)")
     parser.add_argument("--namespace", help="registry namespace (/bootstrap/NS)")
-    parser.add_argument("--protocol", choices=["sglang", "vllm-mooncake"], default="sglang",
-                        help="PD protocol a prefill registers and serves (a decode reads both)")
+    parser.add_argument(
+        "--protocol",
+        choices=["sglang", "vllm-mooncake"],
+        default="sglang",
+        help="PD protocol a prefill registers and serves (a decode reads both)",
+    )
     parser.add_argument("--dp", type=int, default=1, help="prefill DP ranks in this process")
     parser.add_argument("--engine-id", help="vLLM engine id (default: a uuid; _dpN per rank)")
-    parser.add_argument("--chunk-tokens", type=int, default=2048,
-                        help="chunked prefill: prompt tokens per forward chunk")
-    parser.add_argument("--engine", choices=["loopback", "mooncake"], default="mooncake",
-                        help="transfer engine (loopback only moves KV within one process)")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=2048,
+        help="chunked prefill: prompt tokens per forward chunk",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["loopback", "mooncake"],
+        default="mooncake",
+        help="transfer engine (loopback only moves KV within one process)",
+    )
     parser.add_argument("--model", default="sim-model")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=16)
@@ -38,10 +50,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pages", type=int, default=1024)
     parser.add_argument("--max-prompt-tokens", type=int, default=8192)
     parser.add_argument("--transfer-timeout", type=float, default=30.0)
-    parser.add_argument("--compute-s-per-token", type=float, default=0.0,
-                        help="simulated prefill forward time per prompt token")
-    parser.add_argument("--decode-s-per-token", type=float, default=0.0,
-                        help="simulated decode step: seconds between streamed tokens")
+    parser.add_argument(
+        "--compute-s-per-token",
+        type=float,
+        default=0.0,
+        help="simulated prefill forward time per prompt token",
+    )
+    parser.add_argument(
+        "--decode-s-per-token",
+        type=float,
+        default=0.0,
+        help="simulated decode step: seconds between streamed tokens",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
 
@@ -65,15 +85,28 @@ def build(args: argparse.Namespace) -> SimWorker:
         raise SystemExit("pd-worker: a prefill needs --registry")
     extra = {"engine_id": args.engine_id} if args.engine_id else {}
     try:
-        shape = PoolShape(layers=args.layers, page_size=args.page_size,
-                          bytes_per_token=args.bytes_per_token, pages=args.pages)
-        config = WorkerConfig(args.role, model=args.model, shape=shape, registry=args.registry,
-                              namespace=args.namespace, host=args.host, protocol=args.protocol,
-                              dp_size=args.dp, chunk_tokens=args.chunk_tokens,
-                              max_prompt_tokens=args.max_prompt_tokens,
-                              transfer_timeout_s=args.transfer_timeout,
-                              compute_s_per_token=args.compute_s_per_token,
-                              decode_s_per_token=args.decode_s_per_token, **extra)
+        shape = PoolShape(
+            layers=args.layers,
+            page_size=args.page_size,
+            bytes_per_token=args.bytes_per_token,
+            pages=args.pages,
+        )
+        config = WorkerConfig(
+            args.role,
+            model=args.model,
+            shape=shape,
+            registry=args.registry,
+            namespace=args.namespace,
+            host=args.host,
+            protocol=args.protocol,
+            dp_size=args.dp,
+            chunk_tokens=args.chunk_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            transfer_timeout_s=args.transfer_timeout,
+            compute_s_per_token=args.compute_s_per_token,
+            decode_s_per_token=args.decode_s_per_token,
+            **extra,
+        )
     except ValueError as exc:
         raise SystemExit(f"pd-worker: {exc}") from exc
     return SimWorker(config, _engine(args.engine, args.host))
@@ -83,8 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     app = create_app(build(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
 
 
 if __name__ == "__main__":

@@ -122,9 +122,14 @@ class SimWorker:
     @property
     def open_rooms(self) -> int:
         """Transfer rooms started and not yet released on this worker's side."""
-        return sum(r.sender.open_rooms if r.sender is not None
-                   else r.receiver.open_rooms if r.receiver is not None else 0
-                   for r in self.ranks)
+        return sum(
+            r.sender.open_rooms
+            if r.sender is not None
+            else r.receiver.open_rooms
+            if r.receiver is not None
+            else 0
+            for r in self.ranks
+        )
 
     @property
     def kv_bytes_sent(self) -> int:
@@ -156,35 +161,58 @@ class SimWorker:
                 for index, rank in enumerate(self.ranks):
                     engine = await self._engine_factory()
                     stack.push_async_callback(engine.close)
-                    await stack.enter_async_context(self._transfer_side(context, engine, index,
-                                                                        rank))
+                    await stack.enter_async_context(
+                        self._transfer_side(context, engine, index, rank)
+                    )
                 yield
         finally:
             context.term()
 
     @contextlib.asynccontextmanager
-    async def _transfer_side(self, context: zmq.asyncio.Context, engine: TransferEngine,
-                             index: int, rank: _Rank) -> AsyncIterator[None]:
+    async def _transfer_side(
+        self, context: zmq.asyncio.Context, engine: TransferEngine, index: int, rank: _Rank
+    ) -> AsyncIterator[None]:
         cfg = self.config
         if cfg.role == "prefill":
-            place = PrefillRank(page_size=cfg.shape.page_size, system_dp_size=cfg.dp_size,
-                                system_dp_rank=index,
-                                engine_id=self.engine_id(index)
-                                if cfg.protocol == "vllm-mooncake" else None)
-            async with KVSender(context, engine, rank.pool.layout, place, registry=cfg.registry,
-                                namespace=cfg.namespace, host=cfg.host, aux_item_len=_AUX_LEN,
-                                aux_slots=_AUX_SLOTS, bootstrap_timeout_s=cfg.transfer_timeout_s,
-                                transfer_timeout_s=cfg.transfer_timeout_s) as sender:
-                scheduler = PrefillScheduler(rank.pool, sender, chunk_tokens=cfg.chunk_tokens,
-                                             compute_s_per_token=cfg.compute_s_per_token)
+            place = PrefillRank(
+                page_size=cfg.shape.page_size,
+                system_dp_size=cfg.dp_size,
+                system_dp_rank=index,
+                engine_id=self.engine_id(index) if cfg.protocol == "vllm-mooncake" else None,
+            )
+            async with KVSender(
+                context,
+                engine,
+                rank.pool.layout,
+                place,
+                registry=cfg.registry,
+                namespace=cfg.namespace,
+                host=cfg.host,
+                aux_item_len=_AUX_LEN,
+                aux_slots=_AUX_SLOTS,
+                bootstrap_timeout_s=cfg.transfer_timeout_s,
+                transfer_timeout_s=cfg.transfer_timeout_s,
+            ) as sender:
+                scheduler = PrefillScheduler(
+                    rank.pool,
+                    sender,
+                    chunk_tokens=cfg.chunk_tokens,
+                    compute_s_per_token=cfg.compute_s_per_token,
+                )
                 rank.sender, rank.scheduler = sender, scheduler
                 try:
                     yield
                 finally:
                     await scheduler.aclose()
         else:
-            async with KVReceiver(context, engine, rank.pool.layout, host=cfg.host,
-                                  aux_item_len=_AUX_LEN, aux_slots=_AUX_SLOTS) as receiver:
+            async with KVReceiver(
+                context,
+                engine,
+                rank.pool.layout,
+                host=cfg.host,
+                aux_item_len=_AUX_LEN,
+                aux_slots=_AUX_SLOTS,
+            ) as receiver:
                 rank.receiver = receiver
                 yield
 
@@ -206,15 +234,21 @@ class SimWorker:
     def _prefill_rank(self, seq: Seq) -> _Rank:
         dp_size, room = self.config.dp_size, seq.room
         if room is None:
-            raise WorkerError(400, "a prefill request needs bootstrap_room "
-                                   "(vLLM: kv_transfer_params with a transfer_id)")
+            raise WorkerError(
+                400,
+                "a prefill request needs bootstrap_room "
+                "(vLLM: kv_transfer_params with a transfer_id)",
+            )
         dp = seq.dp_rank
         if dp is not None and not 0 <= dp < dp_size:
             raise WorkerError(400, f"DP rank {dp} outside [0, {dp_size})")
         if self.config.protocol == "sglang" and dp_size > 1:
             if dp is not None and dp != room % dp_size:
-                raise WorkerError(400, f"follow_bootstrap_room conflict: routed_dp_rank {dp} "
-                                       f"but bootstrap_room % {dp_size} = {room % dp_size}")
+                raise WorkerError(
+                    400,
+                    f"follow_bootstrap_room conflict: routed_dp_rank {dp} "
+                    f"but bootstrap_room % {dp_size} = {room % dp_size}",
+                )
             dp = room % dp_size
         return self.ranks[dp or 0]
 
@@ -258,8 +292,9 @@ class SimWorker:
                 raise WorkerError(500, f"KV transfer failed: {exc}") from exc
         return _Result("", len(seq.tokens), 0, 0, transfer_s)
 
-    async def _prefill_and_hand_off(self, rank: _Rank, scheduler: PrefillScheduler, seq: Seq,
-                                    aux: bytes) -> _Result:
+    async def _prefill_and_hand_off(
+        self, rank: _Rank, scheduler: PrefillScheduler, seq: Seq, aux: bytes
+    ) -> _Result:
         assert seq.room is not None
         try:
             pages = rank.pool.allocate(len(seq.tokens))
@@ -276,17 +311,23 @@ class SimWorker:
 
     async def _decode(self, rank: _Rank, seq: Seq, max_new: int) -> _Result:
         if rank.receiver is None or seq.room is None or seq.bootstrap is None:
-            raise WorkerError(400, "a decode request needs bootstrap_host/port/room "
-                                   "(vLLM: kv_transfer_params)")
+            raise WorkerError(
+                400, "a decode request needs bootstrap_host/port/room (vLLM: kv_transfer_params)"
+            )
         if not rank.aux_free:
             raise WorkerError(503, "no free aux slot")
         with self._pages(rank, seq) as pages:
             aux_index = rank.aux_free.pop()
             try:
-                got = await rank.receiver.request(seq.room, seq.bootstrap, pages, aux_index,
-                                                  self.config.transfer_timeout_s,
-                                                  dp_rank=seq.source_dp_rank,
-                                                  engine_id=seq.engine_id)
+                got = await rank.receiver.request(
+                    seq.room,
+                    seq.bootstrap,
+                    pages,
+                    aux_index,
+                    self.config.transfer_timeout_s,
+                    dp_rank=seq.source_dp_rank,
+                    engine_id=seq.engine_id,
+                )
             except ReceiveFailed as exc:
                 if exc.pages_safe:
                     rank.aux_free.append(aux_index)
@@ -297,11 +338,17 @@ class SimWorker:
             rank.aux_free.append(aux_index)
             if struct.unpack("<Q", got.aux[:8])[0] != len(seq.tokens):
                 raise WorkerError(500, "aux from the prefill names another prompt length")
-            return self._decode_tokens(rank.pool, seq, pages, max_new, got.kv_bytes,
-                                       got.elapsed_s)
+            return self._decode_tokens(rank.pool, seq, pages, max_new, got.kv_bytes, got.elapsed_s)
 
-    def _decode_tokens(self, pool: KVPool, seq: Seq, pages: list[int], max_new: int,
-                       kv_bytes: int, transfer_s: float) -> _Result:
+    def _decode_tokens(
+        self,
+        pool: KVPool,
+        seq: Seq,
+        pages: list[int],
+        max_new: int,
+        kv_bytes: int,
+        transfer_s: float,
+    ) -> _Result:
         digest, bad = pool.read_digest(pages, seq.tokens)
         if bad >= 0:
             raise WorkerError(500, f"received KV does not match the prompt at position {bad}")
@@ -334,19 +381,23 @@ def _usage(results: list[_Result]) -> dict[str, Any]:
 
 def _choice(index: int, result: _Result, chat: bool) -> dict[str, Any]:
     if chat:
-        return {"index": index, "finish_reason": "length",
-                "message": {"role": "assistant", "content": result.text}}
+        return {
+            "index": index,
+            "finish_reason": "length",
+            "message": {"role": "assistant", "content": result.text},
+        }
     return {"index": index, "text": result.text, "finish_reason": "length", "logprobs": None}
 
 
-async def _chunks(base: dict[str, Any], results: list[_Result], chat: bool,
-                  s_per_token: float) -> AsyncIterator[bytes]:
+async def _chunks(
+    base: dict[str, Any], results: list[_Result], chat: bool, s_per_token: float
+) -> AsyncIterator[bytes]:
     """The SSE events, one per generated token, ``s_per_token`` apart (one decode step)."""
     for index, result in enumerate(results):
         for position, char in enumerate(result.text):
             if position and s_per_token:
                 await asyncio.sleep(s_per_token)
-            delta: dict[str, Any] = ({"delta": {"content": char}} if chat else {"text": char})
+            delta: dict[str, Any] = {"delta": {"content": char}} if chat else {"text": char}
             choice = {"index": index, "finish_reason": None, **delta}
             yield _sse({**base, "choices": [choice]})
         end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
@@ -367,16 +418,21 @@ async def _serve(worker: SimWorker, request: Request, chat: bool) -> Response:
         seqs = sequences(body, chat, request.headers)
         results = await _gather(worker, seqs, max_tokens(body))
     except WorkerError as exc:
-        return JSONResponse({"error": {"message": exc.message, "code": exc.status}},
-                            status_code=exc.status)
+        return JSONResponse(
+            {"error": {"message": exc.message, "code": exc.status}}, status_code=exc.status
+        )
     except (ValueError, TypeError) as exc:
         return JSONResponse({"error": {"message": str(exc), "code": 400}}, status_code=400)
     kind = "chat.completion" if chat else "text_completion"
-    base = {"id": f"sim-{uuid.uuid4().hex[:12]}", "created": int(time.time()),
-            "model": worker.config.model}
+    base = {
+        "id": f"sim-{uuid.uuid4().hex[:12]}",
+        "created": int(time.time()),
+        "model": worker.config.model,
+    }
     if body.get("stream") and worker.config.role != "prefill":
-        events = _chunks({**base, "object": f"{kind}.chunk"}, results, chat,
-                         worker.config.decode_s_per_token)
+        events = _chunks(
+            {**base, "object": f"{kind}.chunk"}, results, chat, worker.config.decode_s_per_token
+        )
         return StreamingResponse(events, media_type="text/event-stream")
     choices = [_choice(i, r, chat) for i, r in enumerate(results)]
     answer = {**base, "object": kind, "choices": choices, "usage": _usage(results)}
@@ -407,16 +463,22 @@ def create_app(worker: SimWorker) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "role": worker.config.role,
-                "free_pages": sum(pool.free_pages for pool in worker.pools),
-                "quarantined_pages": sum(pool.quarantined for pool in worker.pools),
-                "open_rooms": worker.open_rooms, "queues": worker.queues,
-                "kv_bytes_sent": worker.kv_bytes_sent}
+        return {
+            "status": "ok",
+            "role": worker.config.role,
+            "free_pages": sum(pool.free_pages for pool in worker.pools),
+            "quarantined_pages": sum(pool.quarantined for pool in worker.pools),
+            "open_rooms": worker.open_rooms,
+            "queues": worker.queues,
+            "kv_bytes_sent": worker.kv_bytes_sent,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": worker.config.model, "object": "model",
-                                            "owned_by": "pd-worker"}]}
+        return {
+            "object": "list",
+            "data": [{"id": worker.config.model, "object": "model", "owned_by": "pd-worker"}],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

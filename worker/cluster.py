@@ -39,11 +39,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--port", type=int, default=8000, help="router port")
     parser.add_argument("--dp", type=int, default=1, help="DP ranks per prefill")
-    parser.add_argument("--engine", choices=["sglang", "vllm-mooncake"], default="sglang",
-                        help="PD protocol the router and the workers speak")
+    parser.add_argument(
+        "--engine",
+        choices=["sglang", "vllm-mooncake"],
+        default="sglang",
+        help="PD protocol the router and the workers speak",
+    )
     parser.add_argument("--ready-timeout", type=float, default=60.0)
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER,
-                        help="after --: extra pd-worker arguments (e.g. --pages 512)")
+    parser.add_argument(
+        "worker_args",
+        nargs=argparse.REMAINDER,
+        help="after --: extra pd-worker arguments (e.g. --pages 512)",
+    )
     return parser.parse_args(argv)
 
 
@@ -52,8 +59,7 @@ class _Children:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, args: list[str]) -> None:
-        self.procs.append(subprocess.Popen([sys.executable, "-m", *args],
-                                           start_new_session=True))
+        self.procs.append(subprocess.Popen([sys.executable, "-m", *args], start_new_session=True))
 
     def dead(self) -> subprocess.Popen[bytes] | None:
         return next((p for p in self.procs if p.poll() is not None), None)
@@ -86,13 +92,28 @@ def _wait(url: str, children: _Children, timeout: float) -> None:
     raise SystemExit(f"pd-cluster: {url} not ready after {timeout:g} s")
 
 
-def _router_args(args: argparse.Namespace, prefills: list[int], namespaces: list[int],
-                 decodes: list[int]) -> list[str]:
-    out = ["router", "--engine", args.engine, "--host", _HOST, "--port", str(args.port),
-           "--advertise-host", _HOST]
+def _router_args(
+    args: argparse.Namespace, prefills: list[int], namespaces: list[int], decodes: list[int]
+) -> list[str]:
+    out = [
+        "router",
+        "--engine",
+        args.engine,
+        "--host",
+        _HOST,
+        "--port",
+        str(args.port),
+        "--advertise-host",
+        _HOST,
+    ]
     for i, (port, ns_port) in enumerate(zip(prefills, namespaces, strict=True)):
-        out += ["--bootstrap-namespace", f"p{i}={ns_port}",
-                "--prefill", f"http://{_HOST}:{port}", f"ns:p{i}"]
+        out += [
+            "--bootstrap-namespace",
+            f"p{i}={ns_port}",
+            "--prefill",
+            f"http://{_HOST}:{port}",
+            f"ns:p{i}",
+        ]
     for port in decodes:
         out += ["--decode", f"http://{_HOST}:{port}"]
     return out
@@ -125,17 +146,32 @@ def main(argv: Sequence[str] | None = None) -> None:
             children.start(_router_args(args, prefills, namespaces, decodes))
             _wait(f"{router}/health", children, args.ready_timeout)
             for port, ns_port in zip(prefills, namespaces, strict=True):
-                children.start(["worker", "--role", "prefill", "--port", str(port),
-                                "--registry", f"{_HOST}:{ns_port}", "--protocol", args.engine,
-                                "--dp", str(args.dp), *extra])
+                children.start(
+                    [
+                        "worker",
+                        "--role",
+                        "prefill",
+                        "--port",
+                        str(port),
+                        "--registry",
+                        f"{_HOST}:{ns_port}",
+                        "--protocol",
+                        args.engine,
+                        "--dp",
+                        str(args.dp),
+                        *extra,
+                    ]
+                )
             for port in decodes:
                 children.start(["worker", "--role", "decode", "--port", str(port), *extra])
             _wait(f"{router}/ready", children, args.ready_timeout)
             dp = f", DP={args.dp}" if args.dp > 1 else ""
             print(f"pd-cluster ready: {router}  ({args.prefill}P{args.decode}D{dp}, {args.engine})")
-            print(f"  curl {router}/v1/completions -H 'Content-Type: application/json' "
-                  "-d '{\"model\": \"sim-model\", \"prompt\": \"Hello\", \"max_tokens\": 16}'",
-                  flush=True)
+            print(
+                f"  curl {router}/v1/completions -H 'Content-Type: application/json' "
+                '-d \'{"model": "sim-model", "prompt": "Hello", "max_tokens": 16}\'',
+                flush=True,
+            )
             while children.dead() is None:
                 time.sleep(0.5)
             print("pd-cluster: a child exited; stopping", file=sys.stderr)

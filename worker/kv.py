@@ -76,10 +76,13 @@ class KVPool:
         self.quarantined = 0  # pages withheld after a transfer whose writes may still land
 
     def _layout(self, base: int) -> KVLayout:
-        return KVLayout.packed(base, num_layers=self.shape.layers,
-                               page_size_tokens=self.shape.page_size,
-                               bytes_per_token_per_layer=self._per_layer,
-                               num_pages=self.shape.pages)
+        return KVLayout.packed(
+            base,
+            num_layers=self.shape.layers,
+            page_size_tokens=self.shape.page_size,
+            bytes_per_token_per_layer=self._per_layer,
+            num_pages=self.shape.pages,
+        )
 
     @property
     def free_pages(self) -> int:
@@ -103,16 +106,17 @@ class KVPool:
 
     def _offset(self, region: int, page: int, slot: int) -> int:
         layout = self.layout
-        return (region * layout.region_bytes + page * layout.page_bytes
-                + slot * self._per_layer)
+        return region * layout.region_bytes + page * layout.page_bytes + slot * self._per_layer
 
-    def _token_slots(self, pages: Sequence[int], start: int,
-                     end: int) -> list[tuple[int, int, int]]:
+    def _token_slots(
+        self, pages: Sequence[int], start: int, end: int
+    ) -> list[tuple[int, int, int]]:
         size = self.shape.page_size
         return [(pos, pages[pos // size], pos % size) for pos in range(start, end)]
 
-    def write(self, pages: Sequence[int], tokens: Sequence[int], start: int = 0,
-              end: int | None = None) -> None:
+    def write(
+        self, pages: Sequence[int], tokens: Sequence[int], start: int = 0, end: int | None = None
+    ) -> None:
         """The forward pass over positions [start, end): each token's KV into its page slot."""
         reps = self._per_layer // 8
         stop = len(tokens) if end is None else end
@@ -120,8 +124,9 @@ class KVPool:
             for region in range(self.layout.num_regions):
                 layer, kv = region % self.shape.layers, region // self.shape.layers
                 offset = self._offset(region, page, slot)
-                self.data[offset : offset + self._per_layer] = _seed(tokens[pos], pos, layer,
-                                                                     kv) * reps
+                self.data[offset : offset + self._per_layer] = (
+                    _seed(tokens[pos], pos, layer, kv) * reps
+                )
 
     def read_digest(self, pages: Sequence[int], tokens: Sequence[int]) -> tuple[bytes, int]:
         """The digest of the prompt's KV in ``pages`` and the first bad position (-1: all good)."""

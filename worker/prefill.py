@@ -49,8 +49,9 @@ class PrefillJob:
 class PrefillScheduler:
     """Runs prefill jobs through the lifecycle on one rank's pool and sender."""
 
-    def __init__(self, pool: KVPool, sender: KVSender, *, chunk_tokens: int,
-                 compute_s_per_token: float = 0.0) -> None:
+    def __init__(
+        self, pool: KVPool, sender: KVSender, *, chunk_tokens: int, compute_s_per_token: float = 0.0
+    ) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self._pool = pool
@@ -80,8 +81,9 @@ class PrefillScheduler:
                     last = end == len(job.tokens)
                     if last:
                         stage("inflight")
-                    await self._sender.send(job.room, job.pages, end, is_last_chunk=last,
-                                            aux=job.aux if last else None)
+                    await self._sender.send(
+                        job.room, job.pages, end, is_last_chunk=last, aux=job.aux if last else None
+                    )
             except BaseException:
                 self._sender.abort(job.room, "the prefill request ended early")
                 raise
@@ -91,8 +93,9 @@ class PrefillScheduler:
         """vLLM: the forward pass over the whole prompt, chunk by chunk, sending nothing yet."""
         with self._stage("waiting") as stage:
             for start in range(0, len(job.tokens), self._chunk):
-                await self._forward_chunk(job, start, min(start + self._chunk, len(job.tokens)),
-                                          stage)
+                await self._forward_chunk(
+                    job, start, min(start + self._chunk, len(job.tokens)), stage
+                )
 
     def hand_off(self, job: PrefillJob, done: Callable[[], None]) -> None:
         """vLLM: serve the decode's pull of a computed ``job`` in the background; ``done`` runs
@@ -100,8 +103,9 @@ class PrefillScheduler:
 
         async def inflight() -> None:
             with self._stage("inflight"), contextlib.suppress(Exception):
-                await self._sender.send(job.room, job.pages, len(job.tokens),
-                                        is_last_chunk=True, aux=job.aux)
+                await self._sender.send(
+                    job.room, job.pages, len(job.tokens), is_last_chunk=True, aux=job.aux
+                )
 
         task = asyncio.create_task(inflight(), name=f"prefill-inflight-{job.room}")
         self._handed_off.add(task)
@@ -118,8 +122,9 @@ class PrefillScheduler:
             task.cancel()
         await asyncio.gather(*self._handed_off, return_exceptions=True)
 
-    async def _forward_chunk(self, job: PrefillJob, start: int, end: int,
-                             stage: Callable[[Stage], None]) -> None:
+    async def _forward_chunk(
+        self, job: PrefillJob, start: int, end: int, stage: Callable[[Stage], None]
+    ) -> None:
         stage("waiting")
         async with self._forward:
             stage("forward")

@@ -113,8 +113,9 @@ def _vllm(texts: list[str], params: Any, headers: Mapping[str, str]) -> list[Seq
             assert isinstance(engine_id, str) and isinstance(addr, str)
             assert isinstance(transfer_id, str)
             return [Seq(0, tokens, room_of(transfer_id), addr, engine_id=engine_id)]
-        logger.warning("Got invalid KVTransferParams: %s. This request will not utilize "
-                       "KVTransfer", params)
+        logger.warning(
+            "Got invalid KVTransferParams: %s. This request will not utilize KVTransfer", params
+        )
     return [Seq(0, tokens, local=True)]
 
 
@@ -123,8 +124,13 @@ def _prompts(body: Mapping[str, Any], chat: bool) -> list[str]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise WorkerError(400, "messages must be a non-empty list")
-        return ["".join(f"{m.get('role', '')}: {_content(m.get('content'))}\n"
-                        for m in messages if isinstance(m, dict))]
+        return [
+            "".join(
+                f"{m.get('role', '')}: {_content(m.get('content'))}\n"
+                for m in messages
+                if isinstance(m, dict)
+            )
+        ]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [prompt]

@@ -78,8 +78,10 @@ async def test_watch_raises_when_the_registry_goes_quiet() -> None:
     async def ready_then_silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         ready = b'{"kind":"ready"}\n'
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(ready), ready))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+            b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(ready), ready)
+        )
         await writer.drain()
         await hold.wait()
         writer.close()
@@ -113,8 +115,9 @@ class CountingStore(MemoryStore):
     def watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         return self._counted(super().watch(prefix))
 
-    async def _counted(self, events: AsyncGenerator[WatchEvent, None]
-                       ) -> AsyncGenerator[WatchEvent, None]:
+    async def _counted(
+        self, events: AsyncGenerator[WatchEvent, None]
+    ) -> AsyncGenerator[WatchEvent, None]:
         self.open_watches += 1
         try:
             async for event in events:
@@ -267,8 +270,18 @@ async def test_bad_ttl_is_a_value_error_before_any_io() -> None:
 def _registry_process() -> Iterator[tuple[str, subprocess.Popen[str]]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "registry", "serve", "--store", "memory://", "--port", str(port),
-            "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-m",
+        "registry",
+        "serve",
+        "--store",
+        "memory://",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     with http_process(argv, url) as process:
         yield url, process
 
@@ -294,15 +307,22 @@ def test_two_routers_share_workers_through_a_registry_process() -> None:
         first, second = _router(routers, registry), _router(routers, registry)
         for router in (first, second):
             wait_until_sync(partial(_synced, router), 5, "the router to sync with the registry")
-        added = httpx.post(first + "/admin/workers", timeout=5,
-                           json={"role": "decode", "url": worker})
+        added = httpx.post(
+            first + "/admin/workers", timeout=5, json={"role": "decode", "url": worker}
+        )
         assert added.status_code == 201, added.text
-        wait_until_sync(lambda: worker in _decode_urls(second), 2,
-                        "router B to list the worker added through router A")
+        wait_until_sync(
+            lambda: worker in _decode_urls(second),
+            2,
+            "router B to list the worker added through router A",
+        )
         assert httpx.get(registry + "/admin/workers").json()["workers"][0]["url"] == worker
         removed = httpx.delete(f"{second}/admin/workers/{added.json()['id']}", timeout=5)
         assert removed.status_code == 204
-        wait_until_sync(lambda: worker not in _decode_urls(first), 2,
-                        "router A to drop the worker removed through router B")
+        wait_until_sync(
+            lambda: worker not in _decode_urls(first),
+            2,
+            "router A to drop the worker removed through router B",
+        )
         process.send_signal(signal.SIGTERM)  # routers still watching: they must not hold it up
         process.wait(timeout=SHUTDOWN_GRACE_S + 2)

@@ -21,9 +21,22 @@ def _router(registry: str, *worker_args: str) -> Iterator[str]:
     """A real ``router`` process; yields its URL once it answers /health."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "router", "--engine", "sglang", "--port", str(port),
-            "--registry", registry, "--health-interval", "0.2", "--log-level", "warning",
-            *worker_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "router",
+        "--engine",
+        "sglang",
+        "--port",
+        str(port),
+        "--registry",
+        registry,
+        "--health-interval",
+        "0.2",
+        "--log-level",
+        "warning",
+        *worker_args,
+    ]
     with http_process(argv, url):
         yield url
 
@@ -36,8 +49,13 @@ def _engines() -> Iterator[tuple[FakeEngine, FakeEngine, list[str]]]:
         run_server(prefill.bootstrap_app) as b_port,
         run_server(decode.app) as d_port,
     ):
-        args = ["--prefill", f"http://127.0.0.1:{p_port}", str(b_port),
-                "--decode", f"http://127.0.0.1:{d_port}"]
+        args = [
+            "--prefill",
+            f"http://127.0.0.1:{p_port}",
+            str(b_port),
+            "--decode",
+            f"http://127.0.0.1:{d_port}",
+        ]
         yield prefill, decode, args
 
 
@@ -58,8 +76,11 @@ def test_two_routers_share_workers_through_etcd(private_etcd: EtcdServer) -> Non
         response = httpx.post(second + "/v1/completions", json=COMPLETION, timeout=10)
         assert response.status_code == 200
         assert len(decode.records) == 1
-        added = httpx.post(first + "/admin/workers", timeout=5, json={
-            "role": "decode", "url": f"http://127.0.0.1:{extra_port}"})
+        added = httpx.post(
+            first + "/admin/workers",
+            timeout=5,
+            json={"role": "decode", "url": f"http://127.0.0.1:{extra_port}"},
+        )
         assert added.status_code == 201
 
         def b_routes_to_extra() -> bool:
@@ -82,20 +103,34 @@ def test_routing_survives_etcd_outage_and_resyncs(private_etcd: EtcdServer) -> N
     ):
         wait_until(lambda: _ready(url), 5, "ready")
         private_etcd.stop()
-        wait_until(lambda: httpx.get(url + "/ready").json()["registry"]["ok"] is False, 10,
-                   "the router to notice etcd is gone")
+        wait_until(
+            lambda: httpx.get(url + "/ready").json()["registry"]["ok"] is False,
+            10,
+            "the router to notice etcd is gone",
+        )
         body = httpx.get(url + "/ready").json()
         assert body["status"] == "ready" and body["registry"]["error"]
         for _ in range(5):  # the last known workers keep serving
             response = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=10)
             assert response.status_code == 200
         private_etcd.start()
-        wait_until(lambda: httpx.get(url + "/ready").json()["registry"]["ok"] is True, 15,
-                   "the router to resynchronise with etcd")
-        response = httpx.post(url + "/admin/workers", timeout=5, json={
-            "role": "decode", "url": f"http://127.0.0.1:{extra_port}"})
+        wait_until(
+            lambda: httpx.get(url + "/ready").json()["registry"]["ok"] is True,
+            15,
+            "the router to resynchronise with etcd",
+        )
+        response = httpx.post(
+            url + "/admin/workers",
+            timeout=5,
+            json={"role": "decode", "url": f"http://127.0.0.1:{extra_port}"},
+        )
         assert response.status_code == 201
-        wait_until(lambda: any(w["url"].endswith(str(extra_port))
-                               for w in httpx.get(url + "/ready").json()["decode"]), 2,
-                   "a worker added after the outage to join")
+        wait_until(
+            lambda: any(
+                w["url"].endswith(str(extra_port))
+                for w in httpx.get(url + "/ready").json()["decode"]
+            ),
+            2,
+            "a worker added after the outage to join",
+        )
         assert len(decode.records) >= 5

@@ -39,8 +39,9 @@ etcd_only = pytest.mark.parametrize("backend", [pytest.param("etcd", marks=pytes
 # --- helpers -------------------------------------------------------------------------------------
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool]], what: str,
-                     timeout: float = EXPIRY_TIMEOUT_S) -> None:
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]], what: str, timeout: float = EXPIRY_TIMEOUT_S
+) -> None:
     deadline = time.monotonic() + timeout
     while not await predicate():
         if time.monotonic() > deadline:
@@ -48,8 +49,9 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], what: str,
         await asyncio.sleep(0.02)
 
 
-async def take(events: AsyncIterator[WatchEvent], count: int,
-               timeout: float = EVENT_TIMEOUT_S) -> list[WatchEvent]:
+async def take(
+    events: AsyncIterator[WatchEvent], count: int, timeout: float = EVENT_TIMEOUT_S
+) -> list[WatchEvent]:
     async with asyncio.timeout(timeout):
         return [await anext(events) for _ in range(count)]
 
@@ -101,7 +103,10 @@ async def test_list_returns_live_keys_under_prefix(store: RegistryStore) -> None
         await store.put(key, key.encode())
     assert await store.list("workers/") == {"workers/a": b"workers/a", "workers/b": b"workers/b"}
     assert await store.list("workers") == {
-        "workers/a": b"workers/a", "workers/b": b"workers/b", "workersX/c": b"workersX/c"}
+        "workers/a": b"workers/a",
+        "workers/b": b"workers/b",
+        "workersX/c": b"workersX/c",
+    }
     assert set(await store.list("")) == {"workers/a", "workers/b", "workersX/c", "ranks/d"}
     assert await store.list("nothing/") == {}
 
@@ -299,7 +304,8 @@ async def test_memory_expiry_event_is_delivered_promptly_without_calls() -> None
 
 @etcd_only  # two memory:// stores never share data: there is nothing to test for memory
 async def test_two_stores_on_one_etcd_see_each_others_writes(
-        store: RegistryStore, store_url: str) -> None:
+    store: RegistryStore, store_url: str
+) -> None:
     other = open_store(store_url)
     try:
         async with watching(other, "workers/") as events:
@@ -309,8 +315,11 @@ async def test_two_stores_on_one_etcd_see_each_others_writes(
             assert await other.list("workers/") == {"workers/a": b"1"}
             await store.put("workers/b", b"2")
             seen = await take(events, 3)  # puts of a and b, then a's expiry
-        assert brief(seen) == [("put", "workers/a", b"1"), ("put", "workers/b", b"2"),
-                               ("delete", "workers/a", None)]
+        assert brief(seen) == [
+            ("put", "workers/a", b"1"),
+            ("put", "workers/b", b"2"),
+            ("delete", "workers/a", None),
+        ]
         assert await other.delete("workers/b") is True
         assert await store.get("workers/b") is None
     finally:
@@ -440,30 +449,36 @@ def test_open_store_rejects_unknown_schemes(url: str) -> None:
         open_store(url)
 
 
-@pytest.mark.parametrize(("url", "message"), [
-    ("memory://somewhere", "memory:// takes no"),
-    ("etcd://", "no host"),
-    ("etcd://host:port", "bad port"),
-    ("etcd://user:secret@host", "credentials"),
-    ("etcd://h1:2379,h2:2379", "one endpoint"),
-    ("etcd://host?timeout=2", "no query"),
-    ("http://", "no host"),
-    ("http://host:port", "bad port"),
-    ("https://user:secret@host", "credentials"),
-    ("http://host?token=secret", "no query"),
-])
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("memory://somewhere", "memory:// takes no"),
+        ("etcd://", "no host"),
+        ("etcd://host:port", "bad port"),
+        ("etcd://user:secret@host", "credentials"),
+        ("etcd://h1:2379,h2:2379", "one endpoint"),
+        ("etcd://host?timeout=2", "no query"),
+        ("http://", "no host"),
+        ("http://host:port", "bad port"),
+        ("https://user:secret@host", "credentials"),
+        ("http://host?token=secret", "no query"),
+    ],
+)
 def test_open_store_rejects_malformed_urls(url: str, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message) as info:
         open_store(url)
     assert "secret" not in str(info.value)
 
 
-@pytest.mark.parametrize(("url", "expected"), [
-    ("etcd://10.0.0.5", ("10.0.0.5", 2379, "/pdr")),
-    ("etcd://etcd.local:2380/", ("etcd.local", 2380, "/pdr")),
-    ("etcd://h:1/a/b/", ("h", 1, "/a/b")),
-    ("etcd://[::1]:2379/x", ("::1", 2379, "/x")),
-])
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("etcd://10.0.0.5", ("10.0.0.5", 2379, "/pdr")),
+        ("etcd://etcd.local:2380/", ("etcd.local", 2380, "/pdr")),
+        ("etcd://h:1/a/b/", ("h", 1, "/a/b")),
+        ("etcd://[::1]:2379/x", ("::1", 2379, "/x")),
+    ],
+)
 def test_parse_etcd_url(url: str, expected: tuple[str, int, str]) -> None:
     assert parse_etcd_url(url) == expected
 
@@ -475,6 +490,8 @@ def test_missing_aetcd_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_registry_imports_without_aetcd() -> None:
-    code = ("import sys; sys.modules['aetcd'] = None; "
-            "import registry, registry.backends; registry.backends.open_store('memory://')")
+    code = (
+        "import sys; sys.modules['aetcd'] = None; "
+        "import registry, registry.backends; registry.backends.open_store('memory://')"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)

@@ -76,10 +76,13 @@ class Pair:
         return self.a.in_flight(self.b.session_id) if isinstance(self.a, MooncakeEngine) else 0
 
 
-def pages(src: Buffer, dst: Buffer, src_pages: Sequence[int], dst_pages: Sequence[int],
-          size: int = PAGE) -> list[Entry]:
-    return [Entry(src.addr + s * size, dst.addr + d * size, size)
-            for s, d in zip(src_pages, dst_pages, strict=True)]
+def pages(
+    src: Buffer, dst: Buffer, src_pages: Sequence[int], dst_pages: Sequence[int], size: int = PAGE
+) -> list[Entry]:
+    return [
+        Entry(src.addr + s * size, dst.addr + d * size, size)
+        for s, d in zip(src_pages, dst_pages, strict=True)
+    ]
 
 
 async def bounded_error(write: Awaitable[None]) -> EngineError:
@@ -200,8 +203,10 @@ async def test_unregistered_destination_fails_after_the_batch_drained(
         error = await bounded_error(pair.a.write(pair.b.session_id, entries))
     assert (error.op, error.code) == ("write", CODE_FAILED)
     assert pair.in_flight() == 0  # nothing of the batch is left to land on reused pages
-    assert any("write failed" in r.getMessage() and pair.b.session_id in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "write failed" in r.getMessage() and pair.b.session_id in r.getMessage()
+        for r in caplog.records
+    )
     data = src.fill_random(4)  # the engine is still healthy
     await pair.a.write(pair.b.session_id, pages(src, dst, range(4), range(4)))
     assert dst.read(0, 4 * PAGE) == data[: 4 * PAGE]
@@ -259,7 +264,9 @@ async def test_registration_errors(pair: Pair) -> None:
     with pytest.raises(EngineError) as unknown:
         pair.a.unregister(region.addr + PAGE)
     assert [overlap.value.op, empty.value.op, unknown.value.op] == [
-        "register", "register", "unregister"
+        "register",
+        "register",
+        "unregister",
     ]
     assert [overlap.value.code, empty.value.code, unknown.value.code] == [-7, -1, -3]
 
@@ -286,10 +293,14 @@ async def test_concurrent_writes_to_one_peer(pair: Pair) -> None:
             await asyncio.sleep(0)
 
     sampler = asyncio.create_task(sample())
-    await asyncio.gather(*(
-        pair.a.write(pair.b.session_id, pages(src, dst, range(n), range(w * n, (w + 1) * n), size))
-        for w in range(writers)
-    ))
+    await asyncio.gather(
+        *(
+            pair.a.write(
+                pair.b.session_id, pages(src, dst, range(n), range(w * n, (w + 1) * n), size)
+            )
+            for w in range(writers)
+        )
+    )
     sampler.cancel()
     assert peak <= MAX_ENTRIES_PER_BATCH
     for w in range(writers):
@@ -423,4 +434,3 @@ async def test_peer_budget_is_first_come_first_served_and_cancellable() -> None:
     assert budget.in_flight == 110
     budget.release(110)
     assert budget.in_flight == 0
-

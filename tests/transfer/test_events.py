@@ -41,10 +41,16 @@ NEW_JSON = """[1.5, [{"type":"BlockStored","block_hashes":[11,12],"parent_block_
             {"type":"BlockRemoved","block_hashes":[11],"medium":"GPU"},
             {"type":"AllBlocksCleared"}], 0]"""
 
-STORED = BlockStored(block_hashes=[11, 12], parent_block_hash=None, token_ids=[1, 2, 3, 4],
-                     block_size=2, lora_id=None)
-NEW_BATCH = EventBatch(ts=1.5, events=[STORED, BlockRemoved([11]), AllBlocksCleared()],
-                       data_parallel_rank=0)
+STORED = BlockStored(
+    block_hashes=[11, 12],
+    parent_block_hash=None,
+    token_ids=[1, 2, 3, 4],
+    block_size=2,
+    lora_id=None,
+)
+NEW_BATCH = EventBatch(
+    ts=1.5, events=[STORED, BlockRemoved([11]), AllBlocksCleared()], data_parallel_rank=0
+)
 LOCAL = "tcp://127.0.0.1:0"
 DEADLINE = 5.0
 
@@ -86,7 +92,7 @@ def test_null_rank_is_written_as_null_and_two_element_batches_decode() -> None:
     assert written == [1.0, [{"type": "AllBlocksCleared"}], None]
     assert decode_batch(msgspec.msgpack.encode([1.0, [["AllBlocksCleared"]]])) == batch
     assert decode_batch(encode_batch(batch)) == batch
-    assert decode_batch(msgpack_of('[1.0, [], null]')).data_parallel_rank is None
+    assert decode_batch(msgpack_of("[1.0, [], null]")).data_parallel_rank is None
     # A longer batch (a future field) still decodes, by either path.
     assert decode_batch(msgpack_of('[1.0, [], 3, "new"]')).data_parallel_rank == 3
     assert decode_batch(msgpack_of('[1.0, [["AllBlocksCleared"]], 3, "new"]')).events == [
@@ -102,11 +108,15 @@ def test_null_rank_is_written_as_null_and_two_element_batches_decode() -> None:
         # vLLM 0.11: six fields, up to medium.
         (["BlockStored", [1], 0, [9], 1, 5, None], BlockStored([1], 0, [9], 1, 5, None)),
         # vLLM 0.14+: lora_name appended.
-        (["BlockStored", [1], 0, [9], 1, None, "GPU", "a"],
-         BlockStored([1], 0, [9], 1, None, "GPU", "a")),
+        (
+            ["BlockStored", [1], 0, [9], 1, None, "GPU", "a"],
+            BlockStored([1], 0, [9], 1, None, "GPU", "a"),
+        ),
         # vLLM 0.20-0.23: extra_keys and group_idx trail; ignored.
-        (["BlockStored", [1], 0, [9], 1, None, "DISK", None, [None], 2],
-         BlockStored([1], 0, [9], 1, None, "DISK")),
+        (
+            ["BlockStored", [1], 0, [9], 1, None, "DISK", None, [None], 2],
+            BlockStored([1], 0, [9], 1, None, "DISK"),
+        ),
         (["BlockRemoved", [4, 5]], BlockRemoved([4, 5], "GPU")),
         (["BlockRemoved", [4, 5], "CPU_PINNED", 3], BlockRemoved([4, 5], "CPU_PINNED")),
     ],
@@ -117,9 +127,19 @@ def test_old_array_events_of_every_length(old_event: list[Any], expected: Any) -
 
 
 def test_new_map_events_ignore_fields_we_do_not_model() -> None:
-    vllm_033 = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-                "token_ids": [2], "block_size": 1, "lora_id": None, "medium": "GPU",
-                "lora_name": None, "extra_keys": [None], "group_idx": 0, "session_id": "s"}
+    vllm_033 = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [2],
+        "block_size": 1,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None],
+        "group_idx": 0,
+        "session_id": "s",
+    }
     sglang_omitted_medium = {"type": "BlockRemoved", "block_hashes": [3]}
     batch = decode_batch(msgspec.msgpack.encode([0.0, [vllm_033, sglang_omitted_medium]]))
     assert batch.events == [BlockStored([1], None, [2], 1, None), BlockRemoved([3])]
@@ -288,8 +308,9 @@ async def read(sub: KVEventSubscriber, count: int) -> list[ReceivedBatch]:
     return [await sub.next(timeout=DEADLINE) for _ in range(count)]
 
 
-async def dealer_request(ctx: zmq.asyncio.Context, endpoint: str,
-                         *requests: list[bytes]) -> list[list[bytes]]:
+async def dealer_request(
+    ctx: zmq.asyncio.Context, endpoint: str, *requests: list[bytes]
+) -> list[list[bytes]]:
     """Send raw requests from one DEALER; collect replies up to the first end marker."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(endpoint)
@@ -353,8 +374,9 @@ async def test_failed_bind_closes_what_was_opened(ctx: zmq.asyncio.Context) -> N
 
 
 async def test_replay_returns_batches_from_start_then_end(ctx: zmq.asyncio.Context) -> None:
-    async with KVEventPublisher(LOCAL, replay_endpoint=LOCAL, topic="t", buffer_steps=5,
-                                clock=fixed_clock, context=ctx) as pub:
+    async with KVEventPublisher(
+        LOCAL, replay_endpoint=LOCAL, topic="t", buffer_steps=5, clock=fixed_clock, context=ctx
+    ) as pub:
         assert pub.replay_endpoint is not None
         for i in range(8):  # seqs 0..7; the buffer keeps 3..7
             await pub.publish(batch_of(i))
@@ -377,7 +399,8 @@ async def test_malformed_replay_requests_are_ignored(
         assert pub.replay_endpoint is not None
         await pub.publish(batch_of(0))
         replies = await dealer_request(
-            ctx, pub.replay_endpoint,
+            ctx,
+            pub.replay_endpoint,
             [codec.encode_seq(0)],  # no empty delimiter
             [b"", b"\x00"],  # short seq
             [b"", codec.encode_seq(0), b"more"],
@@ -437,8 +460,9 @@ async def test_start_seq_catches_up_on_batches_published_before_connecting(
     async with KVEventPublisher(LOCAL, replay_endpoint=LOCAL, context=ctx) as pub:
         for i in range(5):
             await pub.publish(batch_of(i))
-        async with KVEventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint,
-                                     start_seq=0, context=ctx) as sub:
+        async with KVEventSubscriber(
+            pub.endpoint, replay_endpoint=pub.replay_endpoint, start_seq=0, context=ctx
+        ) as sub:
             seen = await join(sub, lambda: pub.publish([AllBlocksCleared()]))
     assert [g.seq for g in seen] == list(range(len(seen)))
     assert [g.batch.events for g in seen[:5]] == [batch_of(i) for i in range(5)]
@@ -449,8 +473,9 @@ async def test_old_framing_and_old_encoding_from_a_fake_engine(
     ctx: zmq.asyncio.Context, fake: FakeEngine
 ) -> None:
     old = msgpack_of(OLD_JSON)
-    async with KVEventSubscriber(fake.endpoint, replay_endpoint=fake.replay_endpoint,
-                                 context=ctx) as sub:
+    async with KVEventSubscriber(
+        fake.endpoint, replay_endpoint=fake.replay_endpoint, context=ctx
+    ) as sub:
         server = asyncio.create_task(fake.serve_old_framing({2: old, 3: old, 4: old}))
         replayed = await sub.replay(3)
         await server
@@ -472,8 +497,9 @@ async def test_replay_timeout_is_an_error_not_a_hang(
     ctx: zmq.asyncio.Context, fake: FakeEngine
 ) -> None:
     # The fake's ROUTER never answers.
-    async with KVEventSubscriber(fake.endpoint, replay_endpoint=fake.replay_endpoint,
-                                 replay_timeout=0.1, context=ctx) as sub:
+    async with KVEventSubscriber(
+        fake.endpoint, replay_endpoint=fake.replay_endpoint, replay_timeout=0.1, context=ctx
+    ) as sub:
         with pytest.raises(ReplayTimeout):
             await sub.replay(0)
         last = (await join(sub, fake.probe))[-1].seq
@@ -487,8 +513,9 @@ async def test_late_replies_to_a_timed_out_replay_are_not_mixed_in(
     ctx: zmq.asyncio.Context, fake: FakeEngine
 ) -> None:
     old = msgpack_of(OLD_JSON)
-    async with KVEventSubscriber(fake.endpoint, replay_endpoint=fake.replay_endpoint,
-                                 replay_timeout=0.25, context=ctx) as sub:
+    async with KVEventSubscriber(
+        fake.endpoint, replay_endpoint=fake.replay_endpoint, replay_timeout=0.25, context=ctx
+    ) as sub:
         server = asyncio.create_task(fake.serve_old_framing({0: old}))
         assert [r.seq for r in await sub.replay(0)] == [0]  # connected and working
         await server
@@ -536,8 +563,9 @@ async def test_publisher_logs_nothing_at_warning_in_normal_use(
     caplog.set_level(logging.WARNING)
     async with (
         KVEventPublisher(LOCAL, replay_endpoint=LOCAL, context=ctx) as pub,
-        KVEventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint, start_seq=0,
-                          context=ctx) as sub,
+        KVEventSubscriber(
+            pub.endpoint, replay_endpoint=pub.replay_endpoint, start_seq=0, context=ctx
+        ) as sub,
     ):
         await join(sub, lambda: pub.publish([AllBlocksCleared()]))
     assert caplog.records == []

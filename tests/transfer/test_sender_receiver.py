@@ -55,14 +55,22 @@ class Pool:
     """A packed KV pool in a pinned bytearray."""
 
     def __init__(self, num_pages: int = NUM_PAGES, page_tokens: int = PAGE_TOKENS) -> None:
-        probe = KVLayout.packed(0, num_layers=LAYERS, page_size_tokens=page_tokens,
-                                bytes_per_token_per_layer=BYTES_PER_TOKEN, num_pages=num_pages)
+        probe = KVLayout.packed(
+            0,
+            num_layers=LAYERS,
+            page_size_tokens=page_tokens,
+            bytes_per_token_per_layer=BYTES_PER_TOKEN,
+            num_pages=num_pages,
+        )
         self.data = bytearray(probe.total_bytes)
         self._pin = (ctypes.c_char * len(self.data)).from_buffer(self.data)
-        self.layout = KVLayout.packed(ctypes.addressof(self._pin), num_layers=LAYERS,
-                                      page_size_tokens=page_tokens,
-                                      bytes_per_token_per_layer=BYTES_PER_TOKEN,
-                                      num_pages=num_pages)
+        self.layout = KVLayout.packed(
+            ctypes.addressof(self._pin),
+            num_layers=LAYERS,
+            page_size_tokens=page_tokens,
+            bytes_per_token_per_layer=BYTES_PER_TOKEN,
+            num_pages=num_pages,
+        )
 
     def page(self, region: int, page: int) -> bytes:
         start = self.layout.base_ptrs[region] - self.layout.base_ptrs[0] + page * self.page_bytes
@@ -124,22 +132,36 @@ class Pair:
     d_engine: LoopbackEngine
     addr: str  # the bootstrap address decode requests use
 
-    async def transfer(self, src: list[int], dst: list[int], tokens: int, *, aux: bytes = b"aux",
-                       aux_index: int = 0, timeout_s: float = 5.0,
-                       engine_id: str | None = None) -> ReceiveResult:
+    async def transfer(
+        self,
+        src: list[int],
+        dst: list[int],
+        tokens: int,
+        *,
+        aux: bytes = b"aux",
+        aux_index: int = 0,
+        timeout_s: float = 5.0,
+        engine_id: str | None = None,
+    ) -> ReceiveResult:
         room = next(_rooms)
         receiving = asyncio.create_task(
-            self.receiver.request(room, self.addr, dst, aux_index, timeout_s, engine_id=engine_id))
+            self.receiver.request(room, self.addr, dst, aux_index, timeout_s, engine_id=engine_id)
+        )
         await self.sender.send(room, src, tokens, is_last_chunk=True, aux=aux)
         return await receiving
 
 
 @contextlib.asynccontextmanager
-async def pair(context: Ctx, registry: str, *, namespace: str | None = None,
-               sender: dict[str, Any] | None = None,
-               receiver: dict[str, Any] | None = None,
-               engines: tuple[Any, Any] | None = None,
-               rank: PrefillRank | None = None) -> AsyncIterator[Pair]:
+async def pair(
+    context: Ctx,
+    registry: str,
+    *,
+    namespace: str | None = None,
+    sender: dict[str, Any] | None = None,
+    receiver: dict[str, Any] | None = None,
+    engines: tuple[Any, Any] | None = None,
+    rank: PrefillRank | None = None,
+) -> AsyncIterator[Pair]:
     ns = f"t{next(_namespaces)}" if namespace is None else namespace
     network = LoopbackNetwork()
     p_engine, d_engine = engines or (network.engine(), network.engine())
@@ -148,13 +170,35 @@ async def pair(context: Ctx, registry: str, *, namespace: str | None = None,
     rank = rank or PrefillRank(page_size=PAGE_TOKENS)
     ns_arg = None if ns == "" else ns
     async with (
-        KVSender(context, p_engine, prefill.layout, rank, registry=registry, namespace=ns_arg,
-                 aux_item_len=AUX_LEN, aux_slots=8, **{**FAST, **(sender or {})}) as kv_sender,
-        KVReceiver(context, d_engine, decode.layout, aux_item_len=AUX_LEN, aux_slots=64,
-                   **{**FAST, **(receiver or {})}) as kv_receiver,
+        KVSender(
+            context,
+            p_engine,
+            prefill.layout,
+            rank,
+            registry=registry,
+            namespace=ns_arg,
+            aux_item_len=AUX_LEN,
+            aux_slots=8,
+            **{**FAST, **(sender or {})},
+        ) as kv_sender,
+        KVReceiver(
+            context,
+            d_engine,
+            decode.layout,
+            aux_item_len=AUX_LEN,
+            aux_slots=64,
+            **{**FAST, **(receiver or {})},
+        ) as kv_receiver,
     ):
-        yield Pair(kv_sender, kv_receiver, prefill, decode, p_engine, d_engine,
-                   bootstrap_url(registry, ns_arg))
+        yield Pair(
+            kv_sender,
+            kv_receiver,
+            prefill,
+            decode,
+            p_engine,
+            d_engine,
+            bootstrap_url(registry, ns_arg),
+        )
         assert kv_sender.open_rooms == 0 and kv_receiver.open_rooms == 0
         assert kv_sender.unclaimed_infos == 0
 
@@ -251,14 +295,16 @@ async def test_no_leaked_rooms_after_200_requests(context: Ctx, registry: str) -
         async def one(i: int) -> None:
             room, page = next(_rooms), i % 8
             receiving = asyncio.create_task(
-                p.receiver.request(room, p.addr, [page * 4, page * 4 + 1], page, 5.0))
+                p.receiver.request(room, p.addr, [page * 4, page * 4 + 1], page, 5.0)
+            )
             try:
                 if i % 10 == 9:  # the prefill gives up on some rooms
                     await p.sender.bootstrap(room)
                     p.sender.abort(room, "client went away")
                 else:
-                    await p.sender.send(room, [i % 30, i % 30 + 1], 7, is_last_chunk=True,
-                                        aux=b"%d" % i)
+                    await p.sender.send(
+                        room, [i % 30, i % 30 + 1], 7, is_last_chunk=True, aux=b"%d" % i
+                    )
                 result = await receiving
                 assert result.aux.rstrip(b"\0") == b"%d" % i
                 outcomes.append("ok")
@@ -413,18 +459,26 @@ asyncio.run(main())
 async def test_prefill_killed_mid_transfer_is_seen_at_once(context: Ctx, registry: str) -> None:
     namespace, room = f"killed{next(_namespaces)}", next(_rooms)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _KILLED_PREFILL, registry, namespace, str(room),
-        stdout=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-c",
+        _KILLED_PREFILL,
+        registry,
+        namespace,
+        str(room),
+        stdout=asyncio.subprocess.PIPE,
+    )
     assert proc.stdout is not None
     try:
         async with asyncio.timeout(10):
             assert await proc.stdout.readline() == b"ready\n"
         decode = Pool()
         engine = LoopbackNetwork().engine()
-        async with KVReceiver(context, engine, decode.layout, aux_item_len=AUX_LEN, aux_slots=4,
-                              send_timeout_s=0.3) as receiver:
+        async with KVReceiver(
+            context, engine, decode.layout, aux_item_len=AUX_LEN, aux_slots=4, send_timeout_s=0.3
+        ) as receiver:
             receiving = asyncio.create_task(
-                receiver.request(room, bootstrap_url(registry, namespace), [1, 2], 0, 10.0))
+                receiver.request(room, bootstrap_url(registry, namespace), [1, 2], 0, 10.0)
+            )
             async with asyncio.timeout(5):
                 assert await proc.stdout.readline() == b"bootstrapped\n"
             proc.kill()
@@ -462,14 +516,16 @@ asyncio.run(main())
 """
 
 
-async def test_decode_killed_before_the_prefill_claims_its_info(context: Ctx,
-                                                                 registry: str) -> None:
+async def test_decode_killed_before_the_prefill_claims_its_info(
+    context: Ctx, registry: str
+) -> None:
     """Transfer info arrived before the prefill's request; its decode dies: the request, when it
     comes, fails at once instead of waiting out the bootstrap timeout."""
     async with pair(context, registry, sender={"bootstrap_timeout_s": 30.0}) as p:
         room = next(_rooms)
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _KILLED_DECODE, p.addr,
-                                                    str(room))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _KILLED_DECODE, p.addr, str(room)
+        )
         try:
             await await_until(lambda: p.sender.unclaimed_infos == 1, 10.0, "the decode's info")
         finally:
@@ -509,9 +565,15 @@ async def test_page_size_mismatch_fails_at_once(context: Ctx, registry: str) -> 
 
 async def test_unregistered_session_gets_failed_status(context: Ctx, registry: str) -> None:
     async with pair(context, registry) as p, ControlPlane(context) as stranger:
-        info = TransferInfo(room=next(_rooms), ip="127.0.0.1", port=stranger.address.port,
-                            session_id="mini:nobody", dst_kv_indices=(1,), dst_aux_index=0,
-                            required_dst_info_num=1)
+        info = TransferInfo(
+            room=next(_rooms),
+            ip="127.0.0.1",
+            port=stranger.address.port,
+            session_id="mini:nobody",
+            dst_kv_indices=(1,),
+            dst_aux_index=0,
+            required_dst_info_num=1,
+        )
         await stranger.send(p.sender.address, info)
         async with asyncio.timeout(2):
             status = await stranger.recv()
@@ -573,14 +635,17 @@ async def test_bootstrap_registration_refused_is_an_error(registry: str) -> None
 
 
 async def test_vllm_engine_is_found_by_engine_id(context: Ctx, registry: str) -> None:
-    rank = PrefillRank(page_size=PAGE_TOKENS, system_dp_size=2, system_dp_rank=1,
-                       engine_id="sim-engine_dp1")
+    rank = PrefillRank(
+        page_size=PAGE_TOKENS, system_dp_size=2, system_dp_rank=1, engine_id="sim-engine_dp1"
+    )
     async with pair(context, registry, rank=rank) as p:
         async with httpx.AsyncClient() as http:
             table = (await http.get(f"{p.addr}/query")).json()
         address = p.sender.address
-        assert table["1"] == {"engine_id": "sim-engine_dp1",
-                              "worker_addr": {"0": {"0": f"tcp://{address.host}:{address.port}"}}}
+        assert table["1"] == {
+            "engine_id": "sim-engine_dp1",
+            "worker_addr": {"0": {"0": f"tcp://{address.host}:{address.port}"}},
+        }
         result = await p.transfer([2, 3], [9, 10], tokens=7, engine_id="sim-engine_dp1")
         assert_landed(p.prefill, p.decode, [2, 3], [9, 10])
         assert result.kv_bytes == 2 * p.decode.page_bytes * 4
@@ -594,12 +659,14 @@ async def test_bootstrap_lookup_of_vllm_engines(registry: str) -> None:
     async with BootstrapClient() as client:
         base = bootstrap_url(registry, "vllm-lookup")
         for dp in range(2):
-            rank = PrefillRank(page_size=16, system_dp_size=2, system_dp_rank=dp,
-                               engine_id=f"e_dp{dp}")
+            rank = PrefillRank(
+                page_size=16, system_dp_size=2, system_dp_rank=dp, engine_id=f"e_dp{dp}"
+            )
             await client.register(base, rank, Peer("127.0.0.1", 7100 + dp))
             await client.register(base, rank, Peer("127.0.0.1", 7100 + dp))  # idempotent
         assert await client.engine_address(base, "e_dp1", tp=0, timeout_s=1) == Peer(
-            "127.0.0.1", 7101)
+            "127.0.0.1", 7101
+        )
         with pytest.raises(BootstrapError, match="lists no rank tp=1"):
             await client.engine_address(base, "e_dp0", tp=1, timeout_s=1)
         moved = PrefillRank(page_size=16, system_dp_size=2, system_dp_rank=0, engine_id="e_dp0")
@@ -612,8 +679,11 @@ async def test_bootstrap_lookup_of_a_registered_rank(registry: str) -> None:
     async with httpx.AsyncClient(timeout=2) as http, BootstrapClient(http) as client:
         base = bootstrap_url(registry, "lookup")
         for dp in range(2):
-            await client.register(base, PrefillRank(page_size=16, attn_dp_size=2,
-                                                    attn_dp_rank=dp), Peer("127.0.0.1", 7000 + dp))
+            await client.register(
+                base,
+                PrefillRank(page_size=16, attn_dp_size=2, attn_dp_rank=dp),
+                Peer("127.0.0.1", 7000 + dp),
+            )
         info = await client.prefill_info(base, timeout_s=1)
         assert (info.dp_size, info.tp_size, info.page_size) == (2, 1, 16)
         assert await client.rank_address(base, dp=1, tp=0, timeout_s=1) == Peer("127.0.0.1", 7001)

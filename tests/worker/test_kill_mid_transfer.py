@@ -185,8 +185,9 @@ class KillCluster:
             raise AssertionError(f"{role} /health: {last}\n{exc}") from None
 
 
-def _worker_argv(role: Role, port: int, ns_port: int, engine: str,
-                 decode_s_per_token: float) -> list[str]:
+def _worker_argv(
+    role: Role, port: int, ns_port: int, engine: str, decode_s_per_token: float
+) -> list[str]:
     argv = (
         f"worker --role {role} --port {port} --engine mooncake --layers 2 --pages {PAGES} "
         f"--page-size {PAGE_SIZE} --bytes-per-token 256 --transfer-timeout {TRANSFER_TIMEOUT_S} "
@@ -226,8 +227,11 @@ def cluster(tmp_path: Path, engine: str, decode_s_per_token: float) -> Iterator[
         tmp_path / "router.log",
     )
     workers = {
-        role: Child(role, _worker_argv(role, ports[role], ns_port, engine, decode_s_per_token),
-                    tmp_path / f"{role}.log")
+        role: Child(
+            role,
+            _worker_argv(role, ports[role], ns_port, engine, decode_s_per_token),
+            tmp_path / f"{role}.log",
+        )
         for role in ports
     }
     c = KillCluster(f"http://127.0.0.1:{port}", urls, router, workers)
@@ -322,8 +326,11 @@ def _in_transfer(c: KillCluster, sent_before: int | None) -> bool:
     unless ``sent_before`` is None, has written more KV bytes than ``sent_before``)."""
     prefill = c.health("prefill")
     queues: dict[str, int] = prefill.get("queues", {})
-    return (c.health("decode")["open_rooms"] >= 1 and queues.get("forward", 0) >= 1
-            and (sent_before is None or prefill["kv_bytes_sent"] > sent_before))
+    return (
+        c.health("decode")["open_rooms"] >= 1
+        and queues.get("forward", 0) >= 1
+        and (sent_before is None or prefill["kv_bytes_sent"] > sent_before)
+    )
 
 
 def _kill_mid_transfer(c: KillCluster, engine: str, victim: Role, stream: bool) -> Outcome:
@@ -332,7 +339,8 @@ def _kill_mid_transfer(c: KillCluster, engine: str, victim: Role, stream: bool) 
     with ThreadPoolExecutor(1) as pool:
         future: Future[Outcome] = pool.submit(_complete, c.router_url, "k" * PROMPT_TOKENS, stream)
         what = "decode room open, prefill in its forward pass" + (
-            " and its first chunks written" if sent_before is not None else "")
+            " and its first chunks written" if sent_before is not None else ""
+        )
         c.wait(lambda: future.done() or _in_transfer(c, sent_before), COMPUTE_S, what)
         assert not future.done(), f"finished before the kill: {future.result()}"
         c.workers[victim].kill()
@@ -342,11 +350,18 @@ def _kill_mid_transfer(c: KillCluster, engine: str, victim: Role, stream: bool) 
             raise AssertionError(f"no answer from the router: {exc!r}\n{c.logs()}") from exc
 
 
-@pytest.mark.parametrize(("engine", "victim", "stream"), [
-    ("sglang", "prefill", False), ("sglang", "prefill", True),
-    ("sglang", "decode", False), ("sglang", "decode", True),
-    ("vllm-mooncake", "prefill", True), ("vllm-mooncake", "decode", False),
-], ids=lambda value: {False: "whole", True: "stream"}.get(value, value))
+@pytest.mark.parametrize(
+    ("engine", "victim", "stream"),
+    [
+        ("sglang", "prefill", False),
+        ("sglang", "prefill", True),
+        ("sglang", "decode", False),
+        ("sglang", "decode", True),
+        ("vllm-mooncake", "prefill", True),
+        ("vllm-mooncake", "decode", False),
+    ],
+    ids=lambda value: {False: "whole", True: "stream"}.get(value, value),
+)
 def test_kill_mid_transfer(cluster: KillCluster, engine: str, victim: Role, stream: bool) -> None:
     survivor: Role = "decode" if victim == "prefill" else "prefill"
     _ok(_complete(cluster.router_url, "warm up " * 2, stream))  # connections and registration
@@ -388,8 +403,12 @@ def test_decode_killed_mid_stream(cluster: KillCluster, engine: str) -> None:
     SSE error event (the router can no longer answer with a status), and what it got before is
     a prefix of the answer the restarted cluster gives."""
     _ok(_complete(cluster.router_url, "warm up " * 2, True))
-    body = {"model": "sim-model", "prompt": "after the restart", "max_tokens": MAX_TOKENS,
-            "stream": True}
+    body = {
+        "model": "sim-model",
+        "prompt": "after the restart",
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+    }
     received: list[str] = []
     with (
         httpx.Client(timeout=CLIENT_TIMEOUT_S) as client,

@@ -33,10 +33,17 @@ from tests.worker.cluster import SHAPE, TRANSFER_TIMEOUT_S, PDCluster, pd_cluste
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=[
-    (1, 1, "sglang", 1), (2, 2, "sglang", 1), (1, 1, "sglang", 2),
-    (1, 1, "vllm-mooncake", 1), (2, 2, "vllm-mooncake", 2),
-], ids=["sglang-1P1D", "sglang-2P2D", "sglang-1P1D-DP2", "vllm-1P1D", "vllm-2P2D-DP2"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        (1, 1, "sglang", 1),
+        (2, 2, "sglang", 1),
+        (1, 1, "sglang", 2),
+        (1, 1, "vllm-mooncake", 1),
+        (2, 2, "vllm-mooncake", 2),
+    ],
+    ids=["sglang-1P1D", "sglang-2P2D", "sglang-1P1D-DP2", "vllm-1P1D", "vllm-2P2D-DP2"],
+)
 def cluster(request: pytest.FixtureRequest) -> Iterator[PDCluster]:
     with pd_cluster(*request.param) as c:
         yield c
@@ -45,16 +52,50 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[PDCluster]:
 def _prompts(count: int = 56) -> list[str]:
     """Mixed lengths: page boundaries, tiny and several-thousand-token prompts."""
     rng = random.Random(11)
-    fixed = [1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 255, 256, 257, 511, 512, 513,
-             1000, 1023, 1024, 1025, 2047, 2048, 2049, 3000, 4095, 4096, 5000, 6000, 8000]
+    fixed = [
+        1,
+        2,
+        3,
+        15,
+        16,
+        17,
+        31,
+        32,
+        33,
+        63,
+        64,
+        65,
+        100,
+        255,
+        256,
+        257,
+        511,
+        512,
+        513,
+        1000,
+        1023,
+        1024,
+        1025,
+        2047,
+        2048,
+        2049,
+        3000,
+        4095,
+        4096,
+        5000,
+        6000,
+        8000,
+    ]
     lengths = fixed + [rng.randint(1, 4000) for _ in range(count - len(fixed))]
-    return ["".join(rng.choice("abcdefghij klmnopqrstuvwxyz.") for _ in range(n))
-            for n in lengths]
+    return ["".join(rng.choice("abcdefghij klmnopqrstuvwxyz.") for _ in range(n)) for n in lengths]
 
 
 def _post(url: str, path: str, body: dict[str, Any], timeout: float = 20.0) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json={"model": "sim-model", "max_tokens": MAX_TOKENS,
-                                           **body}, timeout=timeout)
+    return httpx.post(
+        f"{url}{path}",
+        json={"model": "sim-model", "max_tokens": MAX_TOKENS, **body},
+        timeout=timeout,
+    )
 
 
 def _ok(response: httpx.Response) -> dict[str, Any]:
@@ -73,8 +114,9 @@ def _kv_bytes(tokens: int) -> int:
     return pages * SHAPE.page_size * SHAPE.bytes_per_token * SHAPE.layers
 
 
-def _pd_and_reference(cluster: PDCluster, path: str, body: dict[str, Any]) -> tuple[
-        dict[str, Any], dict[str, Any]]:
+def _pd_and_reference(
+    cluster: PDCluster, path: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     return _ok(_post(cluster.router, path, body)), _ok(_post(cluster.reference, path, body))
 
 
@@ -117,8 +159,13 @@ def test_batched_completions_equal_colocated(cluster: PDCluster) -> None:
 
 def test_chat_with_two_samples_equals_colocated(cluster: PDCluster) -> None:
     n = 2 if cluster.engine == "sglang" else 1  # vLLM: one sequence per transfer_id
-    body = {"n": n, "messages": [{"role": "system", "content": "be brief"},
-                                 {"role": "user", "content": "hello " * 300}]}
+    body = {
+        "n": n,
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello " * 300},
+        ],
+    }
     pd, ref = _pd_and_reference(cluster, "/v1/chat/completions", body)
     assert len(pd["choices"]) == n
     assert _texts(pd) == _texts(ref)
@@ -137,20 +184,37 @@ def small(request: pytest.FixtureRequest) -> Iterator[PDCluster]:
 def _prefill_fields(engine: str, bootstrap_port: int, room: int) -> dict[str, Any]:
     """What the router would send a prefill, with no decode ever pulling."""
     if engine == "sglang":
-        return {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
-                "bootstrap_room": room}
-    return {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                   "transfer_id": f"xfer-{room}"}}
+        return {
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap_port,
+            "bootstrap_room": room,
+        }
+    return {
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": f"xfer-{room}",
+        }
+    }
 
 
 def _decode_fields(engine: str, bootstrap_port: int, room: int) -> dict[str, Any]:
     """What the router would send a decode for a prefill whose bootstrap API is at the port."""
     if engine == "sglang":
-        return {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
-                "bootstrap_room": room}
-    return {"kv_transfer_params": {"do_remote_decode": False, "do_remote_prefill": True,
-                                   "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap_port}",
-                                   "remote_engine_id": "some-engine", "transfer_id": f"x{room}"}}
+        return {
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap_port,
+            "bootstrap_room": room,
+        }
+    return {
+        "kv_transfer_params": {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap_port}",
+            "remote_engine_id": "some-engine",
+            "transfer_id": f"x{room}",
+        }
+    }
 
 
 def _timed_error(url: str, path: str, body: dict[str, Any], within: float) -> dict[str, Any]:
@@ -177,8 +241,9 @@ def test_slow_transfer_times_out(small: PDCluster) -> None:
     """A write outliving the transfer deadline: an error near the deadline, pages come back."""
     small.prefills[0].engine.delay_s = TRANSFER_TIMEOUT_S * 1.5
     try:
-        _timed_error(small.router, "/v1/completions", {"prompt": "y" * 300},
-                     within=TRANSFER_TIMEOUT_S + 3.0)
+        _timed_error(
+            small.router, "/v1/completions", {"prompt": "y" * 300}, within=TRANSFER_TIMEOUT_S + 3.0
+        )
         small.wait_idle(TRANSFER_TIMEOUT_S + 5.0)
     finally:
         small.prefills[0].engine.delay_s = 0.0
@@ -193,8 +258,9 @@ def test_transfer_info_never_arriving(small: PDCluster) -> None:
     """
     body = {"prompt": "z" * 100, **_prefill_fields(small.engine, small.registries[0], 4242)}
     if small.engine == "sglang":
-        error = _timed_error(small.worker_urls[0], "/v1/completions", body,
-                             within=TRANSFER_TIMEOUT_S + 2.0)
+        error = _timed_error(
+            small.worker_urls[0], "/v1/completions", body, within=TRANSFER_TIMEOUT_S + 2.0
+        )
         assert "bootstrapping" in str(error["message"]).lower(), error
     else:
         answer = _ok(_post(small.worker_urls[0], "/v1/completions", body, timeout=2.0))
@@ -215,8 +281,9 @@ def test_registry_stopped_behind_the_router() -> None:
     """The registry goes away after the router checked it: the client gets a clear 5xx."""
     with pd_cluster(health={"interval_s": 60.0, "failure_threshold": 1000}) as c:
         c.registry_servers[0].close()
-        error = _timed_error(c.router, "/v1/completions", {"prompt": "v" * 200},
-                             within=TRANSFER_TIMEOUT_S + 3.0)
+        error = _timed_error(
+            c.router, "/v1/completions", {"prompt": "v" * 200}, within=TRANSFER_TIMEOUT_S + 3.0
+        )
         assert error["message"]
         c.wait_idle(TRANSFER_TIMEOUT_S + 5.0)
         c.registry_servers.clear()
@@ -239,10 +306,13 @@ def test_no_leak_across_200_requests(small: PDCluster) -> None:
         for start in range(0, 200, 40):
             if start:  # a burst of failing writes between batches of requests
                 small.prefills[0].engine.fail_writes(2, after_entries=rng.choice([0, 1]))
-            chunk = prompts[start:start + 40]
+            chunk = prompts[start : start + 40]
             statuses += [r.status_code for r in pool.map(_completion(small.router), chunk)]
-            wait_until(lambda: small.prefills[0].engine._failures.count == 0, 5.0,
-                       "injected failures consumed")
+            wait_until(
+                lambda: small.prefills[0].engine._failures.count == 0,
+                5.0,
+                "injected failures consumed",
+            )
     failures = [s for s in statuses if s != 200]
     assert all(500 <= s < 600 for s in failures), failures
     assert 1 <= len(failures) <= 16, failures
@@ -270,8 +340,9 @@ def _alive(pid: int) -> bool:
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True
+    ).stdout
     return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
 
 
@@ -280,11 +351,32 @@ def test_pd_cluster_process_smoke(tmp_path: Path, engine: str, dp: int) -> None:
     port = _closed_port()
     log = (tmp_path / "pd-cluster.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.cluster", "--prefill", "1", "--decode", "1",
-         "--engine", engine, "--dp", str(dp),
-         "--port", str(port), "--ready-timeout", "12", "--", "--pages", "256",
-         "--bytes-per-token", "64"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "worker.cluster",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--engine",
+            engine,
+            "--dp",
+            str(dp),
+            "--port",
+            str(port),
+            "--ready-timeout",
+            "12",
+            "--",
+            "--pages",
+            "256",
+            "--bytes-per-token",
+            "64",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     log.close()
     children: list[int] = []
     try:

@@ -30,8 +30,28 @@ SHAPE = PoolShape(layers=2, page_size=16, bytes_per_token=64, pages=1024)
 
 def _prompts() -> list[str]:
     rng = random.Random(7)
-    lengths = [1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 500, 1000, 1500, 2047, 2048,
-               2500, 3000, 4000]
+    lengths = [
+        1,
+        2,
+        15,
+        16,
+        17,
+        31,
+        32,
+        33,
+        100,
+        255,
+        256,
+        257,
+        500,
+        1000,
+        1500,
+        2047,
+        2048,
+        2500,
+        3000,
+        4000,
+    ]
     return ["".join(rng.choice("abcdefghij klmnop") for _ in range(n)) for n in lengths]
 
 
@@ -47,16 +67,22 @@ def pd_cluster() -> Iterator[tuple[str, SimWorker, SimWorker, str]]:
     network = LoopbackNetwork()
     with contextlib.ExitStack() as stack:
         boot = stack.enter_context(run_server(create_registry_app(RegistrySettings())))
-        prefill = SimWorker(WorkerConfig("prefill", shape=SHAPE, registry=f"127.0.0.1:{boot}",
-                                         transfer_timeout_s=5.0), _loopback(network))
-        decode = SimWorker(WorkerConfig("decode", shape=SHAPE, transfer_timeout_s=5.0),
-                           _loopback(network))
+        prefill = SimWorker(
+            WorkerConfig(
+                "prefill", shape=SHAPE, registry=f"127.0.0.1:{boot}", transfer_timeout_s=5.0
+            ),
+            _loopback(network),
+        )
+        decode = SimWorker(
+            WorkerConfig("decode", shape=SHAPE, transfer_timeout_s=5.0), _loopback(network)
+        )
         both = SimWorker(WorkerConfig("both", shape=SHAPE), None)
         p_port = stack.enter_context(run_server(create_app(prefill)))
         d_port = stack.enter_context(run_server(create_app(decode)))
         b_port = stack.enter_context(run_server(create_app(both)))
-        settings = settings_for("sglang", [(f"http://127.0.0.1:{p_port}", boot)],
-                                [f"http://127.0.0.1:{d_port}"])
+        settings = settings_for(
+            "sglang", [(f"http://127.0.0.1:{p_port}", boot)], [f"http://127.0.0.1:{d_port}"]
+        )
         router = f"http://127.0.0.1:{stack.enter_context(run_server(create_router(settings)))}"
         wait_until(lambda: httpx.get(f"{router}/ready").status_code == 200, 10.0, "router ready")
         yield router, prefill, decode, f"http://127.0.0.1:{b_port}"
@@ -69,8 +95,11 @@ def cluster() -> Iterator[tuple[str, SimWorker, SimWorker, str]]:
 
 
 def _complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
-    response = httpx.post(f"{url}/v1/completions", timeout=20.0,
-                          json={"model": "sim-model", "prompt": prompt, "max_tokens": 12, **extra})
+    response = httpx.post(
+        f"{url}/v1/completions",
+        timeout=20.0,
+        json={"model": "sim-model", "prompt": prompt, "max_tokens": 12, **extra},
+    )
     assert response.status_code == 200, response.text
     result: dict[str, Any] = response.json()
     return result
@@ -99,8 +128,12 @@ def test_outputs_differ_between_prompts(cluster: tuple[str, SimWorker, SimWorker
 
 def test_streaming_chat_through_the_router(cluster: tuple[str, SimWorker, SimWorker, str]) -> None:
     router, _, _, both = cluster
-    body = {"model": "sim-model", "max_tokens": 8, "stream": True,
-            "messages": [{"role": "user", "content": "hello there"}]}
+    body = {
+        "model": "sim-model",
+        "max_tokens": 8,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hello there"}],
+    }
     text = ""
     with httpx.stream("POST", f"{router}/v1/chat/completions", json=body, timeout=20) as resp:
         assert resp.status_code == 200
@@ -116,7 +149,8 @@ def test_streaming_chat_through_the_router(cluster: tuple[str, SimWorker, SimWor
 
 def test_too_long_prompt_is_400(cluster: tuple[str, SimWorker, SimWorker, str]) -> None:
     router, prefill, decode, _ = cluster
-    response = httpx.post(f"{router}/v1/completions", timeout=20,
-                          json={"model": "sim-model", "prompt": "x" * 9000})
+    response = httpx.post(
+        f"{router}/v1/completions", timeout=20, json={"model": "sim-model", "prompt": "x" * 9000}
+    )
     assert response.status_code == 400
     wait_until(lambda: decode.pool.free_pages == SHAPE.pages, 10.0, "decode pages released")

@@ -33,10 +33,15 @@ def slow() -> Iterator[PDCluster]:
         yield c
 
 
-def _post(url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None,
-          timeout: float = 20.0) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"model": "sim-model", "max_tokens": 8,
-                                                     **body}, headers=headers, timeout=timeout)
+def _post(
+    url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None, timeout: float = 20.0
+) -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "sim-model", "max_tokens": 8, **body},
+        headers=headers,
+        timeout=timeout,
+    )
 
 
 def _ok(response: httpx.Response) -> dict[str, Any]:
@@ -99,7 +104,8 @@ def test_chunked_prefill_sends_kv_chunk_by_chunk(slow: PDCluster) -> None:
     assert _text(answer) == _text(_ok(_post(slow.reference, {"prompt": prompt})))
     pages = -(-len(prompt) // SHAPE.page_size)
     assert answer["usage"]["kv_bytes_received"] == pages * SHAPE.page_size * (
-        SHAPE.bytes_per_token * SHAPE.layers)
+        SHAPE.bytes_per_token * SHAPE.layers
+    )
     # one engine call per chunk: 64-token chunks are 4 whole pages each
     assert len(engine.stats.batch_sizes) - writes_before == -(-len(prompt) // CHUNK_TOKENS)
     slow.wait_idle()
@@ -107,8 +113,12 @@ def test_chunked_prefill_sends_kv_chunk_by_chunk(slow: PDCluster) -> None:
 
 def test_a_request_waiting_for_its_decode_takes_no_forward_time(slow: PDCluster) -> None:
     """SGLang's bootstrap queue: no transfer info yet, no forward pass; others go first."""
-    orphan = {"prompt": "o" * 300, "bootstrap_host": "127.0.0.1",
-              "bootstrap_port": slow.registries[0], "bootstrap_room": 987654321}
+    orphan = {
+        "prompt": "o" * 300,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": slow.registries[0],
+        "bootstrap_room": 987654321,
+    }
     with ThreadPoolExecutor(1) as pool:
         stuck = pool.submit(_post, slow.worker_urls[0], orphan)
         wait_until(lambda: _queues(slow)["bootstrap"] == 1, 5.0, "the orphan in bootstrap")
@@ -124,9 +134,13 @@ def test_a_request_waiting_for_its_decode_takes_no_forward_time(slow: PDCluster)
 
 def test_sglang_dp_rank_must_follow_the_room() -> None:
     with pd_cluster(dp=2) as cluster:
-        body = {"prompt": "dp", "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": cluster.registries[0], "bootstrap_room": 3,
-                "routed_dp_rank": 0}
+        body = {
+            "prompt": "dp",
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": cluster.registries[0],
+            "bootstrap_room": 3,
+            "routed_dp_rank": 0,
+        }
         refused = _post(cluster.worker_urls[0], body)
         assert refused.status_code == 400 and "follow_bootstrap_room" in refused.text
         outside = _post(cluster.worker_urls[0], {**body, "routed_dp_rank": 2})
@@ -136,16 +150,27 @@ def test_sglang_dp_rank_must_follow_the_room() -> None:
 
 def test_vllm_prefill_rejects_a_dp_rank_it_does_not_have() -> None:
     with pd_cluster(engine="vllm-mooncake") as cluster:
-        body = {"prompt": "dp", "kv_transfer_params": {"do_remote_decode": True,
-                                                       "transfer_id": "xfer-dp"}}
+        body = {
+            "prompt": "dp",
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "xfer-dp"},
+        }
         refused = _post(cluster.worker_urls[0], body, headers={"X-data-parallel-rank": "1"})
         assert refused.status_code == 400 and "DP rank 1" in refused.text
-        missing = _post(cluster.worker_urls[0], {"prompt": "dp", "kv_transfer_params": {
-            "do_remote_decode": True}})
+        missing = _post(
+            cluster.worker_urls[0],
+            {"prompt": "dp", "kv_transfer_params": {"do_remote_decode": True}},
+        )
         assert missing.status_code == 400 and "Missing transfer_id" in missing.text
         # a decode given incomplete params prefills locally, as vLLM does
-        local = _ok(_post(cluster.worker_urls[1], {"prompt": "local", "kv_transfer_params": {
-            "do_remote_prefill": True, "transfer_id": "xfer-local"}}))
+        local = _ok(
+            _post(
+                cluster.worker_urls[1],
+                {
+                    "prompt": "local",
+                    "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "xfer-local"},
+                },
+            )
+        )
         assert local["usage"]["kv_bytes_received"] == 0
         assert _text(local) == _text(_ok(_post(cluster.reference, {"prompt": "local"})))
         cluster.wait_idle()

@@ -148,8 +148,6 @@ class LoopbackEngine(AsyncClosing):
         self._closed = True
         self._network.detach(self._session_id)
 
-
-
     def _check_open(self, op: str) -> None:
         if self._closed:
             raise _fail(op, _FAILED, f"engine {self._session_id} is closed")
@@ -162,11 +160,18 @@ class LoopbackEngine(AsyncClosing):
             raise _fail("write", _FAILED, f"no engine at session {session}")
         for entry in batch:
             if not self._regions.contains(entry.src, entry.length):
-                raise _fail("write", _FAILED, f"source [{entry.src:#x}, +{entry.length}) is not "
-                            "inside a registered region")
+                raise _fail(
+                    "write",
+                    _FAILED,
+                    f"source [{entry.src:#x}, +{entry.length}) is not inside a registered region",
+                )
             if not peer._regions.contains(entry.dst, entry.length):
-                raise _fail("write", _FAILED, f"destination [{entry.dst:#x}, +{entry.length}) is "
-                            f"not inside a region registered at {session}")
+                raise _fail(
+                    "write",
+                    _FAILED,
+                    f"destination [{entry.dst:#x}, +{entry.length}) is "
+                    f"not inside a region registered at {session}",
+                )
         copy = batch[: max(limit, 0)]
         for entry in copy:
             ctypes.memmove(entry.dst, entry.src, entry.length)

@@ -313,8 +313,11 @@ class MooncakeEngine(AsyncClosing):
             native, rc = await asyncio.wait_for(init, init_timeout_s)
         except TimeoutError:
             pool.shutdown(wait=False)
-            raise _fail("start", CODE_TIMEOUT, f"initialize({host!r}, {protocol!r}, "
-                        f"{device!r}) took over {init_timeout_s:g} s") from None
+            raise _fail(
+                "start",
+                CODE_TIMEOUT,
+                f"initialize({host!r}, {protocol!r}, {device!r}) took over {init_timeout_s:g} s",
+            ) from None
         if rc != 0:
             holder = [native]
             del native, init
@@ -388,7 +391,8 @@ class MooncakeEngine(AsyncClosing):
         if self._unaccounted:
             logger.warning(
                 "closing %s with %d entries possibly in flight: leaking the native engine",
-                self._session_id, self._unaccounted,
+                self._session_id,
+                self._unaccounted,
             )
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(native))
         else:
@@ -396,8 +400,6 @@ class MooncakeEngine(AsyncClosing):
             del native
             await asyncio.get_running_loop().run_in_executor(self._pool, holder.clear)
         self._pool.shutdown(wait=False)
-
-
 
     def _open(self, op: str) -> _Native:
         if self._native is None:
@@ -409,8 +411,11 @@ class MooncakeEngine(AsyncClosing):
             if entry.length < 1:
                 raise ValueError(f"entry {entry} has length < 1")
             if not self._regions.contains(entry.src, entry.length):
-                raise _fail("write", CODE_FAILED, f"source [{entry.src:#x}, +{entry.length}) "
-                            "is not inside a registered region")
+                raise _fail(
+                    "write",
+                    CODE_FAILED,
+                    f"source [{entry.src:#x}, +{entry.length}) is not inside a registered region",
+                )
 
     async def _write_batch(
         self, native: _Native, session: str, batch: _Batch, budget: _PeerBudget
@@ -422,8 +427,12 @@ class MooncakeEngine(AsyncClosing):
             async with asyncio.timeout_at(deadline):
                 await budget.acquire(len(batch.entries))
         except TimeoutError:
-            raise _fail("write", CODE_TIMEOUT, f"session {session}: {budget.in_flight} entries "
-                        f"still in flight after {loop.time() - start:.3f} s") from None
+            raise _fail(
+                "write",
+                CODE_TIMEOUT,
+                f"session {session}: {budget.in_flight} entries "
+                f"still in flight after {loop.time() - start:.3f} s",
+            ) from None
         if self._native is None:  # closed while this batch waited for room
             budget.release(len(batch.entries))
             native = self._open("write")
@@ -447,8 +456,9 @@ class MooncakeEngine(AsyncClosing):
         """Submit, poll, drain on failure, then settle; keep reaping entries that never end."""
         loop = asyncio.get_running_loop()
         try:
-            batch.ids = await loop.run_in_executor(self._pool, _submit, native, session,
-                                                   batch.entries)
+            batch.ids = await loop.run_in_executor(
+                self._pool, _submit, native, session, batch.entries
+            )
             batch.codes = [0] * len(batch.ids)
             batch.submitted = True
             budget.release(len(batch.entries) - len(batch.ids))

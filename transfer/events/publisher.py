@@ -142,7 +142,8 @@ class KVEventPublisher(AsyncClosing):
             if request is None:
                 logger.warning(
                     "ignoring malformed KV event replay request: %d frames, sizes %s",
-                    len(frames), [len(f) for f in frames],
+                    len(frames),
+                    [len(f) for f in frames],
                 )
                 continue
             await self._answer(router, request)
@@ -163,5 +164,3 @@ def _last_endpoint(sock: zmq.asyncio.Socket) -> str:
 def _log_crash(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("KV event replay server stopped", exc_info=task.exception())
-
-

@@ -163,7 +163,9 @@ class KVEventSubscriber(AsyncClosing):
             self.stats.restarts += 1
             logger.warning(
                 "KV event seq went back from %d to %d at %s: publisher restarted",
-                expected - 1, message.seq, self._endpoint,
+                expected - 1,
+                message.seq,
+                self._endpoint,
             )
             expected = 0
         self._expected = message.seq if expected is None else expected
@@ -209,8 +211,9 @@ class KVEventSubscriber(AsyncClosing):
         """Give up on ``first..last``: log it, count it, and note it for strict mode."""
         self._expected = last + 1
         self.stats.lost += last - first + 1
-        logger.warning("lost KV event batches %d..%d from %s: %s", first, last, self._endpoint,
-                       reason)
+        logger.warning(
+            "lost KV event batches %d..%d from %s: %s", first, last, self._endpoint, reason
+        )
         if not self._strict:
             return
         if self._gap is not None:
@@ -233,8 +236,12 @@ class KVEventSubscriber(AsyncClosing):
             batch = codec.decode_batch(message.payload)
         except KVEventDecodeError as exc:
             self.stats.malformed += 1
-            logger.warning("skipping undecodable KV event batch %d from %s: %s", message.seq,
-                           self._endpoint, exc)
+            logger.warning(
+                "skipping undecodable KV event batch %d from %s: %s",
+                message.seq,
+                self._endpoint,
+                exc,
+            )
             return None
         return ReceivedBatch(message.seq, message.topic, batch, replayed)
 
@@ -253,8 +260,7 @@ class KVEventSubscriber(AsyncClosing):
                 finished = True
                 return messages
             except TimeoutError as exc:
-                raise ReplayTimeout(self._replay_endpoint, start_seq,
-                                    self._replay_timeout) from exc
+                raise ReplayTimeout(self._replay_endpoint, start_seq, self._replay_timeout) from exc
             finally:
                 if not finished:
                     dealer.close(linger=0)
