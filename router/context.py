@@ -12,9 +12,9 @@ from registry.backends import open_store
 from registry.bootstrap.tables import BootstrapTables
 from registry.service import RegistryService
 from router.adapters import build_adapter
-from router.bootstrap_ports import namespace_servers
 from router.discovery import Discovery
 from router.health import HealthProber
+from router.namespace_ports import namespace_servers
 from router.pipeline import Pipeline
 from router.policies import build_policy
 from router.settings import RouterSettings

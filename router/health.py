@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from registry.bootstrap.tables import BootstrapTables
-from router.bootstrap import LayoutUnavailable, fetch_layout, namespace_layout
+from router.rank_layout import RankLayoutUnavailable, fetch_rank_layout, namespace_rank_layout
 from router.settings import EngineProtocol, HealthSettings
 from router.upstream_httpx import NODELAY
 from router.workers import Role, Worker, WorkerPool
@@ -93,12 +93,12 @@ class HealthProber:
     async def _learn_layout(self, worker: Worker) -> bool:
         try:
             if worker.bootstrap_namespace is not None and self._tables is not None:
-                layout = await namespace_layout(
+                layout = await namespace_rank_layout(
                     self._tables, self._engine, worker.bootstrap_namespace
                 )
             else:
-                layout = await fetch_layout(self._client, self._engine, worker)
-        except LayoutUnavailable as exc:
+                layout = await fetch_rank_layout(self._client, self._engine, worker)
+        except RankLayoutUnavailable as exc:
             if worker.healthy or worker.engine_ids:
                 logger.warning("prefill %s layout unavailable: %s", worker.url, exc)
             worker.set_layout(worker.dp_size, ())

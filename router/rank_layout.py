@@ -1,4 +1,8 @@
-"""Learn a prefill's DP layout from its bootstrap server (vLLM ``/query``, SGLang ``/route``)."""
+"""The rank-layout reader: learn a prefill's DP rank layout (DP size, engine id per rank).
+
+Read from the engine's own bootstrap server (vLLM ``GET /query``, SGLang ``GET /route``) or,
+for a prefill that registers with this router's registry, from the namespace's rank tables.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +18,10 @@ from router.settings import EngineProtocol
 from router.workers import Worker
 
 __all__ = [
-    "Layout",
-    "LayoutUnavailable",
-    "fetch_layout",
-    "namespace_layout",
+    "RankLayout",
+    "RankLayoutUnavailable",
+    "fetch_rank_layout",
+    "namespace_rank_layout",
     "parse_vllm_query",
 ]
 
@@ -34,64 +38,72 @@ _SGLANG_INFO_NEW = {
 _SGLANG_INFO_OLD = {"engine_rank": "-1", "target_dp_group": "-1", "target_pp_rank": "-1"}
 
 
-class LayoutUnavailable(Exception):
+class RankLayoutUnavailable(Exception):
     """The prefill's bootstrap server could not tell its layout (yet)."""
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class RankLayout:
+    """A prefill's DP size and, for vLLM, the engine id of each DP rank (index = rank)."""
+
     dp_size: int
     engine_ids: tuple[str, ...] = ()
 
 
-def parse_vllm_query(data: Any) -> Layout:
+def parse_vllm_query(data: Any) -> RankLayout:
     """``{dp_rank: {engine_id, worker_addr}}`` -> engine ids ordered by DP rank."""
     if not isinstance(data, dict) or not data:
-        raise LayoutUnavailable("bootstrap /query returned no registered DP rank yet")
+        raise RankLayoutUnavailable("bootstrap /query returned no registered DP rank yet")
     try:
         ranks = sorted((int(rank), entry["engine_id"]) for rank, entry in data.items())
     except (ValueError, TypeError, KeyError) as exc:
-        raise LayoutUnavailable(f"unexpected /query answer: {exc!r}") from exc
+        raise RankLayoutUnavailable(f"unexpected /query answer: {exc!r}") from exc
     if [rank for rank, _ in ranks] != list(range(len(ranks))):
-        raise LayoutUnavailable(f"/query lists DP ranks {[r for r, _ in ranks]}, not 0..n-1")
-    return Layout(dp_size=len(ranks), engine_ids=tuple(str(engine) for _, engine in ranks))
+        raise RankLayoutUnavailable(f"/query lists DP ranks {[r for r, _ in ranks]}, not 0..n-1")
+    return RankLayout(dp_size=len(ranks), engine_ids=tuple(str(engine) for _, engine in ranks))
 
 
-async def fetch_layout(client: httpx.AsyncClient, engine: EngineProtocol, worker: Worker) -> Layout:
-    """Ask ``worker``'s bootstrap server for its layout; raises LayoutUnavailable."""
+async def fetch_rank_layout(
+    client: httpx.AsyncClient, engine: EngineProtocol, worker: Worker
+) -> RankLayout:
+    """Ask ``worker``'s bootstrap server for its layout; raises RankLayoutUnavailable."""
     if engine is EngineProtocol.VLLM_NIXL:
-        return Layout(dp_size=1)
+        return RankLayout(dp_size=1)
     if worker.bootstrap_port is None:
         if engine is EngineProtocol.VLLM_MOONCAKE:
-            raise LayoutUnavailable("vllm-mooncake prefill needs a bootstrap port")
-        return Layout(dp_size=1)
+            raise RankLayoutUnavailable("vllm-mooncake prefill needs a bootstrap port")
+        return RankLayout(dp_size=1)
     try:
         if engine is EngineProtocol.VLLM_MOONCAKE:
             return parse_vllm_query(await _get_json(client, worker, "/query", {}))
         return await _sglang_layout(client, worker)
     except (httpx.HTTPError, ValueError) as exc:
-        raise LayoutUnavailable(f"bootstrap server {worker.bootstrap_addr}: {exc!r}") from exc
+        raise RankLayoutUnavailable(f"bootstrap server {worker.bootstrap_addr}: {exc!r}") from exc
 
 
-async def namespace_layout(
+async def namespace_rank_layout(
     tables: BootstrapTables, engine: EngineProtocol, namespace: str
-) -> Layout:
+) -> RankLayout:
     """The layout a prefill registered with this router's own registry; raises
-    LayoutUnavailable until every rank is there."""
+    RankLayoutUnavailable until every rank is there."""
     try:
         if engine is EngineProtocol.VLLM_MOONCAKE:
             vllm = await tables.vllm(namespace).layout()
             if not vllm.complete or not vllm.dp_size or None in vllm.engine_ids:
-                raise LayoutUnavailable(f"namespace {namespace!r}: vLLM ranks still registering")
-            return Layout(vllm.dp_size, tuple(str(e) for e in vllm.engine_ids))
+                raise RankLayoutUnavailable(
+                    f"namespace {namespace!r}: vLLM ranks still registering"
+                )
+            return RankLayout(vllm.dp_size, tuple(str(e) for e in vllm.engine_ids))
         if engine is EngineProtocol.SGLANG:
             info = await tables.sglang(namespace).parallel_info()
             if info is None or not info.complete:
-                raise LayoutUnavailable(f"namespace {namespace!r}: SGLang ranks still registering")
-            return Layout(info.dp_size)
-        return Layout(dp_size=1)
+                raise RankLayoutUnavailable(
+                    f"namespace {namespace!r}: SGLang ranks still registering"
+                )
+            return RankLayout(info.dp_size)
+        return RankLayout(dp_size=1)
     except RegistryError as exc:
-        raise LayoutUnavailable(f"namespace {namespace!r}: {exc}") from exc
+        raise RankLayoutUnavailable(f"namespace {namespace!r}: {exc}") from exc
 
 
 async def _get_json(
@@ -99,24 +111,26 @@ async def _get_json(
 ) -> Any:
     response = await client.get(worker.bootstrap_addr + path, params=params)
     if response.status_code == 503:
-        raise LayoutUnavailable(f"{worker.bootstrap_addr}{path}: not all ranks registered (503)")
+        raise RankLayoutUnavailable(
+            f"{worker.bootstrap_addr}{path}: not all ranks registered (503)"
+        )
     response.raise_for_status()
     return response.json()
 
 
-async def _sglang_layout(client: httpx.AsyncClient, worker: Worker) -> Layout:
+async def _sglang_layout(client: httpx.AsyncClient, worker: Worker) -> RankLayout:
     try:
         info = await _get_json(client, worker, "/route", _SGLANG_INFO_NEW)
-        return Layout(dp_size=_positive_int(info, "dp_size"))
+        return RankLayout(dp_size=_positive_int(info, "dp_size"))
     except httpx.HTTPStatusError as exc:
         if exc.response.status_code != 400:
             raise
     info = await _get_json(client, worker, "/route", _SGLANG_INFO_OLD)
-    return Layout(dp_size=_positive_int(info, "prefill_dp_size"))
+    return RankLayout(dp_size=_positive_int(info, "prefill_dp_size"))
 
 
 def _positive_int(info: Any, key: str) -> int:
     value = info.get(key) if isinstance(info, dict) else None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise LayoutUnavailable(f"bootstrap answer has no valid {key!r}: {info!r}")
+        raise RankLayoutUnavailable(f"bootstrap answer has no valid {key!r}: {info!r}")
     return value

@@ -1,4 +1,5 @@
-"""Extra listening ports, one per registry namespace, serving the engines' bootstrap APIs.
+"""Namespace ports: extra listening ports, one per registry namespace, serving the engines'
+bootstrap APIs (``--bootstrap-namespace NAME=PORT``).
 
 vLLM prefills (``bootstrap_server_address``) and SGLang decoders can only be pointed at a
 ``host:port``, so each prefill instance that registers with the router gets a port of its own
