@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         [
             sys.executable,
             "-m",
-            "bench.fake_engine",
+            "testkit.fake_engine",
             "--role",
             "decode",
             "--protocol",

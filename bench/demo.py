@@ -67,7 +67,7 @@ def _fake(role: str, engine: str, port: int, bootstrap: int | None) -> list[str]
     cmd = [
         sys.executable,
         "-m",
-        "bench.fake_engine",
+        "testkit.fake_engine",
         "--role",
         role,
         "--protocol",

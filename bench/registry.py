@@ -14,7 +14,7 @@ in the same invocation:
    and vLLM's ``POST /register`` over HTTP on a real uvicorn server (``vllm_routes``, memory
    store), baseline the same registrations called in-process.
 
-Everything runs on 127.0.0.1. The bench starts its own etcd (``tests/etcd_server.py``, Debian's
+Everything runs on 127.0.0.1. The bench starts its own etcd (``testkit/etcd_server.py``, Debian's
 ``etcd-server``) and always stops it; without the binary the etcd rows say "skipped". Every loop
 is bounded by a count and by a wall-clock cap per measurement (``--cap``); ``--quick`` keeps the
 whole run to about 15 s.
@@ -53,7 +53,7 @@ from router.settings import EngineProtocol, HealthSettings, UpstreamSettings
 from router.transport import LeanPoolTransport
 from router.upstream import UpstreamPool, UpstreamResponse
 from router.workers import Role, Worker
-from tests.etcd_server import EtcdMissing, EtcdServer
+from testkit.etcd_server import EtcdMissing, EtcdServer
 
 __all__ = ["BenchConfig", "Run", "main", "percentile", "render_table", "run_bench"]
 

@@ -235,7 +235,7 @@ def fake_argv(role: str, cfg: BenchConfig, port: int, bootstrap_port: int | None
     )
     if bootstrap_port is not None:
         opts += f" --bootstrap-port {bootstrap_port}"
-    return [sys.executable, "-m", "bench.fake_engine", *opts.split()]
+    return [sys.executable, "-m", "testkit.fake_engine", *opts.split()]
 
 
 def router_argv(cfg: BenchConfig, ports: Ports) -> list[str]:

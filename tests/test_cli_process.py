@@ -7,8 +7,8 @@ import sys
 
 import httpx
 
-from bench.fake_engine import FakeEngine
-from tests.servers import free_port, http_process, run_server
+from testkit.fake_engine import FakeEngine
+from testkit.servers import free_port, http_process, run_server
 from tests.test_protocols import COMPLETION
 
 

@@ -8,8 +8,9 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.fake_engine import FakeConfig
-from tests.conftest import ClusterFactory, wait_until
+from testkit.fake_cluster import FakeClusterFactory
+from testkit.fake_engine import FakeConfig
+from testkit.polling import wait_until
 from tests.test_protocols import COMPLETION
 
 CONCURRENT = ["vllm-mooncake", "sglang"]
@@ -25,7 +26,7 @@ def _error(response: httpx.Response) -> dict[str, Any]:
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("stream", [True, False])
 def test_prefill_error_reaches_client_fast_and_cancels_decode(
-    make_cluster: ClusterFactory, engine: str, stream: bool
+    make_cluster: FakeClusterFactory, engine: str, stream: bool
 ) -> None:
     cluster = make_cluster(engine, config=lambda: FakeConfig(kv_timeout=60.0))
     cluster.prefills[0].config.fail_status = 500
@@ -51,7 +52,7 @@ def test_prefill_error_reaches_client_fast_and_cancels_decode(
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_prefill_4xx_passes_through_as_client_error(
-    make_cluster: ClusterFactory, engine: str
+    make_cluster: FakeClusterFactory, engine: str
 ) -> None:
     cluster = make_cluster(engine)
     cluster.prefills[0].config.fail_status = 400
@@ -64,7 +65,7 @@ def test_prefill_4xx_passes_through_as_client_error(
 
 @pytest.mark.parametrize("engine", CONCURRENT)
 def test_prefill_failing_after_stream_started_ends_with_sse_error_event(
-    make_cluster: ClusterFactory, engine: str
+    make_cluster: FakeClusterFactory, engine: str
 ) -> None:
     def config() -> FakeConfig:
         return FakeConfig(check_kv=False, token_delay=0.05, tokens=100)
@@ -90,7 +91,7 @@ def test_prefill_failing_after_stream_started_ends_with_sse_error_event(
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_prefill_timeout_returns_504_and_cancels_decode(
-    make_cluster: ClusterFactory, engine: str
+    make_cluster: FakeClusterFactory, engine: str
 ) -> None:
     cluster = make_cluster(engine, upstream={"prefill_timeout_s": 0.5})
     cluster.prefills[0].config.hang = True
@@ -106,7 +107,7 @@ def test_prefill_timeout_returns_504_and_cancels_decode(
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("stream", [True, False])
 def test_decode_error_passes_through_with_its_status(
-    make_cluster: ClusterFactory, engine: str, stream: bool
+    make_cluster: FakeClusterFactory, engine: str, stream: bool
 ) -> None:
     cluster = make_cluster(engine, config=lambda: FakeConfig(check_kv=False))
     cluster.decodes[0].config.fail_status = 500
@@ -119,7 +120,7 @@ def test_decode_error_passes_through_with_its_status(
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_decode_crash_mid_stream_ends_with_sse_error_event(
-    make_cluster: ClusterFactory, engine: str
+    make_cluster: FakeClusterFactory, engine: str
 ) -> None:
     cluster = make_cluster(engine)
     cluster.decodes[0].config.fail_after_events = 2
@@ -134,7 +135,7 @@ def test_decode_crash_mid_stream_ends_with_sse_error_event(
 
 @pytest.mark.parametrize("engine", CONCURRENT)
 def test_client_disconnect_mid_stream_cancels_both_legs(
-    make_cluster: ClusterFactory, engine: str
+    make_cluster: FakeClusterFactory, engine: str
 ) -> None:
     cluster = make_cluster(
         engine, config=lambda: FakeConfig(check_kv=False, token_delay=0.05, tokens=200)
@@ -157,7 +158,7 @@ def test_client_disconnect_mid_stream_cancels_both_legs(
 
 
 def test_client_disconnect_during_sequential_prefill_cancels_it(
-    make_cluster: ClusterFactory,
+    make_cluster: FakeClusterFactory,
 ) -> None:
     cluster = make_cluster("vllm-nixl")
     cluster.prefills[0].config.hang = True
@@ -171,7 +172,7 @@ def test_client_disconnect_during_sequential_prefill_cancels_it(
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_connect_error_retries_on_another_worker(
-    make_cluster: ClusterFactory, engine: str, role: str
+    make_cluster: FakeClusterFactory, engine: str, role: str
 ) -> None:
     cluster = make_cluster(engine, prefill=2, decode=2, health={"interval_s": 60.0})
     cluster.stop(role, 0)  # healthy at the router, but its port now refuses connections
@@ -186,7 +187,7 @@ def test_connect_error_retries_on_another_worker(
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_only_worker_down_gives_502_promptly_then_marks_it_unhealthy(
-    make_cluster: ClusterFactory, engine: str
+    make_cluster: FakeClusterFactory, engine: str
 ) -> None:
     cluster = make_cluster(engine, health={"interval_s": 60.0, "failure_threshold": 2})
     cluster.stop("decode", 0)

@@ -11,8 +11,8 @@ import httpx
 import msgspec
 import pytest
 
-from bench.fake_engine import FakeConfig, FakeEngine
-from tests.servers import run_servers
+from testkit.fake_engine import FakeConfig, FakeEngine
+from testkit.servers import run_servers
 
 MODEL = "fake-model"
 CHAT = [{"role": "user", "content": "hello there"}]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench.fake_engine import FakeEngine
 from router import create_app
-from tests.conftest import ClusterFactory, settings_for, wait_until
-from tests.servers import run_server
+from testkit.fake_cluster import FakeClusterFactory, settings_for
+from testkit.fake_engine import FakeEngine
+from testkit.polling import wait_until
+from testkit.servers import run_server
 from tests.test_protocols import COMPLETION
 
 
@@ -26,7 +27,7 @@ from tests.test_protocols import COMPLETION
     ],
 )
 def test_bad_input_gets_openai_error_and_reaches_no_engine(
-    make_cluster: ClusterFactory, path: str, content: bytes, status: int, needle: str
+    make_cluster: FakeClusterFactory, path: str, content: bytes, status: int, needle: str
 ) -> None:
     cluster = make_cluster("sglang")
     response = httpx.post(
@@ -42,7 +43,7 @@ def test_bad_input_gets_openai_error_and_reaches_no_engine(
     assert cluster.prefills[0].records == [] and cluster.decodes[0].records == []
 
 
-def test_oversized_body_is_413(make_cluster: ClusterFactory) -> None:
+def test_oversized_body_is_413(make_cluster: FakeClusterFactory) -> None:
     cluster = make_cluster("sglang", server={"max_body_bytes": 1000})
     big = {**COMPLETION, "prompt": "x" * 2000}
     response = httpx.post(cluster.router_url + "/v1/completions", json=big, timeout=5)
@@ -60,7 +61,7 @@ def test_oversized_body_is_413(make_cluster: ClusterFactory) -> None:
     assert cluster.prefills[0].records == []
 
 
-def test_vllm_rejects_batched_prompts_with_400(make_cluster: ClusterFactory) -> None:
+def test_vllm_rejects_batched_prompts_with_400(make_cluster: FakeClusterFactory) -> None:
     cluster = make_cluster("vllm-mooncake")
     response = httpx.post(
         cluster.router_url + "/v1/completions", json={**COMPLETION, "prompt": ["a", "b"]}, timeout=5
@@ -69,7 +70,7 @@ def test_vllm_rejects_batched_prompts_with_400(make_cluster: ClusterFactory) -> 
     assert response.json()["error"]["param"] == "prompt"
 
 
-def test_wrong_method_and_unknown_path(make_cluster: ClusterFactory) -> None:
+def test_wrong_method_and_unknown_path(make_cluster: FakeClusterFactory) -> None:
     cluster = make_cluster("sglang")
     response = httpx.get(cluster.router_url + "/v1/completions", timeout=5)
     assert response.status_code == 405 and response.json()["error"]["code"] == 405
@@ -77,7 +78,7 @@ def test_wrong_method_and_unknown_path(make_cluster: ClusterFactory) -> None:
     assert response.status_code == 404 and response.json()["error"]["code"] == 404
 
 
-def test_models_come_from_decode(make_cluster: ClusterFactory) -> None:
+def test_models_come_from_decode(make_cluster: FakeClusterFactory) -> None:
     cluster = make_cluster("sglang", decode=2)
     cluster.decodes[1].config.model = "other-model"
     response = httpx.get(cluster.router_url + "/v1/models", timeout=5)

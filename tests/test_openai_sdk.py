@@ -5,11 +5,13 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.conftest import ClusterFactory
+from testkit.fake_cluster import FakeClusterFactory
 
 
 @pytest.mark.parametrize("engine", ["vllm-mooncake", "vllm-nixl", "sglang"])
-def test_openai_sdk_chat_stream_and_completion(make_cluster: ClusterFactory, engine: str) -> None:
+def test_openai_sdk_chat_stream_and_completion(
+    make_cluster: FakeClusterFactory, engine: str
+) -> None:
     cluster = make_cluster(engine)
     client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="sk-test", max_retries=0)
     try:
@@ -30,7 +32,7 @@ def test_openai_sdk_chat_stream_and_completion(make_cluster: ClusterFactory, eng
     assert cluster.prefills[0].records[0].headers["authorization"] == "Bearer sk-test"
 
 
-def test_openai_sdk_raises_on_prefill_failure(make_cluster: ClusterFactory) -> None:
+def test_openai_sdk_raises_on_prefill_failure(make_cluster: FakeClusterFactory) -> None:
     cluster = make_cluster("sglang")
     cluster.prefills[0].config.fail_status = 500
     client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="x", max_retries=0)

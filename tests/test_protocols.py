@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ClusterFactory, wait_until
+from testkit.fake_cluster import FakeClusterFactory
+from testkit.polling import wait_until
 
 ENGINES = ["vllm-mooncake", "vllm-nixl", "sglang"]
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
@@ -39,7 +40,7 @@ def completion_text(events: list[dict[str, Any]]) -> str:
 )
 @pytest.mark.parametrize("stream", [True, False])
 def test_request_reaches_both_legs_and_decode_answers(
-    make_cluster: ClusterFactory, engine: str, path: str, body: dict[str, Any], stream: bool
+    make_cluster: FakeClusterFactory, engine: str, path: str, body: dict[str, Any], stream: bool
 ) -> None:
     cluster = make_cluster(engine)
     with cluster.client() as client:
@@ -68,7 +69,7 @@ def test_request_reaches_both_legs_and_decode_answers(
 
 
 def test_mooncake_legs_share_the_transfer_id_and_the_pinned_rank(
-    make_cluster: ClusterFactory,
+    make_cluster: FakeClusterFactory,
 ) -> None:
     cluster = make_cluster("vllm-mooncake", dp_size=2)
     engine_ids = cluster.prefills[0].engine_ids
@@ -89,7 +90,7 @@ def test_mooncake_legs_share_the_transfer_id_and_the_pinned_rank(
     assert len(ids) == 4
 
 
-def test_mooncake_prefill_restart_is_picked_up(make_cluster: ClusterFactory) -> None:
+def test_mooncake_prefill_restart_is_picked_up(make_cluster: FakeClusterFactory) -> None:
     cluster = make_cluster("vllm-mooncake")
     prefill = cluster.prefills[0]
     old = prefill.engine_ids[0]
@@ -111,7 +112,7 @@ def test_mooncake_prefill_restart_is_picked_up(make_cluster: ClusterFactory) -> 
 
 
 def test_mooncake_unknown_engine_id_on_decode_triggers_requery(
-    make_cluster: ClusterFactory,
+    make_cluster: FakeClusterFactory,
 ) -> None:
     cluster = make_cluster("vllm-mooncake", health={"interval_s": 60.0})
     cluster.prefills[0].restart()  # the router still holds the old engine id
@@ -127,7 +128,7 @@ def test_mooncake_unknown_engine_id_on_decode_triggers_requery(
 
 
 def test_nixl_decode_gets_prefill_params_verbatim_and_min_tokens_back(
-    make_cluster: ClusterFactory,
+    make_cluster: FakeClusterFactory,
 ) -> None:
     cluster = make_cluster("vllm-nixl")
     with cluster.client() as client:
@@ -151,7 +152,7 @@ def test_nixl_decode_gets_prefill_params_verbatim_and_min_tokens_back(
     ],
 )
 def test_sglang_multi_sequence_requests_get_room_lists(
-    make_cluster: ClusterFactory, path: str, body: dict[str, Any]
+    make_cluster: FakeClusterFactory, path: str, body: dict[str, Any]
 ) -> None:
     cluster = make_cluster("sglang")
     with cluster.client() as client:
@@ -162,7 +163,7 @@ def test_sglang_multi_sequence_requests_get_room_lists(
     assert p.body == d.body
 
 
-def test_sglang_dp_prefill_rooms_follow_the_chosen_rank(make_cluster: ClusterFactory) -> None:
+def test_sglang_dp_prefill_rooms_follow_the_chosen_rank(make_cluster: FakeClusterFactory) -> None:
     cluster = make_cluster("sglang", dp_size=2)
     assert cluster.ready_body()["prefill"][0]["dp_size"] == 2
     with cluster.client() as client:
@@ -179,7 +180,7 @@ def test_sglang_dp_prefill_rooms_follow_the_chosen_rank(make_cluster: ClusterFac
 
 @pytest.mark.parametrize("engine", ["vllm-mooncake", "sglang"])
 def test_every_dp_rank_of_every_prefill_gets_work_when_idle(
-    make_cluster: ClusterFactory, engine: str
+    make_cluster: FakeClusterFactory, engine: str
 ) -> None:
     """Sequential requests (every rank idle, so every pick is a tie) over two DP2 prefills
     round-robin: each of the four ranks serves two of eight requests."""
@@ -198,7 +199,9 @@ def test_every_dp_rank_of_every_prefill_gets_work_when_idle(
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_x_request_id_is_generated_when_absent(make_cluster: ClusterFactory, engine: str) -> None:
+def test_x_request_id_is_generated_when_absent(
+    make_cluster: FakeClusterFactory, engine: str
+) -> None:
     cluster = make_cluster(engine)
     response = httpx.post(cluster.router_url + "/v1/completions", json=COMPLETION, timeout=10)
     assert response.status_code == 200

@@ -9,10 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.fake_engine import FakeConfig, FakeEngine
 from router import create_app
-from tests.conftest import ClusterFactory, settings_for, wait_until
-from tests.servers import run_server
+from testkit.fake_cluster import FakeClusterFactory, settings_for
+from testkit.fake_engine import FakeConfig, FakeEngine
+from testkit.polling import wait_until
+from testkit.servers import run_server
 from tests.test_protocols import COMPLETION
 
 
@@ -23,7 +24,7 @@ def _workers(url: str, **kwargs: Any) -> list[dict[str, Any]]:
     return workers
 
 
-def test_admin_lists_cli_workers_with_live_state(make_cluster: ClusterFactory) -> None:
+def test_admin_lists_cli_workers_with_live_state(make_cluster: FakeClusterFactory) -> None:
     cluster = make_cluster("vllm-mooncake", dp_size=2)
     workers = {w["role"]: w for w in _workers(cluster.router_url)}
     assert workers["prefill"]["url"] == cluster.prefill_urls[0]
@@ -37,7 +38,7 @@ def test_admin_lists_cli_workers_with_live_state(make_cluster: ClusterFactory) -
 
 
 def test_worker_added_through_admin_gets_traffic_within_a_second(
-    make_cluster: ClusterFactory,
+    make_cluster: FakeClusterFactory,
 ) -> None:
     cluster = make_cluster("sglang")
     extra = FakeEngine("decode", "sglang", config=FakeConfig(kv_timeout=20.0))
@@ -66,7 +67,7 @@ def test_worker_added_through_admin_gets_traffic_within_a_second(
         assert len(extra.records) == served
 
 
-def test_admin_errors(make_cluster: ClusterFactory) -> None:
+def test_admin_errors(make_cluster: FakeClusterFactory) -> None:
     cluster = make_cluster("sglang")
     with cluster.client() as client:
         for body in (
@@ -83,7 +84,7 @@ def test_admin_errors(make_cluster: ClusterFactory) -> None:
         assert client.post("/admin/workers", content=b"{bad").status_code in (400, 422)
 
 
-def test_admin_token(make_cluster: ClusterFactory) -> None:
+def test_admin_token(make_cluster: FakeClusterFactory) -> None:
     cluster = make_cluster("sglang", registry={"admin_token": "s3cret"})
     assert httpx.get(cluster.router_url + "/admin/workers").status_code == 401
     wrong = {"authorization": "Bearer nope"}
@@ -92,7 +93,9 @@ def test_admin_token(make_cluster: ClusterFactory) -> None:
     assert len(_workers(cluster.router_url, headers=good)) == 2
 
 
-def test_drain_lets_live_stream_finish_then_removes_worker(make_cluster: ClusterFactory) -> None:
+def test_drain_lets_live_stream_finish_then_removes_worker(
+    make_cluster: FakeClusterFactory,
+) -> None:
     def config() -> FakeConfig:
         return FakeConfig(check_kv=False, tokens=30, token_delay=0.03)
 
@@ -167,7 +170,7 @@ async def test_self_registered_worker_lives_while_it_heartbeats() -> None:
     import asyncio
 
     from registry.client import RegistryClient
-    from tests.servers import arun_server
+    from testkit.servers import arun_server
 
     prefill, decode = FakeEngine("prefill", "sglang"), FakeEngine("decode", "sglang")
     settings = settings_for("sglang", [], [])

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import httpx
 
-from bench.fake_engine import FakeConfig
-from tests.conftest import ClusterFactory, wait_until
-from tests.servers import free_port
+from testkit.fake_cluster import FakeClusterFactory
+from testkit.fake_engine import FakeConfig
+from testkit.polling import wait_until
+from testkit.servers import free_port
 from tests.test_protocols import COMPLETION
 
 
@@ -26,7 +27,7 @@ def _register_vllm(port: int, engine_id: str, tp_size: int) -> None:
         assert response.status_code == 200, response.text
 
 
-def test_vllm_prefill_registering_with_the_router(make_cluster: ClusterFactory) -> None:
+def test_vllm_prefill_registering_with_the_router(make_cluster: FakeClusterFactory) -> None:
     port = free_port()
     cluster = make_cluster(
         "vllm-mooncake",
@@ -56,7 +57,7 @@ def test_vllm_prefill_registering_with_the_router(make_cluster: ClusterFactory) 
     wait_until(routes_to_new_engine, 5, "the router to use the restarted prefill's engine id")
 
 
-def test_sglang_prefill_registering_with_the_router(make_cluster: ClusterFactory) -> None:
+def test_sglang_prefill_registering_with_the_router(make_cluster: FakeClusterFactory) -> None:
     port = free_port()
     cluster = make_cluster(
         "sglang",

@@ -7,15 +7,16 @@ import time
 import httpx
 import pytest
 
-from bench.fake_engine import FakeConfig
-from tests.conftest import ClusterFactory, wait_until
+from testkit.fake_cluster import FakeClusterFactory
+from testkit.fake_engine import FakeConfig
+from testkit.polling import wait_until
 from tests.test_protocols import COMPLETION, completion_text, sse_events
 
 CLIENTS = ["aiohttp", "httpx"]
 
 
 @pytest.mark.parametrize("client", CLIENTS)
-def test_stream_and_whole_answers(make_cluster: ClusterFactory, client: str) -> None:
+def test_stream_and_whole_answers(make_cluster: FakeClusterFactory, client: str) -> None:
     cluster = make_cluster("vllm-mooncake", upstream={"client": client})
     with cluster.client() as http:
         streamed = http.post("/v1/completions", json={**COMPLETION, "stream": True})
@@ -28,7 +29,7 @@ def test_stream_and_whole_answers(make_cluster: ClusterFactory, client: str) -> 
 
 
 @pytest.mark.parametrize("client", CLIENTS)
-def test_connect_error_is_retried(make_cluster: ClusterFactory, client: str) -> None:
+def test_connect_error_is_retried(make_cluster: FakeClusterFactory, client: str) -> None:
     cluster = make_cluster(
         "sglang", decode=2, upstream={"client": client}, health={"interval_s": 60.0}
     )
@@ -39,7 +40,7 @@ def test_connect_error_is_retried(make_cluster: ClusterFactory, client: str) -> 
 
 
 @pytest.mark.parametrize("client", CLIENTS)
-def test_idle_read_timeout(make_cluster: ClusterFactory, client: str) -> None:
+def test_idle_read_timeout(make_cluster: FakeClusterFactory, client: str) -> None:
     cluster = make_cluster(
         "sglang",
         upstream={"client": client, "read_timeout_s": 0.3},
@@ -62,7 +63,7 @@ def test_idle_read_timeout(make_cluster: ClusterFactory, client: str) -> None:
 
 
 @pytest.mark.parametrize("client", CLIENTS)
-def test_disconnect_closes_both_connections(make_cluster: ClusterFactory, client: str) -> None:
+def test_disconnect_closes_both_connections(make_cluster: FakeClusterFactory, client: str) -> None:
     cluster = make_cluster(
         "sglang",
         upstream={"client": client},

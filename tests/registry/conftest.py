@@ -17,8 +17,8 @@ import pytest
 from registry.app import create_registry_app
 from registry.backends import RegistryStore, open_store
 from registry.settings import RegistrySettings
-from tests.etcd_server import EtcdMissing, EtcdServer
-from tests.servers import run_server
+from testkit.etcd_server import EtcdMissing, EtcdServer
+from testkit.servers import run_server
 
 BACKENDS = [
     pytest.param("memory"),

@@ -21,7 +21,7 @@ from registry.bootstrap import (
     sglang_routes,
 )
 from registry.errors import NotFound
-from tests.servers import run_server
+from testkit.servers import run_server
 
 INFO_04 = "/route?engine_rank=-1&target_dp_group=-1"
 INFO_051 = "/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1"

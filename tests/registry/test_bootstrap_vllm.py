@@ -26,7 +26,7 @@ from registry.bootstrap import (
     vllm_routes,
 )
 from registry.errors import NotFound
-from tests.servers import run_server
+from testkit.servers import run_server
 
 
 def worker(

@@ -29,10 +29,10 @@ from registry.errors import RegistryUnavailable
 from registry.settings import RegistrySettings
 from registry.store_api import store_routes
 from router import create_app
-from tests.conftest import settings_for
-from tests.conftest import wait_until as wait_until_sync
+from testkit.fake_cluster import settings_for
+from testkit.polling import wait_until as wait_until_sync
+from testkit.servers import free_port, http_process, run_server
 from tests.registry.test_store_contract import brief, take, wait_until, watching
-from tests.servers import free_port, http_process, run_server
 
 
 def _registry_app(**settings: Any) -> FastAPI:

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import httpx
 
-from bench.fake_engine import FakeEngine
-from tests.conftest import wait_until
-from tests.etcd_server import EtcdServer
-from tests.servers import free_port, http_process, run_server
+from testkit.etcd_server import EtcdServer
+from testkit.fake_engine import FakeEngine
+from testkit.polling import wait_until
+from testkit.servers import free_port, http_process, run_server
 from tests.test_protocols import COMPLETION
 
 

@@ -28,7 +28,7 @@ from registry.backends import (
 )
 from registry.backends.etcd import parse_etcd_url
 from registry.errors import ConfigurationError, RegistryUnavailable
-from tests.etcd_server import EtcdServer, free_port
+from testkit.etcd_server import EtcdServer, free_port
 
 EXPIRY_TIMEOUT_S = 5.0  # ttl=1 expires after 1-1.5 s on etcd (it checks leases every 500 ms)
 EVENT_TIMEOUT_S = 5.0

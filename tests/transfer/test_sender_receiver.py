@@ -27,8 +27,8 @@ import zmq.asyncio
 
 from registry.app import create_registry_app
 from registry.settings import RegistrySettings
-from tests.conftest import await_until
-from tests.servers import run_server
+from testkit.polling import await_until
+from testkit.servers import run_server
 from transfer.bootstrap import BootstrapClient, BootstrapError, PrefillRank, bootstrap_url
 from transfer.control import ControlPlane, Peer, PeerUnreachable
 from transfer.engine.fake import LoopbackEngine, LoopbackNetwork

@@ -43,8 +43,8 @@ from typing import Any, Literal
 import httpx
 import pytest
 
-from tests.conftest import wait_until
-from tests.servers import free_port
+from testkit.polling import wait_until
+from testkit.servers import free_port
 
 PAGES = 256
 PAGE_SIZE = 16

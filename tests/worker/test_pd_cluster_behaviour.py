@@ -1,7 +1,7 @@
 """pd-worker clusters behind the real router (SGLang and vLLM Mooncake adapters): equality,
 faults, leaks.
 
-Every cluster (``tests.worker.cluster``) runs in this process on 127.0.0.1: one standalone
+Every cluster (``testkit.worker_cluster``) runs in this process on 127.0.0.1: one standalone
 registry per prefill (its bootstrap API: SGLang ``/route`` or vLLM ``/register`` + ``/query``),
 simulated prefill (one or two DP ranks) and decode workers sharing a ``LoopbackNetwork`` (KV
 really moves between their pools), a co-located ``--role both`` worker for the reference output
@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import wait_until
-from tests.worker.cluster import SHAPE, TRANSFER_TIMEOUT_S, PDCluster, pd_cluster
+from testkit.polling import wait_until
+from testkit.worker_cluster import SHAPE, TRANSFER_TIMEOUT_S, PDCluster, pd_cluster
 
 MAX_TOKENS = 12
 

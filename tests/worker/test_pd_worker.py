@@ -18,8 +18,9 @@ import pytest
 from registry.app import create_registry_app
 from registry.settings import RegistrySettings
 from router.app import create_app as create_router
-from tests.conftest import settings_for, wait_until
-from tests.servers import run_server
+from testkit.fake_cluster import settings_for
+from testkit.polling import wait_until
+from testkit.servers import run_server
 from transfer.engine.base import TransferEngine
 from transfer.engine.fake import LoopbackNetwork
 from worker.app import SimWorker, WorkerConfig, create_app

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import wait_until
-from tests.worker.cluster import SHAPE, PDCluster, pd_cluster
+from testkit.polling import wait_until
+from testkit.worker_cluster import SHAPE, PDCluster, pd_cluster
 
 COMPUTE_S_PER_TOKEN = 0.001
 CHUNK_TOKENS = 64

@@ -1,6 +1,6 @@
 """The fake engine's shared parts: knobs, records, the role-handler seam, request shapes and
-the thread-safe rendezvous primitives. See `bench/fake_engine.py` for the engine itself and
-`bench/fake_protocols.py` for the per-protocol checks.
+the thread-safe rendezvous primitives. See `testkit/fake_engine.py` for the engine itself and
+`testkit/fake_protocols.py` for the per-protocol checks.
 """
 
 from __future__ import annotations

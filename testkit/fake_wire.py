@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
-from bench.fake_base import (
+from testkit.fake_base import (
     Admission,
     Call,
     EngineError,

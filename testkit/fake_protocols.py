@@ -1,4 +1,4 @@
-"""Per-protocol PD checks and KV rendezvous for the fake engine (`bench/fake_engine.py`).
+"""Per-protocol PD checks and KV rendezvous for the fake engine (`testkit/fake_engine.py`).
 
 One class per (protocol, role) checks the fields a router must send, exactly as the real
 engines need them (PROTOCOLS.md sections 2-5), and raises `EngineError` (answered as an
@@ -15,7 +15,7 @@ engines, ranks or ids makes the decode fail instead of silently "working":
   D arrived (SGLang's `KVPoll.Bootstrapping`), and D only after P served the room.
 
 The HTTP app and the bootstrap app of one engine may run on different threads (tests start one
-uvicorn per app), so the rendezvous primitives (`bench/fake_base.py`) are thread-safe.
+uvicorn per app), so the rendezvous primitives (`testkit/fake_base.py`) are thread-safe.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Final, TypeGuard
 
 import httpx
 
-from bench.fake_base import (
+from testkit.fake_base import (
     Admission,
     Call,
     EngineContext,

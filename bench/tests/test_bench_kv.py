@@ -16,7 +16,7 @@ import pytest
 
 from bench.kv_transfer import CONTROL, LIBRARY, PATHS, KVConfig, render, run_bench, shuffled_runs
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = KVConfig(
     layers=2,
     tokens=64,

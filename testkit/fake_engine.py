@@ -4,12 +4,12 @@ It speaks the engines' OpenAI-compatible HTTP surface and the PD wire contract o
 /work/shared/PROTOCOLS.md, and fails a request loudly (HTTP 400 / 500 with an OpenAI error
 JSON) when the router sent a PD field wrong. Modules:
 
-* `bench/fake_engine.py`: `FakeEngine` (routes, knobs, records) and the CLI;
-* `bench/fake_protocols.py`: the per-(protocol, role) PD checks and KV rendezvous;
-* `bench/fake_wire.py`: raw ASGI plumbing and the OpenAI response format;
-* `bench/fake_base.py`: `FakeConfig`, `Received`, the handler seam, rendezvous primitives.
+* `testkit/fake_engine.py`: `FakeEngine` (routes, knobs, records) and the CLI;
+* `testkit/fake_protocols.py`: the per-(protocol, role) PD checks and KV rendezvous;
+* `testkit/fake_wire.py`: raw ASGI plumbing and the OpenAI response format;
+* `testkit/fake_base.py`: `FakeConfig`, `Received`, the handler seam, rendezvous primitives.
 
-In tests (a real socket, see tests/servers.py)::
+In tests (a real socket, see testkit/servers.py)::
 
     prefill = FakeEngine("prefill", "vllm-mooncake", dp_size=2)
     with run_servers(prefill.app, prefill.bootstrap_app) as (http_port, bootstrap_port):
@@ -17,7 +17,8 @@ In tests (a real socket, see tests/servers.py)::
 
 Standalone (benchmark, demo)::
 
-    python -m bench.fake_engine --role prefill --protocol sglang --port 30000 --bootstrap-port 8998
+    python -m testkit.fake_engine --role prefill --protocol sglang --port 30000 \
+        --bootstrap-port 8998
 
 The apps are raw ASGI (no framework) and encode JSON with msgspec, to stay out of the way of
 the router being measured.
@@ -40,7 +41,7 @@ from typing import Literal
 import httpx
 import uvicorn
 
-from bench.fake_base import (
+from testkit.fake_base import (
     Admission,
     Call,
     EngineError,
@@ -51,8 +52,8 @@ from bench.fake_base import (
     Routes,
     request_shape,
 )
-from bench.fake_protocols import build_handler
-from bench.fake_wire import (
+from testkit.fake_protocols import build_handler
+from testkit.fake_wire import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     SSE_TYPE,
@@ -342,7 +343,7 @@ async def serve(engine: FakeEngine, host: str, port: int, bootstrap_port: int) -
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.fake_engine",
+        prog="python -m testkit.fake_engine",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -24,7 +24,7 @@ from types import TracebackType
 
 import httpx
 
-from tests.servers import free_port
+from testkit.servers import free_port
 
 __all__ = ["ETCD_BINARY", "EtcdMissing", "EtcdServer", "free_port"]
 

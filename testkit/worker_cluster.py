@@ -18,8 +18,9 @@ import httpx
 from registry.app import create_registry_app
 from registry.settings import RegistrySettings
 from router.app import create_app as create_router
-from tests.conftest import settings_for, wait_until
-from tests.servers import run_server, run_servers
+from testkit.fake_cluster import settings_for
+from testkit.polling import wait_until
+from testkit.servers import run_server, run_servers
 from transfer.engine.base import TransferEngine
 from transfer.engine.fake import LoopbackEngine, LoopbackNetwork
 from worker.app import EngineFactory, SimWorker, WorkerConfig, create_app
