@@ -78,8 +78,15 @@ class HealthProber:
         task.add_done_callback(lambda _: self._refreshing.pop(worker.id, None))
 
     async def aclose(self) -> None:
-        for task in list(self._refreshing.values()):
+        """Cancel the refresh probes, wait until they ended, then close their HTTP client."""
+        probes = list(self._refreshing.values())
+        for task in probes:
             task.cancel()
+        if probes:
+            await asyncio.wait(probes)
+        for task in probes:
+            if not task.cancelled() and task.exception() is not None:
+                logger.warning("refresh probe failed: %r", task.exception())
         await self._client.aclose()
 
     async def _alive(self, worker: Worker) -> bool:

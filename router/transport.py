@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import anyio
 import httpcore
 import httpx
 
 __all__ = ["LeanPoolTransport"]
+
+logger = logging.getLogger(__name__)
 
 # Connections reused within this many seconds skip the is-the-server-gone probe: engines keep
 # idle connections open for >= 5 s (uvicorn's default keep-alive).
@@ -39,6 +43,15 @@ _ERRORS: list[tuple[type[Exception], type[httpx.TransportError]]] = [
     (httpcore.TimeoutException, httpx.TimeoutException),
     (httpcore.ProtocolError, httpx.ProtocolError),
 ]
+
+
+async def _close_quietly(conn: httpcore.AsyncHTTPConnection) -> None:
+    """Close a connection the pool is dropping. Closing only shuts the socket (TLS: after a
+    close_notify), so a failure means the peer is already gone: it is logged, not raised."""
+    try:
+        await conn.aclose()
+    except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream):
+        logger.debug("closing an upstream connection failed", exc_info=True)
 
 
 @contextlib.contextmanager
@@ -168,8 +181,7 @@ class LeanPoolTransport(httpx.AsyncBaseTransport):
             self._idle.append((conn, time.monotonic()))
             return
         if not conn.is_closed():
-            with contextlib.suppress(Exception):
-                await conn.aclose()
+            await _close_quietly(conn)
         self._open.discard(conn)
 
     def _discard(self, conn: httpcore.AsyncHTTPConnection) -> None:
@@ -181,8 +193,7 @@ class LeanPoolTransport(httpx.AsyncBaseTransport):
         self._idle.clear()
         conns, self._open = self._open, set()
         for conn in conns:
-            with contextlib.suppress(Exception):
-                await conn.aclose()
+            await _close_quietly(conn)
 
     def stats(self) -> dict[str, Any]:
         return {"open": len(self._open), "idle": len(self._idle)}
