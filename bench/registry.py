@@ -41,8 +41,7 @@ from fastapi import FastAPI
 
 from bench.cli import sigterm_raises
 from registry.backends import RegistryStore, WatchEvent, open_store
-from registry.bootstrap import RegisterWorkerPayload, vllm_routes
-from registry.bootstrap.tables import BootstrapTables
+from registry.engine_api import RankTables, RegisterWorkerPayload, vllm_routes
 from registry.errors import Conflict, RegistryUnavailable
 from registry.models import worker_id
 from registry.service import RegistryService, WorkerChange
@@ -524,9 +523,9 @@ def vllm_registration(i: int) -> tuple[str, dict[str, Any]]:
 
 
 async def measure_vllm_inprocess(config: BenchConfig, cap_s: float) -> Run:
-    """The same registrations as the HTTP run, called on ``VllmBootstrap`` in-process."""
+    """The same registrations as the HTTP run, called on ``VllmRankTable`` in-process."""
     async with opened("memory://") as store:
-        tables = BootstrapTables()
+        tables = RankTables()
         tables.bind(store)
 
         async def register(i: int) -> bool:
@@ -538,7 +537,7 @@ async def measure_vllm_inprocess(config: BenchConfig, cap_s: float) -> Run:
             return True
 
         run = await drive(
-            "VllmBootstrap.register in-process",
+            "VllmRankTable.register in-process",
             register,
             config.registrations,
             config.concurrency,
@@ -631,7 +630,7 @@ def _http_transport(lean: bool, connections: int) -> httpx.AsyncBaseTransport:
 async def measure_vllm_http(config: BenchConfig, *, lean: bool, cap_s: float) -> Run:
     """``POST /bootstrap/{ns}/register`` on a real uvicorn server over a memory store."""
     async with opened("memory://") as store:
-        tables = BootstrapTables()
+        tables = RankTables()
         tables.bind(store)
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
         app.include_router(vllm_routes(tables.vllm))

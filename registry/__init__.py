@@ -1,4 +1,8 @@
-"""Bootstrap registry (embedded in the router; etcd-backed across nodes). Arrives with issue 3."""
+"""The worker registry: the PD cluster's workers and the engines' bootstrap APIs over one store.
+
+Embedded in the router, or served on its own (``registry serve``); the store is in memory, etcd, or
+another registry over HTTP.
+"""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ from starlette.exceptions import HTTPException
 
 from registry.admin import admin_routes, authorizer
 from registry.backends import open_store
-from registry.bootstrap import sglang_routes, vllm_routes
-from registry.bootstrap.tables import BootstrapTables
+from registry.engine_api import RankTables, sglang_routes, vllm_routes
 from registry.service import RegistryService
 from registry.settings import RegistrySettings
 from registry.store_api import store_routes
@@ -57,7 +56,7 @@ def create_registry_app(settings: RegistrySettings) -> FastAPI:
         store_routes(lambda request: _service_of(request).store),
         dependencies=[Depends(authorizer(settings))],
     )
-    tables = BootstrapTables()
+    tables = RankTables()
     app.include_router(sglang_routes(tables.sglang))
     app.include_router(vllm_routes(tables.vllm))
 

@@ -1,15 +1,23 @@
 """The registry's exception tree.
 
 RegistryError
-├── NotFound               a worker, rank or key does not exist
+├── NotFound               a worker, rank, key or engine-API namespace does not exist
 ├── Conflict               a registration contradicts the registered one (vLLM engine id mismatch)
+├── BadEngineApiRequest    an engine's bootstrap API call with missing or invalid fields (400)
 ├── RegistryUnavailable    the store cannot be reached (etcd down); callers keep their last view
 └── ConfigurationError     a bad store URL, a missing optional dependency
 """
 
 from __future__ import annotations
 
-__all__ = ["ConfigurationError", "Conflict", "NotFound", "RegistryError", "RegistryUnavailable"]
+__all__ = [
+    "BadEngineApiRequest",
+    "ConfigurationError",
+    "Conflict",
+    "NotFound",
+    "RegistryError",
+    "RegistryUnavailable",
+]
 
 
 class RegistryError(Exception):
@@ -22,6 +30,10 @@ class NotFound(RegistryError):
 
 class Conflict(RegistryError):
     pass
+
+
+class BadEngineApiRequest(RegistryError):
+    """An engine's bootstrap API call with missing or invalid fields (answered 400)."""
 
 
 class RegistryUnavailable(RegistryError):

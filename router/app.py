@@ -11,8 +11,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from registry.admin import LiveView, admin_routes
-from registry.bootstrap import sglang_routes, vllm_routes
-from registry.bootstrap.tables import BootstrapTables
+from registry.engine_api import RankTables, sglang_routes, vllm_routes
 from registry.service import RegistryService
 from router.api import health
 from router.api.openai import HOT_ROUTES, handle_completion
@@ -86,7 +85,7 @@ def create_app(settings: RouterSettings) -> ASGIApp:
     api.include_router(health.router)
     api.include_router(admin_routes(settings.registry, _registry_of, _live_view_of))
     # The engines' bootstrap APIs at their own paths (/route, /register, /query, ...).
-    tables = BootstrapTables()
+    tables = RankTables()
     api.include_router(sglang_routes(tables.sglang))
     api.include_router(vllm_routes(tables.vllm))
     install_error_handlers(api)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from registry.backends import open_store
-from registry.bootstrap.tables import BootstrapTables
+from registry.engine_api import RankTables
 from registry.service import RegistryService
 from router.adapters import build_adapter
 from router.discovery import Discovery
@@ -67,9 +67,7 @@ async def _background(*coros: Any) -> AsyncIterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def open_context(
-    settings: RouterSettings, tables: BootstrapTables
-) -> AsyncIterator[AppContext]:
+async def open_context(settings: RouterSettings, tables: RankTables) -> AsyncIterator[AppContext]:
     """Build the context, start probing and registry sync, and tear all down on exit."""
     adapter = build_adapter(settings.engine)
     pool = UpstreamPool(needs_engine_ids=adapter.needs_engine_ids)

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from registry.bootstrap.tables import BootstrapTables
+from registry.engine_api import RankTables
 from router.rank_layout import RankLayoutUnavailable, fetch_rank_layout, namespace_rank_layout
 from router.settings import EngineProtocol, HealthSettings
 from router.upstream_httpx import NODELAY
@@ -33,7 +33,7 @@ class HealthProber:
         pool: WorkerPool[Any],
         engine: EngineProtocol,
         settings: HealthSettings,
-        tables: BootstrapTables | None = None,
+        tables: RankTables | None = None,
     ) -> None:
         self._pool = pool
         self._tables = tables

@@ -14,8 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 
-from registry.bootstrap import namespace_app
-from registry.bootstrap.tables import BootstrapTables
+from registry.engine_api import RankTables, namespace_app
 from router.settings import RouterSettings
 
 __all__ = ["namespace_servers"]
@@ -40,9 +39,7 @@ async def _started(server: _EmbeddedServer, task: asyncio.Task[None], port: int)
 
 
 @contextlib.asynccontextmanager
-async def namespace_servers(
-    tables: BootstrapTables, settings: RouterSettings
-) -> AsyncIterator[None]:
+async def namespace_servers(tables: RankTables, settings: RouterSettings) -> AsyncIterator[None]:
     """Serve every configured namespace port while the block runs."""
     running: list[tuple[_EmbeddedServer, asyncio.Task[None]]] = []
     try:

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from registry.bootstrap.tables import BootstrapTables
+from registry.engine_api import RankTables
 from registry.errors import RegistryError
 from router.settings import EngineProtocol
 from router.workers import Worker
@@ -82,13 +82,13 @@ async def fetch_rank_layout(
 
 
 async def namespace_rank_layout(
-    tables: BootstrapTables, engine: EngineProtocol, namespace: str
+    tables: RankTables, engine: EngineProtocol, namespace: str
 ) -> RankLayout:
     """The layout a prefill registered with this router's own registry; raises
     RankLayoutUnavailable until every rank is there."""
     try:
         if engine is EngineProtocol.VLLM_MOONCAKE:
-            vllm = await tables.vllm(namespace).layout()
+            vllm = await tables.vllm(namespace).snapshot()
             if not vllm.complete or not vllm.dp_size or None in vllm.engine_ids:
                 raise RankLayoutUnavailable(
                     f"namespace {namespace!r}: vLLM ranks still registering"

@@ -1,4 +1,4 @@
-"""vLLM Mooncake bootstrap API (registry/bootstrap/vllm.py) against PROTOCOLS.md 3.2 and 3.6.
+"""vLLM Mooncake bootstrap API (registry/engine_api/vllm_*.py) against PROTOCOLS.md 3.2 and 3.6.
 
 Answers are compared byte for byte with a copy of vLLM 0.32's own FastAPI server
 (``mooncake_utils.py``: the same pydantic payload and handler logic), built below.
@@ -17,11 +17,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from registry.backends import MemoryStore, RegistryStore
-from registry.bootstrap import (
+from registry.engine_api import (
     RegisterWorkerPayload,
-    SglangBootstrap,
-    VllmBootstrap,
-    VllmLayout,
+    SglangRankTable,
+    VllmRankSnapshot,
+    VllmRankTable,
     namespace_app,
     vllm_routes,
 )
@@ -100,10 +100,10 @@ async def mem() -> AsyncIterator[MemoryStore]:
     await store.close()
 
 
-def resolver(*tables: VllmBootstrap) -> Any:
+def resolver(*tables: VllmRankTable) -> Any:
     by_name = {table.namespace: table for table in tables}
 
-    def resolve(name: str) -> VllmBootstrap:
+    def resolve(name: str) -> VllmRankTable:
         if name not in by_name:
             raise NotFound(f"Unknown bootstrap namespace: {name!r}")
         return by_name[name]
@@ -115,19 +115,19 @@ def client_of(app: FastAPI) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bootstrap")
 
 
-def client_for(*tables: VllmBootstrap) -> httpx.AsyncClient:
+def client_for(*tables: VllmRankTable) -> httpx.AsyncClient:
     app = FastAPI()
     app.include_router(vllm_routes(resolver(*tables)))
     return client_of(app)
 
 
 @pytest.fixture
-def table(mem: MemoryStore) -> VllmBootstrap:
-    return VllmBootstrap(mem, "default")
+def table(mem: MemoryStore) -> VllmRankTable:
+    return VllmRankTable(mem, "default")
 
 
 @pytest.fixture
-async def client(table: VllmBootstrap) -> AsyncIterator[httpx.AsyncClient]:
+async def client(table: VllmRankTable) -> AsyncIterator[httpx.AsyncClient]:
     async with client_for(table) as client:
         yield client
 
@@ -208,7 +208,7 @@ async def test_same_rank_at_another_address_is_400(
 async def test_engine_id_mismatch_while_incomplete_is_400(
     mem: MemoryStore, reference: httpx.AsyncClient
 ) -> None:
-    async with client_for(VllmBootstrap(mem, "default", tp_size=2)) as client:
+    async with client_for(VllmRankTable(mem, "default", tp_size=2)) as client:
         await both(client, reference, "POST", "/register", json=worker(0, 0))
         answer = await both(
             client, reference, "POST", "/register", json=worker(0, 1, engine="eng-b")
@@ -254,7 +254,7 @@ async def test_answers_do_not_depend_on_the_hosting_apps_error_handlers(mem: Mem
 
     app.add_exception_handler(RequestValidationError, openai_style)
     app.add_exception_handler(HTTPException, openai_style)
-    app.include_router(vllm_routes(resolver(VllmBootstrap(mem, "default"))))
+    app.include_router(vllm_routes(resolver(VllmRankTable(mem, "default"))))
     async with client_of(app) as client:
         invalid = await client.post("/register", json={"engine_id": "e"})
         assert invalid.status_code == 422 and "detail" in invalid.json()
@@ -267,13 +267,13 @@ async def test_answers_do_not_depend_on_the_hosting_apps_error_handlers(mem: Mem
 
 
 async def test_query_hides_incomplete_engines_by_configured_size(mem: MemoryStore) -> None:
-    table = VllmBootstrap(mem, "default", tp_size=2, dp_size=2)
+    table = VllmRankTable(mem, "default", tp_size=2, dp_size=2)
     async with client_for(table) as client:
         await register_ok(client, worker(0, 0), worker(1, 0))
         assert (await client.get("/query")).json() == {}
         await register_ok(client, worker(1, 1))
         assert list((await client.get("/query")).json()) == ["1"]
-    assert await table.layout() == VllmLayout(2, (None, "eng-a_dp1"), 0, False)
+    assert await table.snapshot() == VllmRankSnapshot(2, (None, "eng-a_dp1"), 0, False)
 
 
 @pytest.mark.parametrize(
@@ -287,20 +287,20 @@ async def test_query_hides_incomplete_engines_by_configured_size(mem: MemoryStor
     ],
 )
 async def test_without_sizes_a_dp_rank_is_complete_when_its_ranks_fill_a_rectangle(
-    table: VllmBootstrap, client: httpx.AsyncClient, ranks: list[tuple[int, int]], complete: bool
+    table: VllmRankTable, client: httpx.AsyncClient, ranks: list[tuple[int, int]], complete: bool
 ) -> None:
     await register_ok(client, *(worker(0, tp, pp) for tp, pp in ranks))
     assert ("0" in (await client.get("/query")).json()) is complete
-    assert (await table.layout()).complete is complete
+    assert (await table.snapshot()).complete is complete
 
 
 async def test_without_dp_size_every_dp_rank_up_to_the_highest_counts(
-    table: VllmBootstrap, client: httpx.AsyncClient
+    table: VllmRankTable, client: httpx.AsyncClient
 ) -> None:
     await register_ok(client, worker(1, 0))
-    assert await table.layout() == VllmLayout(2, (None, "eng-a_dp1"), 0, False)
+    assert await table.snapshot() == VllmRankSnapshot(2, (None, "eng-a_dp1"), 0, False)
     await register_ok(client, worker(0, 0))
-    assert await table.layout() == VllmLayout(2, ("eng-a_dp0", "eng-a_dp1"), 0, True)
+    assert await table.snapshot() == VllmRankSnapshot(2, ("eng-a_dp0", "eng-a_dp1"), 0, True)
 
 
 @pytest.mark.parametrize(
@@ -315,28 +315,30 @@ async def test_without_dp_size_every_dp_rank_up_to_the_highest_counts(
 async def test_ranks_outside_the_configured_sizes_are_400(
     mem: MemoryStore, body: dict[str, Any], detail: str
 ) -> None:
-    async with client_for(VllmBootstrap(mem, "default", tp_size=2, pp_size=1, dp_size=2)) as client:
+    async with client_for(VllmRankTable(mem, "default", tp_size=2, pp_size=1, dp_size=2)) as client:
         response = await client.post("/register", json=body)
     assert (response.status_code, response.json()) == (400, {"detail": detail})
 
 
 def test_sizes_must_be_positive(mem: MemoryStore) -> None:
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
-        VllmBootstrap(mem, "default", tp_size=0)
+        VllmRankTable(mem, "default", tp_size=0)
 
 
 # --- the restart rule -----------------------------------------------------------------------------
 
 
 async def test_new_engine_on_a_complete_table_starts_a_new_epoch(
-    table: VllmBootstrap, client: httpx.AsyncClient
+    table: VllmRankTable, client: httpx.AsyncClient
 ) -> None:
     await register_ok(client, worker(0, 0), worker(0, 1), worker(1, 0), worker(1, 1))
     assert await table.epoch() == 0
     restarted = worker(0, 0, engine="eng-b", addr="tcp://10.0.0.1:50000")  # new ports too
     await register_ok(client, restarted)
     assert await table.epoch() == 1
-    assert await table.layout() == VllmLayout(1, ("eng-b_dp0",), 1, True)  # old dp 1 dropped
+    assert await table.snapshot() == VllmRankSnapshot(
+        1, ("eng-b_dp0",), 1, True
+    )  # old dp 1 dropped
     await register_ok(client, worker(1, 0, engine="eng-b"))
     assert (await client.get("/query")).json() == {
         "0": {"engine_id": "eng-b_dp0", "worker_addr": {"0": {"0": "tcp://10.0.0.1:50000"}}},
@@ -354,24 +356,24 @@ async def test_same_engine_at_a_new_address_stays_400_on_a_complete_table(
 
 
 async def test_reset_unblocks_a_table_stuck_half_registered(mem: MemoryStore) -> None:
-    table = VllmBootstrap(mem, "default", tp_size=2)
+    table = VllmRankTable(mem, "default", tp_size=2)
     async with client_for(table) as client:
         await register_ok(client, worker(0, 0))  # the old engine died before tp 1 registered
         refused = await client.post("/register", json=worker(0, 0, engine="eng-b"))
         assert refused.status_code == 400
         await table.reset()
         await register_ok(client, worker(0, 0, engine="eng-b"), worker(0, 1, engine="eng-b"))
-    assert await table.layout() == VllmLayout(1, ("eng-b_dp0",), 1, True)
+    assert await table.snapshot() == VllmRankSnapshot(1, ("eng-b_dp0",), 1, True)
 
 
 async def test_routers_sharing_a_store_share_the_epoch(store: RegistryStore) -> None:
     """Two routers (two tables over one store), on memory and on a real etcd."""
-    one, two = VllmBootstrap(store, "shared"), VllmBootstrap(store, "shared")
+    one, two = VllmRankTable(store, "shared"), VllmRankTable(store, "shared")
     await one.register(RegisterWorkerPayload(**worker(0, 0)))
     await two.register(RegisterWorkerPayload(**worker(0, 0)))  # idempotent through the other router
     await two.register(RegisterWorkerPayload(**worker(0, 0, engine="eng-b")))  # a restart
     assert await one.epoch() == 1
-    assert await one.layout() == VllmLayout(1, ("eng-b_dp0",), 1, True)
+    assert await one.snapshot() == VllmRankSnapshot(1, ("eng-b_dp0",), 1, True)
     assert (await one.query())["0"]["engine_id"] == "eng-b_dp0"
 
 
@@ -379,7 +381,7 @@ async def test_routers_sharing_a_store_share_the_epoch(store: RegistryStore) -> 
 
 
 async def test_two_prefill_instances_in_two_namespaces_do_not_collide(mem: MemoryStore) -> None:
-    first, second = VllmBootstrap(mem, "default"), VllmBootstrap(mem, "p1")
+    first, second = VllmRankTable(mem, "default"), VllmRankTable(mem, "p1")
     async with client_for(first, second) as client:
         await register_ok(client, worker(0, 0))
         await register_ok(client, worker(0, 0, engine="eng-b"), path="/bootstrap/p1/register")
@@ -404,7 +406,7 @@ async def test_unreachable_store_is_503(mem: MemoryStore, client: httpx.AsyncCli
 
 def test_namespace_app_serves_both_engines_on_a_real_socket() -> None:
     store = MemoryStore()  # used on the server's event loop only
-    app = namespace_app(SglangBootstrap(store, "p3"), VllmBootstrap(store, "p3"))
+    app = namespace_app(SglangRankTable(store, "p3"), VllmRankTable(store, "p3"))
     with run_server(app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
         assert client.post("/register", json=worker(0, 0)).json() == {"status": "ok"}
         assert client.get("/query").json()["0"]["engine_id"] == "eng-a_dp0"

@@ -1,4 +1,4 @@
-"""SGLang bootstrap API (registry/bootstrap/sglang.py) against PROTOCOLS.md 5.5/5.6, every version.
+"""SGLang bootstrap API (registry/engine_api/sglang_*) against PROTOCOLS.md 5.5/5.6, every version.
 
 Request/response checks go through ``httpx.ASGITransport``; one test serves ``namespace_app`` on a
 real socket; the shared-store tests run over memory and a real etcd (``store`` fixture).
@@ -14,9 +14,9 @@ import pytest
 from fastapi import FastAPI
 
 from registry.backends import MemoryStore, RegistryStore
-from registry.bootstrap import (
+from registry.engine_api import (
     RankAddress,
-    SglangBootstrap,
+    SglangRankTable,
     namespace_app,
     sglang_routes,
 )
@@ -162,10 +162,10 @@ async def mem(clock: FakeClock) -> AsyncIterator[MemoryStore]:
     await store.close()
 
 
-def app_for(*tables: SglangBootstrap) -> FastAPI:
+def app_for(*tables: SglangRankTable) -> FastAPI:
     by_name = {table.namespace: table for table in tables}
 
-    def resolve(name: str) -> SglangBootstrap:
+    def resolve(name: str) -> SglangRankTable:
         if name not in by_name:
             raise NotFound(f"Unknown bootstrap namespace: {name!r}")
         return by_name[name]
@@ -175,18 +175,18 @@ def app_for(*tables: SglangBootstrap) -> FastAPI:
     return app
 
 
-def client_for(*tables: SglangBootstrap) -> httpx.AsyncClient:
+def client_for(*tables: SglangRankTable) -> httpx.AsyncClient:
     transport = httpx.ASGITransport(app=app_for(*tables))
     return httpx.AsyncClient(transport=transport, base_url="http://bootstrap")
 
 
 @pytest.fixture
-def table(mem: MemoryStore) -> SglangBootstrap:
-    return SglangBootstrap(mem, "default")
+def table(mem: MemoryStore) -> SglangRankTable:
+    return SglangRankTable(mem, "default")
 
 
 @pytest.fixture
-async def client(table: SglangBootstrap) -> AsyncIterator[httpx.AsyncClient]:
+async def client(table: SglangRankTable) -> AsyncIterator[httpx.AsyncClient]:
     async with client_for(table) as client:
         yield client
 
@@ -226,7 +226,7 @@ async def test_v04_unknown_rank_is_404_not_the_engines_500(client: httpx.AsyncCl
 
 
 async def test_v04_decode_role_is_acknowledged_and_ignored(
-    client: httpx.AsyncClient, table: SglangBootstrap
+    client: httpx.AsyncClient, table: SglangRankTable
 ) -> None:
     await put_all(client, [v04(0, role="Decode")])
     assert await table.parallel_info() is None
@@ -341,7 +341,7 @@ async def test_v0523_server_info_echoes_the_version_specific_fields(
 
 
 async def test_server_info_without_decode_side_fields(mem: MemoryStore) -> None:
-    table = SglangBootstrap(mem, "default", server_info_decode_fields=False)
+    table = SglangRankTable(mem, "default", server_info_decode_fields=False)
     async with client_for(table) as client:
         await put_all(client, [v0510(0, tp=1)])
         info = (await client.get(INFO_0510)).json()
@@ -371,7 +371,7 @@ async def test_follow_bootstrap_room_comes_from_load_balance_method(
 
 
 async def test_follow_bootstrap_room_defaults_to_true(
-    client: httpx.AsyncClient, table: SglangBootstrap
+    client: httpx.AsyncClient, table: SglangRankTable
 ) -> None:
     body = v0510(0, tp=1)
     del body["load_balance_method"]
@@ -444,7 +444,7 @@ async def test_other_methods_on_route_are_405(client: httpx.AsyncClient, method:
     ],
 )
 async def test_invalid_registrations_are_400_with_the_reason(
-    client: httpx.AsyncClient, table: SglangBootstrap, body: Any, needle: str
+    client: httpx.AsyncClient, table: SglangRankTable, body: Any, needle: str
 ) -> None:
     content = body if isinstance(body, bytes) else None
     response = await client.put("/route", content=content, json=None if content else body)
@@ -460,13 +460,13 @@ async def test_unreachable_store_is_503(mem: MemoryStore, client: httpx.AsyncCli
     assert response.text.startswith("Bootstrap registry unavailable")
 
 
-# --- leases, layout changes, namespaces -----------------------------------------------------------
+# --- leases, parallel config changes, namespaces ---------------------------------------------
 
 
 async def test_rank_lease_is_kept_alive_by_re_registering(
     mem: MemoryStore, clock: FakeClock
 ) -> None:
-    table = SglangBootstrap(mem, "default", rank_ttl=10)
+    table = SglangRankTable(mem, "default", rank_ttl=10)
     async with client_for(table) as client:
         await put_all(client, [v0510(0, tp=1)])
         clock.now += 8
@@ -479,7 +479,7 @@ async def test_rank_lease_is_kept_alive_by_re_registering(
 
 
 async def test_a_rank_restarted_at_a_new_port_replaces_its_entry(
-    client: httpx.AsyncClient, table: SglangBootstrap
+    client: httpx.AsyncClient, table: SglangRankTable
 ) -> None:
     await put_all(client, [v0510(0), v0510(1)])
     await put_all(client, [v0510(1, rank_port=9999)])
@@ -488,8 +488,8 @@ async def test_a_rank_restarted_at_a_new_port_replaces_its_entry(
     assert info is not None and (info.registered, info.complete) == (2, True)
 
 
-async def test_new_layout_on_a_complete_table_replaces_it(
-    client: httpx.AsyncClient, table: SglangBootstrap
+async def test_new_parallel_config_on_a_complete_table_replaces_it(
+    client: httpx.AsyncClient, table: SglangRankTable
 ) -> None:
     await put_all(client, [v0510(0), v0510(1)])
     await put_all(client, [v0510(0, tp=4, page_size=32)])  # restarted with tp 4
@@ -499,8 +499,8 @@ async def test_new_layout_on_a_complete_table_replaces_it(
     assert await table.rank_address(0, 1, 0) is None  # the old tp-2 ranks are gone
 
 
-async def test_new_layout_on_a_partial_table_is_refused(
-    client: httpx.AsyncClient, table: SglangBootstrap
+async def test_new_parallel_config_on_a_partial_table_is_refused(
+    client: httpx.AsyncClient, table: SglangRankTable
 ) -> None:
     await put_all(client, [v0510(0)])
     response = await client.put("/route", json=v0510(1, page_size=32))
@@ -513,7 +513,7 @@ async def test_new_layout_on_a_partial_table_is_refused(
 
 
 async def test_namespaces_do_not_collide(mem: MemoryStore) -> None:
-    first, second = SglangBootstrap(mem, "default"), SglangBootstrap(mem, "p1")
+    first, second = SglangRankTable(mem, "default"), SglangRankTable(mem, "p1")
     async with client_for(first, second) as client:
         await put_all(client, [v0510(0, tp=1)])
         await put_all(client, [v0510(0, tp=1, rank_port=8000)], "/bootstrap/p1/route")
@@ -528,7 +528,7 @@ async def test_namespaces_do_not_collide(mem: MemoryStore) -> None:
 
 def test_namespace_names_are_checked(mem: MemoryStore) -> None:
     with pytest.raises(ValueError, match="invalid bootstrap namespace"):
-        SglangBootstrap(mem, "a/b")
+        SglangRankTable(mem, "a/b")
 
 
 # --- register_dp_rank / query_dp_ranks ------------------------------------------------------------
@@ -571,7 +571,7 @@ async def test_bad_dp_rank_bodies_are_400(client: httpx.AsyncClient, path: str, 
 # --- the router's own view, shared stores, a real socket ------------------------------------------
 
 
-async def test_parallel_info_and_rank_address_for_the_router(table: SglangBootstrap) -> None:
+async def test_parallel_info_and_rank_address_for_the_router(table: SglangRankTable) -> None:
     assert await table.parallel_info() is None
     assert await table.rank_address(0, 0, 0) is None
     assert await table.register(v0510(0, dp=2, dp_rank=1, load_balance_method="round_robin"))
@@ -585,7 +585,7 @@ async def test_parallel_info_and_rank_address_for_the_router(table: SglangBootst
 
 async def test_routers_sharing_a_store_see_one_table(store: RegistryStore) -> None:
     """Two routers (two tables over one store) on memory and on a real etcd."""
-    one, two = SglangBootstrap(store, "shared"), SglangBootstrap(store, "shared")
+    one, two = SglangRankTable(store, "shared"), SglangRankTable(store, "shared")
     await one.register(v0510(0))
     await two.register(v0510(1))
     for table in (one, two):
@@ -598,7 +598,7 @@ async def test_routers_sharing_a_store_see_one_table(store: RegistryStore) -> No
 
 
 def test_namespace_app_on_a_real_socket() -> None:
-    app = namespace_app(SglangBootstrap(MemoryStore(), "p7"), None)  # used on the server's loop
+    app = namespace_app(SglangRankTable(MemoryStore(), "p7"), None)  # used on the server's loop
     with run_server(app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
         assert client.put("/route", json=v0510(0, tp=1)).text == "OK"
         assert client.get(INFO_0510).json()["attn_tp_size"] == 1

@@ -1,22 +1,8 @@
-"""vLLM MooncakeConnector's bootstrap server API (``POST /register``, ``GET /query``), in the store.
+"""vLLM Mooncake's prefill rank table, one per namespace, kept in the registry store.
 
-vLLM >= 0.32 can point its prefill workers at an external bootstrap server
-(``kv_connector_extra_config.bootstrap_server_address="host:port"``); the registry answers for it
-with vLLM 0.32's exact semantics (PROTOCOLS.md 3.2): the same payload schema (422 on a schema
-error), ``{"status":"ok"}``, idempotent re-registration, and the two 400s ("Engine ID mismatch
-..." and "Worker ... is already registered at ..."). Older vLLM runs its own server; the router
-then only reads ``/query`` from it.
-
-Namespaces: one namespace is one prefill instance (PROTOCOLS.md 3.6). vLLM builds the
-registration URL from ``host:port`` alone, so two prefill instances registering ``dp_rank=0``
-at one address would collide ("Engine ID mismatch" and a crashed worker). Hence:
-
-* the plain paths ``/register`` and ``/query`` belong to namespace ``"default"``;
-* every further prefill instance gets a port of its own serving its namespace on the plain
-  paths (``app.namespace_app``): that port is its ``bootstrap_server_address``;
-* ``/bootstrap/{namespace}/register|query`` reach any namespace on the shared port. Decoders use
-  ``remote_bootstrap_addr`` verbatim as a URL prefix, so the router may hand them
-  ``http://<router>/bootstrap/<namespace>``; prefill workers cannot use a path.
+vLLM 0.32's semantics (PROTOCOLS.md 3.2): idempotent re-registration and the two refusals
+("Engine ID mismatch ..." and "Worker ... is already registered at ...", ``Conflict``, answered
+400). One namespace is one prefill instance (PROTOCOLS.md 3.6).
 
 Restart rule (our design; vLLM's own server dies with its prefill, ours outlives it): each
 namespace holds an *epoch*, an int kept in the store. A registration bringing a new
@@ -32,69 +18,37 @@ Completeness: vLLM's ``/register`` carries no sizes. With the expected ``tp_size
 given, a dp rank is complete once all tp x pp ranks registered; without them, once its (tp, pp)
 pairs fill the rectangle [0..max_tp] x [0..max_pp] (a heuristic: a rank still starting up beyond
 the maxima goes unnoticed). The table is complete when dp ranks 0..dp_size-1 (``dp_size``, or
-max dp rank + 1) all are. ``GET /query`` lists only complete dp ranks, because decoders size the
+max dp rank + 1) all are. ``query()`` lists only complete dp ranks, because decoders size the
 remote TP from ``len(worker_addr)``. Ranks outside the given sizes, and negative ranks, are 400.
 
 The store seam has no transactions: routers sharing one store may both accept registrations that
 race for one dp rank; such a dp rank (two engine ids) never counts as complete.
+
+Store keys, under ``bootstrap/vllm/<namespace>/``: ``epoch`` and ``workers/<epoch>/<dp>/<tp>/<pp>``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
 
 import msgspec
-from fastapi import APIRouter, Request
-from fastapi.exception_handlers import request_validation_exception_handler
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
-from pydantic import BaseModel
 
 from registry.backends.base import RegistryStore
-from registry.errors import Conflict, NotFound, RegistryUnavailable
-from registry.models import NAMESPACE_RE
+from registry.engine_api.namespaces import DEFAULT_NAMESPACE, check_namespace
+from registry.engine_api.vllm_payloads import EngineEntry, RegisterWorkerPayload
+from registry.errors import Conflict, RegistryUnavailable
 
-__all__ = [
-    "DEFAULT_NAMESPACE",
-    "KEY_ROOT",
-    "EngineEntry",
-    "RegisterWorkerPayload",
-    "VllmBootstrap",
-    "VllmLayout",
-    "vllm_routes",
-]
+__all__ = ["KEY_ROOT", "VllmRankSnapshot", "VllmRankTable"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NAMESPACE = "default"
 KEY_ROOT = "bootstrap/vllm/"
-NAMESPACE_PREFIX = "/bootstrap/{namespace}"
-
-
-class RegisterWorkerPayload(BaseModel):
-    """vLLM's ``/register`` body, field for field (``mooncake_utils.py``), so 422s match."""
-
-    engine_id: str
-    dp_rank: int
-    tp_rank: int
-    pp_rank: int
-    addr: str
-
-
-class EngineEntry(TypedDict):
-    """One dp rank in ``GET /query``: ``worker_addr`` is ``{tp_rank: {pp_rank: addr}}``."""
-
-    engine_id: str
-    worker_addr: dict[str, dict[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
-class VllmLayout:
+class VllmRankSnapshot:
     """What the router needs: ``engine_ids[dp]`` is dp rank ``dp``'s engine id once complete.
 
     ``dp_size`` is the configured size, else the highest registered dp rank + 1 (0 when empty).
@@ -106,7 +60,7 @@ class VllmLayout:
     complete: bool
 
 
-class _Worker(msgspec.Struct, frozen=True):
+class _WorkerRecord(msgspec.Struct, frozen=True):
     engine_id: str
     addr: str
 
@@ -120,14 +74,8 @@ class _DpEntry:
         return ", ".join(sorted(self.engine_ids))
 
 
-def _check_namespace(namespace: str) -> str:
-    if not NAMESPACE_RE.fullmatch(namespace):
-        raise ValueError(f"invalid bootstrap namespace {namespace!r}: use [A-Za-z0-9_.-], max 128")
-    return namespace
-
-
-class VllmBootstrap:
-    """One namespace's vLLM Mooncake bootstrap table (one prefill instance), kept in a store.
+class VllmRankTable:
+    """One namespace's vLLM Mooncake rank table (one prefill instance), kept in a store.
 
     Sizes are optional (see the module notes on completeness). Store failures surface as
     ``RegistryUnavailable``; refused registrations as ``Conflict`` (answered 400).
@@ -146,7 +94,7 @@ class VllmBootstrap:
             if size is not None and size < 1:
                 raise ValueError(f"{name} must be >= 1, got {size}")
         self._store = store
-        self._namespace = _check_namespace(namespace)
+        self._namespace = check_namespace(namespace)
         self._root = f"{KEY_ROOT}{namespace}/"
         self._sizes = (dp_size, tp_size, pp_size)
         self._lock = asyncio.Lock()  # serializes this process's check-then-write
@@ -172,7 +120,7 @@ class VllmBootstrap:
                 entry = None
             if entry is not None and self._known(entry, payload):
                 return
-            worker = _Worker(payload.engine_id, payload.addr)
+            worker = _WorkerRecord(payload.engine_id, payload.addr)
             await self._store.put(self._worker_key(epoch, payload), msgspec.json.encode(worker))
         logger.debug(
             "vllm bootstrap %s: engine_id=%s dp=%d tp=%d pp=%d at %s",
@@ -193,8 +141,8 @@ class VllmBootstrap:
             if self._dp_complete(entry)
         }
 
-    async def layout(self) -> VllmLayout:
-        """The dp layout for the router: engine ids by dp rank (None until a rank is complete)."""
+    async def snapshot(self) -> VllmRankSnapshot:
+        """The dp ranks for the router: engine ids by dp rank (None until a rank is complete)."""
         epoch = await self.epoch()
         table = await self._table(epoch)
         dp_size = self._dp_size(table)
@@ -202,7 +150,7 @@ class VllmBootstrap:
             _engine_id(table.get(dp)) if self._dp_complete(table.get(dp)) else None
             for dp in range(dp_size)
         )
-        return VllmLayout(dp_size, ids, epoch, self._complete(table))
+        return VllmRankSnapshot(dp_size, ids, epoch, self._complete(table))
 
     async def epoch(self) -> int:
         """The namespace's current epoch (0 until the first restart)."""
@@ -303,12 +251,12 @@ class VllmBootstrap:
         return self._workers_prefix(epoch) + "/".join(str(rank) for rank in ranks)
 
 
-def _parse_worker(suffix: str, raw: bytes) -> tuple[tuple[int, int, int], _Worker] | None:
+def _parse_worker(suffix: str, raw: bytes) -> tuple[tuple[int, int, int], _WorkerRecord] | None:
     parts = suffix.split("/")
     if len(parts) != 3 or not all(part.isdigit() for part in parts):
         return None
     try:
-        worker = msgspec.json.decode(raw, type=_Worker)
+        worker = msgspec.json.decode(raw, type=_WorkerRecord)
     except msgspec.MsgspecError:
         return None
     dp, tp, pp = (int(part) for part in parts)
@@ -324,59 +272,3 @@ def _engine_entry(entry: _DpEntry) -> EngineEntry:
     for (tp, pp), addr in sorted(entry.workers.items()):
         worker_addr.setdefault(str(tp), {})[str(pp)] = addr
     return EngineEntry(engine_id=entry.expected(), worker_addr=worker_addr)
-
-
-# --- HTTP ------------------------------------------------------------------------------------
-
-
-def _detail(message: str, status: int) -> JSONResponse:
-    return JSONResponse({"detail": message}, status_code=status)
-
-
-class _VllmRoute(APIRoute):
-    """Renders errors as vLLM's FastAPI server does, whatever handlers the hosting app has."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def guarded(request: Request) -> Response:
-            try:
-                response: Response = await handler(request)
-            except RequestValidationError as exc:
-                return await request_validation_exception_handler(request, exc)
-            except Conflict as exc:
-                return _detail(str(exc), 400)
-            except NotFound as exc:
-                return _detail(str(exc), 404)
-            except RegistryUnavailable as exc:
-                logger.warning("vllm bootstrap: store unavailable: %s", exc)
-                return _detail(f"Bootstrap registry unavailable: {exc}", 503)
-            return response
-
-        return guarded
-
-
-def vllm_routes(resolve: Callable[[str], VllmBootstrap]) -> APIRouter:
-    """``/register`` and ``/query`` (namespace ``"default"``) and ``/bootstrap/{namespace}/...``.
-
-    ``resolve`` maps a namespace name to its table and raises ``NotFound`` for an unknown one
-    (answered 404).
-    """
-
-    def table_of(request: Request) -> VllmBootstrap:
-        return resolve(request.path_params.get("namespace", DEFAULT_NAMESPACE))
-
-    async def register(payload: RegisterWorkerPayload, request: Request) -> JSONResponse:
-        await table_of(request).register(payload)
-        return JSONResponse({"status": "ok"})
-
-    async def query(request: Request) -> JSONResponse:
-        return JSONResponse(await table_of(request).query())
-
-    router = APIRouter(route_class=_VllmRoute)
-    for prefix in ("", NAMESPACE_PREFIX):
-        router.add_api_route(
-            prefix + "/register", register, methods=["POST"], include_in_schema=False
-        )
-        router.add_api_route(prefix + "/query", query, methods=["GET"], include_in_schema=False)
-    return router

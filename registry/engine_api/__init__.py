@@ -1,0 +1,46 @@
+"""The engines' bootstrap APIs, answered by the registry from per-namespace rank tables.
+
+Engines call these HTTP APIs to publish and look up prefill ranks:
+
+* SGLang's ``/route``, ``/register_dp_rank``, ``/query_dp_ranks`` (0.4.x to 0.5.23):
+  ``sglang_payloads`` (the payloads of every version), ``sglang_table`` (``SglangRankTable``),
+  ``sglang_http`` (``sglang_routes``);
+* vLLM Mooncake's ``/register`` and ``/query`` (>= 0.32 semantics): ``vllm_payloads``,
+  ``vllm_table`` (``VllmRankTable``), ``vllm_http`` (``vllm_routes``);
+* ``namespaces``: what a namespace is and how a name resolves to a table; ``rank_tables``
+  (``RankTables``): both tables of every namespace over one store; ``app`` (``namespace_app``):
+  one namespace on a port of its own.
+
+A namespace is one prefill instance. On the shared port the plain paths are namespace
+``"default"`` and ``/bootstrap/{namespace}/...`` reaches any other.
+"""
+
+from __future__ import annotations
+
+from registry.engine_api.app import namespace_app
+from registry.engine_api.namespaces import DEFAULT_NAMESPACE
+from registry.engine_api.rank_tables import RankTables
+from registry.engine_api.sglang_http import sglang_routes
+from registry.engine_api.sglang_payloads import QueryForm, RankAddress
+from registry.engine_api.sglang_table import SglangParallelInfo, SglangRankTable
+from registry.engine_api.vllm_http import vllm_routes
+from registry.engine_api.vllm_payloads import EngineEntry, RegisterWorkerPayload
+from registry.engine_api.vllm_table import VllmRankSnapshot, VllmRankTable
+from registry.errors import BadEngineApiRequest
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "BadEngineApiRequest",
+    "EngineEntry",
+    "QueryForm",
+    "RankAddress",
+    "RankTables",
+    "RegisterWorkerPayload",
+    "SglangParallelInfo",
+    "SglangRankTable",
+    "VllmRankSnapshot",
+    "VllmRankTable",
+    "namespace_app",
+    "sglang_routes",
+    "vllm_routes",
+]
