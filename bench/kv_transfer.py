@@ -20,7 +20,7 @@ Throughput rows, per concurrency C (C requests at once, each its own pages), int
 repetition by repetition so drift hits every path alike:
 
 * ``raw sync write``: ``batch_transfer_sync_write`` of exactly the entries the library computes
-  for those requests (``transfer.layout.transfer_entries``), in batches of 1024, back to back;
+  for those requests (``transfer.page_layout.transfer_entries``), in batches of 1024, back to back;
 * ``engine.write``: the same entries through ``MooncakeEngine.write`` (one call per request,
   concurrently), without the control plane;
 * ``library``: ``KVReceiver.request`` on the decode side plus ``KVSender.send`` on the prefill
@@ -62,10 +62,11 @@ from bench.registry import serve
 from bench.transfer_engine import raw_engines, raw_sync
 from registry.app import create_registry_app
 from registry.settings import RegistrySettings
-from transfer.bootstrap import PrefillRank, bootstrap_url
+from transfer.config import ReceiverConfig, SenderConfig
 from transfer.engine.mooncake import MooncakeEngine
-from transfer.layout import Entry, pages_for_tokens, total_bytes, transfer_entries
+from transfer.page_layout import Entry, pages_for_tokens, total_bytes, transfer_entries
 from transfer.receiver import KVReceiver
+from transfer.rendezvous import PrefillRank, bootstrap_url
 from transfer.sender import KVSender
 from worker.kv import KVPool, PoolShape
 
@@ -267,14 +268,19 @@ async def open_rig(cfg: KVConfig) -> AsyncIterator[_Rig]:
                 p_engine,
                 prefill.layout,
                 PrefillRank(page_size=cfg.page_size),
-                registry=registry,
-                aux_item_len=AUX_LEN,
-                aux_slots=slots,
-                bootstrap_timeout_s=TIMEOUT_S,
-                transfer_timeout_s=TIMEOUT_S,
+                SenderConfig(
+                    registry=registry,
+                    aux_item_len=AUX_LEN,
+                    aux_slots=slots,
+                    bootstrap_timeout_s=TIMEOUT_S,
+                    transfer_timeout_s=TIMEOUT_S,
+                ),
             )
             receiver = KVReceiver(
-                context, d_engine, decode.layout, aux_item_len=AUX_LEN, aux_slots=slots
+                context,
+                d_engine,
+                decode.layout,
+                ReceiverConfig(aux_item_len=AUX_LEN, aux_slots=slots),
             )
             await stack.enter_async_context(sender)
             await stack.enter_async_context(receiver)

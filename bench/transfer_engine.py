@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from transfer.engine.mooncake import MooncakeEngine
-from transfer.layout import MAX_ENTRIES_PER_BATCH, Entry, batches, columns
+from transfer.page_layout import MAX_ENTRIES_PER_BATCH, Entry, batches, columns
 
 __all__ = ["Row", "main", "run_bench"]
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from transfer.engine.base import TransferEngine
 from transfer.errors import TransferError
-from transfer.layout import KVLayout
+from transfer.page_layout import KVPageLayout
 
 __all__ = ["RegisteredBuffers", "memory_ranges"]
 
@@ -25,9 +25,9 @@ def memory_ranges(ptrs: Sequence[int], length: int) -> list[tuple[int, int]]:
 
 
 class RegisteredBuffers:
-    """Registers the layout's regions and the aux buffer on ``open``; ``close`` undoes it."""
+    """Registers the KV pool's regions and the aux buffer on ``open``; ``close`` undoes it."""
 
-    def __init__(self, engine: TransferEngine, layout: KVLayout, aux: bytearray | None) -> None:
+    def __init__(self, engine: TransferEngine, layout: KVPageLayout, aux: bytearray | None) -> None:
         self._engine = engine
         self._layout = layout
         self._aux = aux

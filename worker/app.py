@@ -1,16 +1,9 @@
 """The simulated engine's HTTP app: OpenAI endpoints over the SGLang and vLLM PD request fields.
 
-Roles: ``prefill`` computes the prompt's KV into its pool and sends it with ``KVSender`` to the
-decode named by the request's PD fields (``worker.protocol``), through the lifecycle of
-``worker.prefill`` (SGLang answers once the transfer reached Success, 500 with the reason
-otherwise; vLLM answers after the forward pass and serves the pull in the background);
-``decode`` allocates pages, receives the KV with ``KVReceiver`` from the prefill's bootstrap API,
-verifies it and generates tokens from it; ``both`` computes the KV locally (the co-located
-reference output). A prefill runs ``dp_size`` DP ranks in one process, each with its own pool,
-transfer engine and sender (SGLang: rank ``routed_dp_rank``, else ``room % dp_size``; vLLM: the
-``X-data-parallel-rank`` header, engine ids ``<id>_dp<rank>`` when ``dp_size`` > 1). Pages are
-released on every path (withheld only when the transfer library says writes may still land in
-them).
+``create_app(worker)`` serves one ``worker.sim.SimWorker``: ``/v1/completions`` and
+``/v1/chat/completions`` (JSON, or SSE with one event per generated token), ``/v1/models`` and
+``/health`` (pages, open rooms, prefill queues, KV bytes sent). Request parsing is
+``worker.protocol``; what a sequence does per role is ``worker.sim``.
 """
 
 from __future__ import annotations
@@ -18,356 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import AsyncIterator
+from typing import Any
 
-import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from transfer.bootstrap import PrefillRank
-from transfer.engine.base import TransferEngine
-from transfer.errors import TransferError
-from transfer.receiver import KVReceiver, ReceiveFailed
-from transfer.sender import KVSender
-from worker.kv import KVPool, PoolExhausted, PoolShape, detokenize, generate
-from worker.prefill import PrefillJob, PrefillScheduler
-from worker.protocol import PDProtocol, Seq, WorkerError, max_tokens, sequences
+from worker.protocol import Seq, WorkerError, max_tokens, sequences
+from worker.sim import Completion, EngineFactory, SimWorker, WorkerConfig
 
 __all__ = ["EngineFactory", "SimWorker", "WorkerConfig", "WorkerError", "create_app"]
 
-logger = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode", "both"]
-EngineFactory = Callable[[], Awaitable[TransferEngine]]
-_AUX_LEN = 16
-_AUX_SLOTS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    role: Role
-    model: str = "sim-model"
-    shape: PoolShape = field(default_factory=PoolShape)
-    protocol: PDProtocol = "sglang"  # how a prefill registers and reads its requests
-    registry: str | None = None  # the bootstrap API a prefill registers with
-    namespace: str | None = None
-    host: str = "127.0.0.1"  # control-plane bind address
-    dp_size: int = 1  # prefill DP ranks in this process
-    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))  # vLLM engine id
-    chunk_tokens: int = 2048  # chunked prefill: tokens per forward chunk
-    max_prompt_tokens: int = 8192
-    transfer_timeout_s: float = 30.0
-    compute_s_per_token: float = 0.0  # simulated prefill forward time per prompt token
-    decode_s_per_token: float = 0.0  # simulated time per generated token after the first
-
-    def __post_init__(self) -> None:
-        if self.dp_size < 1 or (self.dp_size > 1 and self.role != "prefill"):
-            raise ValueError(f"dp_size={self.dp_size}: only a prefill runs more than one rank")
-        if self.chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.compute_s_per_token < 0 or self.decode_s_per_token < 0:
-            raise ValueError("simulated compute times must be >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class _Result:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    kv_bytes: int
-    transfer_s: float
-
-
-@dataclass(slots=True)
-class _Rank:
-    """One DP rank: its pool and its side of the transfer."""
-
-    pool: KVPool
-    sender: KVSender | None = None
-    receiver: KVReceiver | None = None
-    scheduler: PrefillScheduler | None = None
-    aux_free: list[int] = field(default_factory=lambda: list(range(_AUX_SLOTS)))
-
-
-class SimWorker:
-    """One simulated engine instance; ``run()`` opens its engines, pools and transfer sides."""
-
-    def __init__(self, config: WorkerConfig, engine: EngineFactory | None) -> None:
-        self.config = config
-        self.ranks = [_Rank(KVPool(config.shape)) for _ in range(config.dp_size)]
-        self._engine_factory = engine
-
-    @property
-    def pool(self) -> KVPool:
-        return self.ranks[0].pool
-
-    @property
-    def pools(self) -> list[KVPool]:
-        return [rank.pool for rank in self.ranks]
-
-    @property
-    def sender(self) -> KVSender | None:
-        return self.ranks[0].sender
-
-    @property
-    def receiver(self) -> KVReceiver | None:
-        return self.ranks[0].receiver
-
-    @property
-    def open_rooms(self) -> int:
-        """Transfer rooms started and not yet released on this worker's side."""
-        return sum(
-            r.sender.open_rooms
-            if r.sender is not None
-            else r.receiver.open_rooms
-            if r.receiver is not None
-            else 0
-            for r in self.ranks
-        )
-
-    @property
-    def kv_bytes_sent(self) -> int:
-        """KV and aux bytes this prefill's ranks have written into decode memory."""
-        return sum(r.sender.stats.bytes_written for r in self.ranks if r.sender is not None)
-
-    @property
-    def queues(self) -> dict[str, int]:
-        """Prefill requests per lifecycle stage (``worker.prefill``), over all ranks."""
-        total: dict[str, int] = {}
-        for rank in self.ranks:
-            if rank.scheduler is not None:
-                for stage, count in rank.scheduler.counts.items():
-                    total[stage] = total.get(stage, 0) + count
-        return total
-
-    def engine_id(self, dp_rank: int) -> str:
-        cfg = self.config
-        return cfg.engine_id if cfg.dp_size == 1 else f"{cfg.engine_id}_dp{dp_rank}"
-
-    @contextlib.asynccontextmanager
-    async def run(self) -> AsyncIterator[None]:
-        if self.config.role == "both" or self._engine_factory is None:
-            yield
-            return
-        context = zmq.asyncio.Context()
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                for index, rank in enumerate(self.ranks):
-                    engine = await self._engine_factory()
-                    stack.push_async_callback(engine.close)
-                    await stack.enter_async_context(
-                        self._transfer_side(context, engine, index, rank)
-                    )
-                yield
-        finally:
-            context.term()
-
-    @contextlib.asynccontextmanager
-    async def _transfer_side(
-        self, context: zmq.asyncio.Context, engine: TransferEngine, index: int, rank: _Rank
-    ) -> AsyncIterator[None]:
-        cfg = self.config
-        if cfg.role == "prefill":
-            place = PrefillRank(
-                page_size=cfg.shape.page_size,
-                system_dp_size=cfg.dp_size,
-                system_dp_rank=index,
-                engine_id=self.engine_id(index) if cfg.protocol == "vllm-mooncake" else None,
-            )
-            async with KVSender(
-                context,
-                engine,
-                rank.pool.layout,
-                place,
-                registry=cfg.registry,
-                namespace=cfg.namespace,
-                host=cfg.host,
-                aux_item_len=_AUX_LEN,
-                aux_slots=_AUX_SLOTS,
-                bootstrap_timeout_s=cfg.transfer_timeout_s,
-                transfer_timeout_s=cfg.transfer_timeout_s,
-            ) as sender:
-                scheduler = PrefillScheduler(
-                    rank.pool,
-                    sender,
-                    chunk_tokens=cfg.chunk_tokens,
-                    compute_s_per_token=cfg.compute_s_per_token,
-                )
-                rank.sender, rank.scheduler = sender, scheduler
-                try:
-                    yield
-                finally:
-                    await scheduler.aclose()
-        else:
-            async with KVReceiver(
-                context,
-                engine,
-                rank.pool.layout,
-                host=cfg.host,
-                aux_item_len=_AUX_LEN,
-                aux_slots=_AUX_SLOTS,
-            ) as receiver:
-                rank.receiver = receiver
-                yield
-
-    # --- requests ------------------------------------------------------------------------------
-
-    async def complete(self, seq: Seq, max_new: int) -> _Result:
-        limit = min(self.config.max_prompt_tokens, self.pool.max_tokens)
-        if not seq.tokens:
-            raise WorkerError(400, "empty prompt")
-        if len(seq.tokens) > limit:
-            raise WorkerError(400, f"prompt of {len(seq.tokens)} tokens is longer than {limit}")
-        role = self.config.role
-        if role == "both" or seq.local:
-            return await self._local(self.ranks[0], seq, max_new)
-        if role == "prefill":
-            return await self._prefill(self._prefill_rank(seq), seq)
-        return await self._decode(self.ranks[0], seq, max_new)
-
-    def _prefill_rank(self, seq: Seq) -> _Rank:
-        dp_size, room = self.config.dp_size, seq.room
-        if room is None:
-            raise WorkerError(
-                400,
-                "a prefill request needs bootstrap_room "
-                "(vLLM: kv_transfer_params with a transfer_id)",
-            )
-        dp = seq.dp_rank
-        if dp is not None and not 0 <= dp < dp_size:
-            raise WorkerError(400, f"DP rank {dp} outside [0, {dp_size})")
-        if self.config.protocol == "sglang" and dp_size > 1:
-            if dp is not None and dp != room % dp_size:
-                raise WorkerError(
-                    400,
-                    f"follow_bootstrap_room conflict: routed_dp_rank {dp} "
-                    f"but bootstrap_room % {dp_size} = {room % dp_size}",
-                )
-            dp = room % dp_size
-        return self.ranks[dp or 0]
-
-    @contextlib.contextmanager
-    def _pages(self, rank: _Rank, seq: Seq) -> Iterator[list[int]]:
-        """Pages for ``seq`` on ``rank``, released afterwards (quarantined when unsafe)."""
-        try:
-            pages = rank.pool.allocate(len(seq.tokens))
-        except PoolExhausted as exc:
-            raise WorkerError(503, str(exc)) from exc
-        try:
-            yield pages
-        except _Unsafe as exc:
-            if not exc.pages_safe:
-                rank.pool.quarantine(pages)
-                raise
-            rank.pool.release(pages)
-            raise
-        except BaseException:
-            rank.pool.release(pages)
-            raise
-        rank.pool.release(pages)
-
-    async def _local(self, rank: _Rank, seq: Seq, max_new: int) -> _Result:
-        with self._pages(rank, seq) as pages:
-            rank.pool.write(pages, seq.tokens)
-            if self.config.compute_s_per_token:
-                await asyncio.sleep(self.config.compute_s_per_token * len(seq.tokens))
-            return self._decode_tokens(rank.pool, seq, pages, max_new, 0, 0.0)
-
-    async def _prefill(self, rank: _Rank, seq: Seq) -> _Result:
-        assert rank.scheduler is not None and seq.room is not None
-        aux = struct.pack("<QQ", len(seq.tokens), seq.room & ((1 << 64) - 1))
-        if self.config.protocol == "vllm-mooncake":
-            return await self._prefill_and_hand_off(rank, rank.scheduler, seq, aux)
-        with self._pages(rank, seq) as pages:
-            job = PrefillJob(seq.room, seq.tokens, pages, aux)
-            try:
-                transfer_s = await rank.scheduler.run(job)
-            except TransferError as exc:
-                raise WorkerError(500, f"KV transfer failed: {exc}") from exc
-        return _Result("", len(seq.tokens), 0, 0, transfer_s)
-
-    async def _prefill_and_hand_off(
-        self, rank: _Rank, scheduler: PrefillScheduler, seq: Seq, aux: bytes
-    ) -> _Result:
-        assert seq.room is not None
-        try:
-            pages = rank.pool.allocate(len(seq.tokens))
-        except PoolExhausted as exc:
-            raise WorkerError(503, str(exc)) from exc
-        job = PrefillJob(seq.room, seq.tokens, pages, aux)
-        try:
-            await scheduler.compute(job)
-        except BaseException:
-            rank.pool.release(pages)
-            raise
-        scheduler.hand_off(job, lambda: rank.pool.release(pages))
-        return _Result("", len(seq.tokens), 0, 0, 0.0)
-
-    async def _decode(self, rank: _Rank, seq: Seq, max_new: int) -> _Result:
-        if rank.receiver is None or seq.room is None or seq.bootstrap is None:
-            raise WorkerError(
-                400, "a decode request needs bootstrap_host/port/room (vLLM: kv_transfer_params)"
-            )
-        if not rank.aux_free:
-            raise WorkerError(503, "no free aux slot")
-        with self._pages(rank, seq) as pages:
-            aux_index = rank.aux_free.pop()
-            try:
-                got = await rank.receiver.request(
-                    seq.room,
-                    seq.bootstrap,
-                    pages,
-                    aux_index,
-                    self.config.transfer_timeout_s,
-                    dp_rank=seq.source_dp_rank,
-                    engine_id=seq.engine_id,
-                )
-            except ReceiveFailed as exc:
-                if exc.pages_safe:
-                    rank.aux_free.append(aux_index)
-                raise _Unsafe(exc.pages_safe, f"KV transfer failed: {exc}") from exc
-            except (TransferError, ValueError) as exc:
-                rank.aux_free.append(aux_index)
-                raise WorkerError(500, f"KV transfer failed: {exc}") from exc
-            rank.aux_free.append(aux_index)
-            if struct.unpack("<Q", got.aux[:8])[0] != len(seq.tokens):
-                raise WorkerError(500, "aux from the prefill names another prompt length")
-            return self._decode_tokens(rank.pool, seq, pages, max_new, got.kv_bytes, got.elapsed_s)
-
-    def _decode_tokens(
-        self,
-        pool: KVPool,
-        seq: Seq,
-        pages: list[int],
-        max_new: int,
-        kv_bytes: int,
-        transfer_s: float,
-    ) -> _Result:
-        digest, bad = pool.read_digest(pages, seq.tokens)
-        if bad >= 0:
-            raise WorkerError(500, f"received KV does not match the prompt at position {bad}")
-        tokens = generate(digest, max_new)
-        return _Result(detokenize(tokens), len(seq.tokens), len(tokens), kv_bytes, transfer_s)
-
-
-class _Unsafe(WorkerError):
-    """A failed receive; ``pages_safe`` False keeps the request's pages out of the pool."""
-
-    def __init__(self, pages_safe: bool, message: str) -> None:
-        super().__init__(500, message)
-        self.pages_safe = pages_safe
-
-
-# --- HTTP ------------------------------------------------------------------------------------
-
-
-def _usage(results: list[_Result]) -> dict[str, Any]:
+def _usage(results: list[Completion]) -> dict[str, Any]:
     prompt = sum(r.prompt_tokens for r in results)
     completion = sum(r.completion_tokens for r in results)
     return {
@@ -379,7 +37,7 @@ def _usage(results: list[_Result]) -> dict[str, Any]:
     }
 
 
-def _choice(index: int, result: _Result, chat: bool) -> dict[str, Any]:
+def _choice(index: int, result: Completion, chat: bool) -> dict[str, Any]:
     if chat:
         return {
             "index": index,
@@ -390,7 +48,7 @@ def _choice(index: int, result: _Result, chat: bool) -> dict[str, Any]:
 
 
 async def _chunks(
-    base: dict[str, Any], results: list[_Result], chat: bool, s_per_token: float
+    base: dict[str, Any], results: list[Completion], chat: bool, s_per_token: float
 ) -> AsyncIterator[bytes]:
     """The SSE events, one per generated token, ``s_per_token`` apart (one decode step)."""
     for index, result in enumerate(results):
@@ -441,7 +99,7 @@ async def _serve(worker: SimWorker, request: Request, chat: bool) -> Response:
     return JSONResponse(answer)
 
 
-async def _gather(worker: SimWorker, seqs: list[Seq], max_new: int) -> list[_Result]:
+async def _gather(worker: SimWorker, seqs: list[Seq], max_new: int) -> list[Completion]:
     tasks = [asyncio.create_task(worker.complete(seq, max_new)) for seq in seqs]
     try:
         return list(await asyncio.gather(*tasks))

@@ -14,7 +14,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transfer.layout import KVLayout, pages_for_tokens
+from transfer.page_layout import KVPageLayout, pages_for_tokens
 
 __all__ = ["KVPool", "PoolExhausted", "PoolShape", "detokenize", "generate", "tokenize"]
 
@@ -75,8 +75,8 @@ class KVPool:
         self._free = list(range(shape.pages - 1, -1, -1))
         self.quarantined = 0  # pages withheld after a transfer whose writes may still land
 
-    def _layout(self, base: int) -> KVLayout:
-        return KVLayout.packed(
+    def _layout(self, base: int) -> KVPageLayout:
+        return KVPageLayout.packed(
             base,
             num_layers=self.shape.layers,
             page_size_tokens=self.shape.page_size,

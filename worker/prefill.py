@@ -23,16 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from transfer.errors import TransferError
 from transfer.sender import KVSender
 from worker.kv import KVPool
 
 __all__ = ["PrefillJob", "PrefillScheduler", "Stage"]
+
+logger = logging.getLogger(__name__)
 
 Stage = Literal["bootstrap", "waiting", "forward", "inflight"]
 STAGES: tuple[Stage, ...] = ("bootstrap", "waiting", "forward", "inflight")
@@ -102,10 +106,15 @@ class PrefillScheduler:
         when the room ended (Success or Failed), to release the pages."""
 
         async def inflight() -> None:
-            with self._stage("inflight"), contextlib.suppress(Exception):
-                await self._sender.send(
-                    job.room, job.pages, len(job.tokens), is_last_chunk=True, aux=job.aux
-                )
+            with self._stage("inflight"):
+                try:
+                    await self._sender.send(
+                        job.room, job.pages, len(job.tokens), is_last_chunk=True, aux=job.aux
+                    )
+                except TransferError as exc:
+                    # the room failed (its decode has been told) or had already ended: nobody
+                    # waits for this task, so the outcome is only logged
+                    logger.warning("room %d: handed-off KV transfer failed: %s", job.room, exc)
 
         task = asyncio.create_task(inflight(), name=f"prefill-inflight-{job.room}")
         self._handed_off.add(task)
@@ -113,6 +122,9 @@ class PrefillScheduler:
         def finished(finished_task: asyncio.Task[None]) -> None:
             self._handed_off.discard(finished_task)
             done()
+            error = None if finished_task.cancelled() else finished_task.exception()
+            if error is not None:  # a bug: not a transfer outcome
+                logger.error("room %d: handed-off KV transfer crashed", job.room, exc_info=error)
 
         task.add_done_callback(finished)
 

@@ -20,10 +20,11 @@ import pytest_asyncio
 
 from transfer.engine.base import TransferEngine
 from transfer.engine.fake import LoopbackEngine, LoopbackNetwork
-from transfer.engine.mooncake import CODE_FAILED, MooncakeEngine, _PeerBudget
+from transfer.engine.mooncake import CODE_FAILED, MooncakeEngine
+from transfer.engine.mooncake_batch import PeerBudget
 from transfer.engine.regions import RegionTable
 from transfer.errors import EngineError
-from transfer.layout import MAX_ENTRIES_PER_BATCH, Entry, KVLayout, transfer_entries
+from transfer.page_layout import MAX_ENTRIES_PER_BATCH, Entry, KVPageLayout, transfer_entries
 
 pytestmark = pytest.mark.timeout(20)
 module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -95,8 +96,8 @@ async def bounded_error(write: Awaitable[None]) -> EngineError:
     return info.value
 
 
-def kv_layout(base: int) -> KVLayout:
-    return KVLayout.packed(
+def kv_layout(base: int) -> KVPageLayout:
+    return KVPageLayout.packed(
         base, num_layers=4, page_size_tokens=16, bytes_per_token_per_layer=64, num_pages=64
     )
 
@@ -420,7 +421,7 @@ def test_region_table() -> None:
 
 @module_loop
 async def test_peer_budget_is_first_come_first_served_and_cancellable() -> None:
-    budget = _PeerBudget(1024)
+    budget = PeerBudget(1024)
     await budget.acquire(1000)
     big = asyncio.create_task(budget.acquire(100))
     small = asyncio.create_task(budget.acquire(10))

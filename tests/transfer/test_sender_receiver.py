@@ -1,4 +1,4 @@
-"""transfer/sender.py + receiver.py (+ control.py, bootstrap.py): KV moving for real, and failures.
+"""transfer/sender.py + receiver.py (+ control.py, rendezvous.py): KV moving for real, and failures.
 
 A standalone registry (``create_registry_app``) on 127.0.0.1 is the rendezvous; a prefill
 ``KVSender`` and a decode ``KVReceiver`` move bytes between two pools through the loopback engine
@@ -29,14 +29,15 @@ from registry.app import create_registry_app
 from registry.settings import RegistrySettings
 from testkit.polling import await_until
 from testkit.servers import run_server
-from transfer.bootstrap import BootstrapClient, BootstrapError, PrefillRank, bootstrap_url
+from transfer.config import ReceiverConfig, SenderConfig
 from transfer.control import ControlPlane, Peer, PeerUnreachable
 from transfer.engine.fake import LoopbackEngine, LoopbackNetwork
 from transfer.engine.mooncake import CODE_UNDRAINED, MooncakeEngine
 from transfer.errors import TransferError, TransferFailed
-from transfer.layout import KVLayout
 from transfer.messages import TransferInfo, TransferStatus
+from transfer.page_layout import KVPageLayout
 from transfer.receiver import KVReceiver, ReceiveFailed, ReceiveResult
+from transfer.rendezvous import PrefillRank, RendezvousClient, RendezvousError, bootstrap_url
 from transfer.sender import KVSender
 from transfer.state import KVPoll
 
@@ -55,7 +56,7 @@ class Pool:
     """A packed KV pool in a pinned bytearray."""
 
     def __init__(self, num_pages: int = NUM_PAGES, page_tokens: int = PAGE_TOKENS) -> None:
-        probe = KVLayout.packed(
+        probe = KVPageLayout.packed(
             0,
             num_layers=LAYERS,
             page_size_tokens=page_tokens,
@@ -64,7 +65,7 @@ class Pool:
         )
         self.data = bytearray(probe.total_bytes)
         self._pin = (ctypes.c_char * len(self.data)).from_buffer(self.data)
-        self.layout = KVLayout.packed(
+        self.layout = KVPageLayout.packed(
             ctypes.addressof(self._pin),
             num_layers=LAYERS,
             page_size_tokens=page_tokens,
@@ -175,19 +176,19 @@ async def pair(
             p_engine,
             prefill.layout,
             rank,
-            registry=registry,
-            namespace=ns_arg,
-            aux_item_len=AUX_LEN,
-            aux_slots=8,
-            **{**FAST, **(sender or {})},
+            SenderConfig(
+                registry=registry,
+                namespace=ns_arg,
+                aux_item_len=AUX_LEN,
+                aux_slots=8,
+                **{**FAST, **(sender or {})},
+            ),
         ) as kv_sender,
         KVReceiver(
             context,
             d_engine,
             decode.layout,
-            aux_item_len=AUX_LEN,
-            aux_slots=64,
-            **{**FAST, **(receiver or {})},
+            ReceiverConfig(aux_item_len=AUX_LEN, aux_slots=64, **{**FAST, **(receiver or {})}),
         ) as kv_receiver,
     ):
         yield Pair(
@@ -431,8 +432,9 @@ async def test_dead_prefill_rank_is_unreachable(context: Ctx, registry: str) -> 
 _KILLED_PREFILL = """
 import asyncio, sys
 import zmq.asyncio
-from transfer.bootstrap import PrefillRank
-from transfer.layout import KVLayout
+from transfer.config import SenderConfig
+from transfer.page_layout import KVPageLayout
+from transfer.rendezvous import PrefillRank
 from transfer.sender import KVSender
 
 class Engine:
@@ -443,10 +445,11 @@ class Engine:
     async def close(self): pass
 
 async def main():
-    layout = KVLayout.packed(1 << 20, num_layers=2, page_size_tokens=4,
+    layout = KVPageLayout.packed(1 << 20, num_layers=2, page_size_tokens=4,
                              bytes_per_token_per_layer=8, num_pages=32)
+    config = SenderConfig(registry=sys.argv[1], namespace=sys.argv[2])
     async with KVSender(zmq.asyncio.Context(), Engine(), layout, PrefillRank(page_size=4),
-                        registry=sys.argv[1], namespace=sys.argv[2]) as sender:
+                        config) as sender:
         print("ready", flush=True)
         await sender.bootstrap(int(sys.argv[3]))
         print("bootstrapped", flush=True)
@@ -474,7 +477,10 @@ async def test_prefill_killed_mid_transfer_is_seen_at_once(context: Ctx, registr
         decode = Pool()
         engine = LoopbackNetwork().engine()
         async with KVReceiver(
-            context, engine, decode.layout, aux_item_len=AUX_LEN, aux_slots=4, send_timeout_s=0.3
+            context,
+            engine,
+            decode.layout,
+            ReceiverConfig(aux_item_len=AUX_LEN, aux_slots=4, send_timeout_s=0.3),
         ) as receiver:
             receiving = asyncio.create_task(
                 receiver.request(room, bootstrap_url(registry, namespace), [1, 2], 0, 10.0)
@@ -496,7 +502,8 @@ async def test_prefill_killed_mid_transfer_is_seen_at_once(context: Ctx, registr
 _KILLED_DECODE = """
 import asyncio, sys
 import zmq.asyncio
-from transfer.layout import KVLayout
+from transfer.config import ReceiverConfig
+from transfer.page_layout import KVPageLayout
 from transfer.receiver import KVReceiver
 
 class Engine:
@@ -506,10 +513,10 @@ class Engine:
     async def close(self): pass
 
 async def main():
-    layout = KVLayout.packed(1 << 20, num_layers=2, page_size_tokens=4,
+    layout = KVPageLayout.packed(1 << 20, num_layers=2, page_size_tokens=4,
                              bytes_per_token_per_layer=8, num_pages=32)
-    async with KVReceiver(zmq.asyncio.Context(), Engine(), layout, aux_item_len=16,
-                          aux_slots=4) as receiver:
+    async with KVReceiver(zmq.asyncio.Context(), Engine(), layout,
+                          ReceiverConfig(aux_item_len=16, aux_slots=4)) as receiver:
         await receiver.request(int(sys.argv[2]), sys.argv[1], [1, 2], 0, 60.0)
 
 asyncio.run(main())
@@ -607,7 +614,7 @@ async def test_receiver_cancel_fails_the_request(context: Ctx, registry: str) ->
         assert failed.value.pages_safe
 
 
-# --- control plane and bootstrap client on their own ------------------------------------------
+# --- control plane and rendezvous client on their own -----------------------------------------
 
 
 async def test_send_to_a_dead_peer_times_out(context: Ctx) -> None:
@@ -623,13 +630,13 @@ async def test_wildcard_bind_needs_an_advertised_host(context: Ctx) -> None:
         ControlPlane(context, host="0.0.0.0")
 
 
-async def test_bootstrap_registration_refused_is_an_error(registry: str) -> None:
-    async with BootstrapClient() as client:
+async def test_rendezvous_registration_refused_is_an_error(registry: str) -> None:
+    async with RendezvousClient() as client:
         rank = PrefillRank(page_size=4, attn_tp_size=2, attn_tp_rank=1)
         base = bootstrap_url(registry, "refused")
         await client.register(base, rank, Peer("127.0.0.1", 5000))
         other = PrefillRank(page_size=8, attn_tp_size=2, attn_tp_rank=0)  # contradicts, partial
-        with pytest.raises(BootstrapError, match="refused") as refused:
+        with pytest.raises(RendezvousError, match="refused") as refused:
             await client.register(base, other, Peer("127.0.0.1", 5001))
         assert isinstance(refused.value, TransferError) and refused.value.code == 400
 
@@ -655,8 +662,8 @@ async def test_vllm_engine_is_found_by_engine_id(context: Ctx, registry: str) ->
         assert time.monotonic() - started < 1.0  # an unknown engine fails at once
 
 
-async def test_bootstrap_lookup_of_vllm_engines(registry: str) -> None:
-    async with BootstrapClient() as client:
+async def test_rendezvous_lookup_of_vllm_engines(registry: str) -> None:
+    async with RendezvousClient() as client:
         base = bootstrap_url(registry, "vllm-lookup")
         for dp in range(2):
             rank = PrefillRank(
@@ -667,16 +674,16 @@ async def test_bootstrap_lookup_of_vllm_engines(registry: str) -> None:
         assert await client.engine_address(base, "e_dp1", tp=0, timeout_s=1) == Peer(
             "127.0.0.1", 7101
         )
-        with pytest.raises(BootstrapError, match="lists no rank tp=1"):
+        with pytest.raises(RendezvousError, match="lists no rank tp=1"):
             await client.engine_address(base, "e_dp0", tp=1, timeout_s=1)
         moved = PrefillRank(page_size=16, system_dp_size=2, system_dp_rank=0, engine_id="e_dp0")
-        with pytest.raises(BootstrapError, match="already registered") as refused:
+        with pytest.raises(RendezvousError, match="already registered") as refused:
             await client.register(base, moved, Peer("127.0.0.1", 7200))
         assert refused.value.code == 400
 
 
-async def test_bootstrap_lookup_of_a_registered_rank(registry: str) -> None:
-    async with httpx.AsyncClient(timeout=2) as http, BootstrapClient(http) as client:
+async def test_rendezvous_lookup_of_a_registered_rank(registry: str) -> None:
+    async with httpx.AsyncClient(timeout=2) as http, RendezvousClient(http) as client:
         base = bootstrap_url(registry, "lookup")
         for dp in range(2):
             await client.register(
@@ -687,5 +694,5 @@ async def test_bootstrap_lookup_of_a_registered_rank(registry: str) -> None:
         info = await client.prefill_info(base, timeout_s=1)
         assert (info.dp_size, info.tp_size, info.page_size) == (2, 1, 16)
         assert await client.rank_address(base, dp=1, tp=0, timeout_s=1) == Peer("127.0.0.1", 7001)
-        with pytest.raises(BootstrapError, match="404"):
+        with pytest.raises(RendezvousError, match="404"):
             await client.rank_address(base, dp=0, tp=3, timeout_s=1)

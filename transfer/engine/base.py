@@ -7,7 +7,7 @@ Contract:
 * ``session_id`` ("host:rpc_port") is what a peer targets in ``write``.
 * ``register(ptr, length)`` must be called for every local and remote buffer before transfers;
   ``unregister`` releases it.
-* ``write(session, entries)`` writes each ``layout.Entry`` (local src, remote dst, nbytes) into
+* ``write(session, entries)`` writes each ``page_layout.Entry`` (local src, remote dst, nbytes) into
   the peer's registered memory and returns when all entries completed; it raises ``EngineError``
   (never returns an error code) and never blocks the event loop: the native calls run in a
   worker thread or are submitted and polled. At most ``MAX_ENTRIES_PER_BATCH`` entries are in
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from transfer.layout import MAX_ENTRIES_PER_BATCH, Entry
+from transfer.page_layout import MAX_ENTRIES_PER_BATCH, Entry
 
 __all__ = ["MAX_ENTRIES_PER_BATCH", "Entry", "TransferEngine"]
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from transfer.closing import AsyncClosing
 from transfer.engine.regions import RegionTable
 from transfer.errors import EngineError
-from transfer.layout import MAX_ENTRIES_PER_BATCH, Entry, batches
+from transfer.page_layout import MAX_ENTRIES_PER_BATCH, Entry, batches
 
 __all__ = ["LoopbackEngine", "LoopbackNetwork", "LoopbackStats"]
 

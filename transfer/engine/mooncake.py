@@ -40,7 +40,7 @@ and every later write to that peer failed after 1 s, for minutes). ``MooncakeEng
 keeps at most ``max_in_flight`` (default 1024) entries in flight per peer session, across
 concurrent writes, in batches of at most ``MAX_ENTRIES_PER_BATCH``. To allow more, raise
 ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` and ``max_in_flight`` together, deliberately. CPU cost is
-~30 us per TCP entry: coalesce runs of pages (``layout``).
+~30 us per TCP entry: coalesce runs of pages (``page_layout``).
 
 Errors. Every failure is an ``EngineError`` whose ``op`` is the ``TransferEngine`` method
 (``start``, ``register``, ``unregister``, ``write``) and whose ``code`` is the native return code or
@@ -64,29 +64,29 @@ import ctypes
 import importlib
 import logging
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from transfer.closing import AsyncClosing
+from transfer.engine.mooncake_batch import (
+    CODE_FAILED,
+    CODE_TIMEOUT,
+    CODE_UNDRAINED,
+    NativeBatch,
+    PeerBudget,
+)
 from transfer.engine.regions import RegionTable
 from transfer.errors import EngineError
-from transfer.layout import MAX_ENTRIES_PER_BATCH, Entry, batches, total_bytes
+from transfer.page_layout import MAX_ENTRIES_PER_BATCH, Entry, batches, total_bytes
 
 __all__ = ["CODE_FAILED", "CODE_TIMEOUT", "CODE_UNDRAINED", "MooncakeEngine"]
 
 logger = logging.getLogger(__name__)
 
-CODE_FAILED = -1
-CODE_TIMEOUT = -2
-CODE_UNDRAINED = -3
-
 # transfer_submit_write returns batch id 0 when it cannot submit; older bindings returned -1, which
 # pybind casts to 2**64 - 1. Both are sentinels, never pointers: never poll them.
 _REFUSED_IDS = frozenset({0, 2**64 - 1})
-_DONE = 1
 _SPIN_S = 200e-6
 _FIRST_SLEEP_S = 50e-6
 _MAX_SLEEP_S = 1e-3
@@ -146,113 +146,6 @@ def _fail(op: str, code: int, detail: str) -> EngineError:
     return error
 
 
-class _PeerBudget:
-    """Entries in flight to one peer, at most ``capacity``; waiters are served in arrival order."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.free = capacity
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-
-    @property
-    def in_flight(self) -> int:
-        return self.capacity - self.free
-
-    async def acquire(self, n: int) -> None:
-        """Wait until ``n`` (<= capacity) more entries may be in flight; cancellable."""
-        if not self._waiters and n <= self.free:
-            self.free -= n
-            return
-        item = (n, asyncio.get_running_loop().create_future())
-        self._waiters.append(item)
-        try:
-            await item[1]
-        except asyncio.CancelledError:
-            if item[1].done() and not item[1].cancelled():
-                self.release(n)  # granted just as the wait was cancelled
-            else:
-                self._waiters.remove(item)
-                self._grant()
-            raise
-
-    def release(self, n: int) -> None:
-        self.free += n
-        self._grant()
-
-    def _grant(self) -> None:
-        while self._waiters and self._waiters[0][0] <= self.free:
-            n, waiter = self._waiters.popleft()
-            if not waiter.done():
-                self.free -= n
-                waiter.set_result(None)
-
-
-@dataclass(eq=False)
-class _Batch:
-    """One batch of entries: its native batch ids and what became of each (0 while pending)."""
-
-    entries: Sequence[Entry]
-    ids: list[int] = field(default_factory=list)
-    codes: list[int] = field(default_factory=list)
-    cursor: int = 0  # every entry before it has a final status
-    failures: int = 0  # entries that ended with a status other than done
-    submitted: bool = False  # ``ids`` holds every batch id the native engine handed out
-    interrupted: bool = False  # the engine closed before the batch was accounted for
-
-    @property
-    def pending(self) -> int:
-        return len(self.ids) - self.cursor
-
-    @property
-    def refused(self) -> bool:
-        return len(self.ids) < len(self.entries)
-
-    @property
-    def ok(self) -> bool:
-        return not (self.refused or self.failures or self.pending or self.interrupted)
-
-    def sweep(self, native: _Native) -> int:
-        """Poll pending entries in order up to the first still pending one; return how many ended.
-
-        ``transfer_check_status`` frees a batch once it reports done or failed, so an id is never
-        polled again after its first non-zero answer.
-        """
-        start = self.cursor
-        while self.cursor < len(self.ids):
-            code = native.transfer_check_status(self.ids[self.cursor])
-            if code == 0:
-                break
-            self.codes[self.cursor] = code
-            self.failures += code != _DONE
-            self.cursor += 1
-        return self.cursor - start
-
-    def describe(self, session: str, elapsed: float) -> str:
-        failed = [i for i, code in enumerate(self.codes[: self.cursor]) if code != _DONE]
-        parts = [f"session {session}: {len(self.entries)} entries"]
-        if self.refused and not self.interrupted:
-            parts.append(f"submission refused at entry {len(self.ids)}")
-        if failed:
-            first = self.entries[failed[0]]
-            parts.append(
-                f"{len(failed)} failed (first: entry {failed[0]} src={first.src:#x} "
-                f"dst={first.dst:#x} len={first.length}, status {self.codes[failed[0]]})"
-            )
-        if self.pending:
-            parts.append(f"{self.pending} still in flight")
-        if self.interrupted:
-            parts.append("engine closed during the write")
-        parts.append(f"after {elapsed:.3f} s")
-        return ", ".join(parts)
-
-    def code(self) -> int:
-        if self.pending or self.interrupted:
-            return CODE_UNDRAINED
-        if any(code == CODE_TIMEOUT for code in self.codes):
-            return CODE_TIMEOUT
-        return CODE_FAILED
-
-
 class MooncakeEngine(AsyncClosing):
     """A Mooncake ``TransferEngine`` behind the ``transfer.engine.base.TransferEngine`` contract.
 
@@ -279,7 +172,7 @@ class MooncakeEngine(AsyncClosing):
         self._drain_timeout_s = drain_timeout_s
         self._max_in_flight = max_in_flight
         self._regions = RegionTable()
-        self._budgets: dict[str, _PeerBudget] = {}
+        self._budgets: dict[str, PeerBudget] = {}
         self._jobs: set[asyncio.Task[None]] = set()
         self._unaccounted = 0  # entries that may still be in flight after close gave up on them
 
@@ -365,10 +258,10 @@ class MooncakeEngine(AsyncClosing):
         """
         native = self._open("write")
         self._check_sources(entries)
-        budget = self._budgets.setdefault(session, _PeerBudget(self._max_in_flight))
+        budget = self._budgets.setdefault(session, PeerBudget(self._max_in_flight))
         size = min(self._max_in_flight, MAX_ENTRIES_PER_BATCH)
         for batch in batches(entries, size) if entries else ():
-            await self._write_batch(native, session, _Batch(batch), budget)
+            await self._write_batch(native, session, NativeBatch(batch), budget)
             native = self._open("write")
 
     async def aclose(self) -> None:
@@ -418,7 +311,7 @@ class MooncakeEngine(AsyncClosing):
                 )
 
     async def _write_batch(
-        self, native: _Native, session: str, batch: _Batch, budget: _PeerBudget
+        self, native: _Native, session: str, batch: NativeBatch, budget: PeerBudget
     ) -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -448,9 +341,9 @@ class MooncakeEngine(AsyncClosing):
         self,
         native: _Native,
         session: str,
-        batch: _Batch,
+        batch: NativeBatch,
         deadline: float,
-        budget: _PeerBudget,
+        budget: PeerBudget,
         settled: asyncio.Future[None],
     ) -> None:
         """Submit, poll, drain on failure, then settle; keep reaping entries that never end."""
@@ -478,8 +371,8 @@ class MooncakeEngine(AsyncClosing):
     async def _poll(
         self,
         native: _Native,
-        batch: _Batch,
-        budget: _PeerBudget,
+        batch: NativeBatch,
+        budget: PeerBudget,
         deadline: float,
         *,
         stop_on_failure: bool = False,

@@ -1,4 +1,5 @@
-"""transfer/layout.py: page addresses, runs contiguous on both sides, entries, batches, chunks."""
+"""transfer/page_layout.py: page addresses, runs contiguous on both sides, entries, batches,
+chunks."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import random
 
 import pytest
 
-from transfer.layout import (
+from transfer.page_layout import (
     MAX_ENTRIES_PER_BATCH,
     Entry,
-    KVLayout,
+    KVPageLayout,
     ReadyPages,
     Run,
     aux_entries,
@@ -25,8 +26,8 @@ from transfer.layout import (
 PAGE = 4 * 8  # 4 tokens of 8 bytes per layer
 
 
-def packed(base: int = 0, *, layers: int = 2, pages: int = 8, k_and_v: bool = True) -> KVLayout:
-    return KVLayout.packed(
+def packed(base: int = 0, *, layers: int = 2, pages: int = 8, k_and_v: bool = True) -> KVPageLayout:
+    return KVPageLayout.packed(
         base,
         num_layers=layers,
         page_size_tokens=4,
@@ -49,7 +50,7 @@ def test_packed_geometry() -> None:
 
 
 def test_realistic_geometry() -> None:
-    layout = KVLayout.packed(
+    layout = KVPageLayout.packed(
         0, num_layers=32, page_size_tokens=16, bytes_per_token_per_layer=1024, num_pages=4096
     )
     assert layout.page_bytes == 16 * 1024
@@ -75,7 +76,7 @@ def test_offsets(layer: int, page: int, value: bool, offset: int) -> None:
 
 
 def test_scattered_regions() -> None:
-    layout = KVLayout(
+    layout = KVPageLayout(
         num_layers=2,
         page_size_tokens=4,
         bytes_per_token_per_layer=8,
@@ -115,7 +116,7 @@ def test_invalid_layouts(kwargs: dict[str, object], expected: str) -> None:
         "base_ptrs": (0, 1, 2, 3),
     }
     with pytest.raises(ValueError, match=expected):
-        KVLayout(**{**fields, **kwargs})  # type: ignore[arg-type]
+        KVPageLayout(**{**fields, **kwargs})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("layer", "page"), [(-1, 0), (2, 0), (0, -1), (0, 8)])
@@ -169,7 +170,7 @@ def test_runs_need_equal_lengths() -> None:
 
 
 def test_entries_split_k_and_v_per_layer() -> None:
-    src = KVLayout(
+    src = KVPageLayout(
         num_layers=2,
         page_size_tokens=4,
         bytes_per_token_per_layer=8,
@@ -252,7 +253,7 @@ def test_entries_move_the_right_bytes() -> None:
     ],
 )
 def test_invalid_entries(
-    dst: KVLayout, src_pages: list[int], dst_pages: list[int], expected: str
+    dst: KVPageLayout, src_pages: list[int], dst_pages: list[int], expected: str
 ) -> None:
     with pytest.raises(ValueError, match=expected):
         transfer_entries(packed(), dst, src_pages, dst_pages)

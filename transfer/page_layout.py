@@ -1,9 +1,9 @@
-"""Pure address arithmetic for paged KV buffers: page addresses, coalesced runs, engine batches.
+"""The KV page layout: pure address arithmetic for paged KV pools (pages, runs, engine batches).
 
 A KV pool has one *region* per layer (two with separate K and V), each an array of ``num_pages``
 pages of ``page_bytes = page_size_tokens * bytes_per_token_per_layer`` bytes. Regions are listed
 in SGLang's ``kv_data_ptrs`` order: K of layers ``0..L-1``, then V of layers ``0..L-1``. They may
-sit anywhere; ``KVLayout.packed`` puts them back to back in one buffer.
+sit anywhere; ``KVPageLayout.packed`` puts them back to back in one buffer.
 
 Moving a request's pages is one engine entry ``(src_addr, dst_addr, nbytes)`` per region and per
 run of pages that is contiguous on *both* sides, so the entry count (the engine's cost: ~30 us of
@@ -22,7 +22,7 @@ from typing import NamedTuple
 __all__ = [
     "MAX_ENTRIES_PER_BATCH",
     "Entry",
-    "KVLayout",
+    "KVPageLayout",
     "ReadyPages",
     "Run",
     "aux_entries",
@@ -67,7 +67,7 @@ class ReadyPages(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class KVLayout:
+class KVPageLayout:
     """The geometry and base addresses of one rank's paged KV pool.
 
     ``base_ptrs`` has ``num_regions`` addresses, in SGLang's ``kv_data_ptrs`` order.
@@ -102,7 +102,7 @@ class KVLayout:
         bytes_per_token_per_layer: int,
         num_pages: int,
         k_and_v: bool = True,
-    ) -> KVLayout:
+    ) -> KVPageLayout:
         """All regions back to back in one buffer of ``total_bytes`` starting at ``base_ptr``."""
         region_bytes = page_size_tokens * bytes_per_token_per_layer * num_pages
         regions = num_layers * (2 if k_and_v else 1)
@@ -115,14 +115,14 @@ class KVLayout:
             base_ptrs=tuple(base_ptr + i * region_bytes for i in range(regions)),
         )
 
-    def peer(self, base_ptrs: Sequence[int], *, page_bytes: int, num_pages: int) -> KVLayout:
+    def peer(self, base_ptrs: Sequence[int], *, page_bytes: int, num_pages: int) -> KVPageLayout:
         """A peer's pool with this geometry (as its registration describes it).
 
         Raises ``ValueError`` when the peer's page size in bytes or region count differs from ours.
         """
         if page_bytes != self.page_bytes:
             raise ValueError(f"peer pages are {page_bytes} bytes, ours are {self.page_bytes}")
-        return KVLayout(
+        return KVPageLayout(
             num_layers=self.num_layers,
             page_size_tokens=self.page_size_tokens,
             bytes_per_token_per_layer=self.bytes_per_token_per_layer,
@@ -198,7 +198,7 @@ def contiguous_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[
 
 
 def transfer_entries(
-    src: KVLayout, dst: KVLayout, src_pages: Sequence[int], dst_pages: Sequence[int]
+    src: KVPageLayout, dst: KVPageLayout, src_pages: Sequence[int], dst_pages: Sequence[int]
 ) -> list[Entry]:
     """Engine entries copying ``src_pages`` of every region of ``src`` to ``dst_pages`` of ``dst``.
 

@@ -1,4 +1,5 @@
-"""Rendezvous through the registry's bootstrap APIs: SGLang's (PROTOCOLS.md 5.6) and vLLM's (3.2).
+"""The transfer rendezvous client: prefill ranks publish their control address, decode ranks look
+it up, through the registry's engine bootstrap APIs: SGLang's (PROTOCOLS.md 5.6) and vLLM's (3.2).
 
 Prefill ranks announce their control address with the SGLang 0.5.x ``PUT /route`` payload; decode
 ranks read the prefill's parallel layout and a rank's address with the 0.5.10+ ``GET /route``
@@ -8,7 +9,7 @@ decode finds it by engine id in ``GET /query`` (``engine_address``).
 
 The APIs are served by the standalone registry and by the router at its own port, at the
 plain paths (namespace ``default``) or under ``/bootstrap/{namespace}``: ``bootstrap_url`` builds
-the base URL for either.
+the base URL of either (the engines' bootstrap API, named as they name it).
 
 Decisions:
 
@@ -18,8 +19,8 @@ Decisions:
   caller's timeout, then fail with the last reason; other answers (404 unknown rank, 400) fail at
   once. Answers are cached per base URL until ``invalidate`` (a prefill rank that restarted at
   another address is found again after the caller invalidates).
-* Every failure is a ``BootstrapError`` (a ``TransferError``; ``code`` holds the HTTP status when
-  there was one).
+* Every failure is a ``RendezvousError`` (a ``TransferError`` with ``op="bootstrap"``, the engine
+  API it called; ``code`` holds the HTTP status when there was one).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from transfer.control import Peer
 from transfer.errors import TransferError
 
 __all__ = [
-    "BootstrapClient",
-    "BootstrapError",
+    "RendezvousClient",
+    "RendezvousError",
     "PrefillInfo",
     "PrefillRank",
     "bootstrap_url",
@@ -57,8 +58,8 @@ _INFO_QUERY: Final = {
 }
 
 
-class BootstrapError(TransferError):
-    """Registering with, or looking up, the bootstrap registry failed (``code``: HTTP status)."""
+class RendezvousError(TransferError):
+    """Publishing or looking up a rank through the bootstrap API failed (``code``: HTTP status)."""
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message, op="bootstrap", code=status)
@@ -158,14 +159,34 @@ class PrefillInfo(
     kv_cache_dtype: str | None = None
     follow_bootstrap_room: bool = True
 
+    def mismatches(self, *, page_size: int, kv_cache_dtype: str | None, tp_size: int) -> list[str]:
+        """Why a decode rank of this geometry cannot receive from this prefill (empty: it can).
+
+        ``kv_cache_dtype`` None (on either side) matches any dtype.
+        """
+        problems = []
+        if self.page_size is not None and self.page_size != page_size:
+            problems.append(f"page_size {self.page_size} != {page_size}")
+        dtypes = (self.kv_cache_dtype, kv_cache_dtype)
+        if None not in dtypes and dtypes[0] != dtypes[1]:
+            problems.append(f"kv_cache_dtype {dtypes[0]} != {dtypes[1]}")
+        if self.tp_size != tp_size:
+            problems.append(
+                f"attn_tp_size {self.tp_size} != decode tp_size {tp_size} "
+                "(TP resharding is not supported)"
+            )
+        if (self.pp_size, self.cp_size) != (1, 1):
+            problems.append(f"pp_size={self.pp_size} cp_size={self.cp_size} (only 1 supported)")
+        return problems
+
 
 class _RankAnswer(msgspec.Struct, frozen=True):
     rank_ip: str
     rank_port: int
 
 
-class BootstrapClient(AsyncClosing):
-    """Registers prefill ranks and looks them up; one per process, safe for concurrent use.
+class RendezvousClient(AsyncClosing):
+    """Publishes prefill ranks and looks them up; one per process, safe for concurrent use.
 
     Pass an ``httpx.AsyncClient`` to share one (its timeouts apply), or let this build its own
     with ``timeout_s`` per HTTP call; an own client is closed by ``aclose`` / ``async with``.
@@ -202,7 +223,7 @@ class BootstrapClient(AsyncClosing):
     ) -> None:
         """``PUT {base_url}/route`` (``POST /register`` for a vLLM rank) announcing ``rank``.
 
-        Raises ``BootstrapError`` when refused (4xx) or still failing after ``attempts``.
+        Raises ``RendezvousError`` when refused (4xx) or still failing after ``attempts``.
         """
         if rank.engine_id is None:
             method, url, body = "PUT", f"{base_url}/route", rank.route_body(address)
@@ -221,12 +242,12 @@ class BootstrapClient(AsyncClosing):
                     return
                 reason = f"HTTP {response.status_code}: {response.text[:200]}"
                 if response.status_code < 500:
-                    raise BootstrapError(
+                    raise RendezvousError(
                         f"bootstrap registration at {base_url} refused: {reason}",
                         status=response.status_code,
                     )
             logger.warning("bootstrap registration at %s failed (%s)", base_url, reason)
-        raise BootstrapError(
+        raise RendezvousError(
             f"bootstrap registration at {base_url} failed after {attempts} attempts: {reason}"
         )
 
@@ -273,7 +294,7 @@ class BootstrapClient(AsyncClosing):
             entry = _engine_entry(raw, engine_id, base_url)
             addr = entry.worker_addr.get(str(tp), {}).get(str(pp))
             if addr is None:
-                raise BootstrapError(
+                raise RendezvousError(
                     f"engine {engine_id} at {base_url} lists no rank tp={tp} pp={pp}"
                 )
             peer = self._engines[key] = _tcp_peer(addr, base_url)
@@ -297,7 +318,7 @@ class BootstrapClient(AsyncClosing):
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise BootstrapError(
+                raise RendezvousError(
                     f"bootstrap lookup of {what} at {base_url} did not succeed within "
                     f"{timeout_s:g} s: {reason}"
                 )
@@ -311,7 +332,7 @@ class BootstrapClient(AsyncClosing):
                     return response.content
                 reason = f"HTTP {response.status_code}: {response.text[:200]}"
                 if response.status_code != 503:
-                    raise BootstrapError(
+                    raise RendezvousError(
                         f"bootstrap lookup of {what} at {base_url} failed: {reason}",
                         status=response.status_code,
                     )
@@ -322,7 +343,7 @@ def _parse(raw: bytes, kind: type[T], base_url: str) -> T:
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.MsgspecError as exc:
-        raise BootstrapError(f"bootstrap answer from {base_url} is not understood: {exc}") from exc
+        raise RendezvousError(f"bootstrap answer from {base_url} is not understood: {exc}") from exc
 
 
 class _EngineEntry(msgspec.Struct, frozen=True):
@@ -335,7 +356,7 @@ def _engine_entry(raw: bytes, engine_id: str, base_url: str) -> _EngineEntry:
     for entry in table.values():
         if entry.engine_id == engine_id:
             return entry
-    raise BootstrapError(
+    raise RendezvousError(
         f"remote engine_id {engine_id} not found from bootstrap server {base_url}", status=404
     )
 
@@ -344,5 +365,5 @@ def _tcp_peer(addr: str, base_url: str) -> Peer:
     """``tcp://host:port`` (IPv6 in brackets) -> Peer."""
     url = httpx.URL(addr.replace("tcp://", "http://", 1))
     if not addr.startswith("tcp://") or not url.host or url.port is None:
-        raise BootstrapError(f"bootstrap server {base_url} lists a bad worker address {addr!r}")
+        raise RendezvousError(f"bootstrap server {base_url} lists a bad worker address {addr!r}")
     return Peer(url.host, url.port)
