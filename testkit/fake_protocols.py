@@ -111,11 +111,23 @@ def check_vllm_prefill(body: Mapping[str, Any]) -> dict[str, Any]:
         _require_one(body, "max_completion_tokens")
     if "stream_options" in body:
         raise bad_request("prefill request must not carry stream_options")
+    _check_min_tokens(body)
     params = body.get("kv_transfer_params")
     if not isinstance(params, dict):
         raise bad_request(f"prefill request needs a kv_transfer_params object, got {params!r}")
     _require_flag(params, "do_remote_decode", True)
     return params
+
+
+def _check_min_tokens(body: Mapping[str, Any]) -> None:
+    """vLLM's ``SamplingParams`` check: ``min_tokens`` above ``max_tokens`` is a 400 (vLLM
+    0.32 answers the one-token prefill leg of a ``min_tokens: 4`` request this way)."""
+    min_tokens = body.get("min_tokens", 0)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(min_tokens, int) and isinstance(max_tokens, int) and min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
+        )
 
 
 def decode_params(body: Mapping[str, Any]) -> dict[str, Any] | None:

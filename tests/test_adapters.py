@@ -44,7 +44,8 @@ def test_mooncake_prefill_leg_is_one_token_non_streaming_with_transfer_id() -> N
     p = plan.prefill_body
     assert p["stream"] is False and p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
     assert "stream_options" not in p
-    assert p["min_tokens"] == 3  # only the NIXL proxy strips min_tokens
+    assert "min_tokens" not in p  # vLLM answers 400 to min_tokens > max_tokens=1
+    assert plan.decode_body is not None and plan.decode_body["min_tokens"] == 3
     assert p["kv_transfer_params"] == {
         "do_remote_decode": True,
         "do_remote_prefill": False,

@@ -176,6 +176,11 @@ BASE = {"model": MODEL, "prompt": "hi", "stream": False, "max_tokens": 1}
             "transfer_id",
         ),
         (
+            "vllm-mooncake",
+            {**BASE, "min_tokens": 4, "kv_transfer_params": MOONCAKE_KV},
+            "min_tokens must be less than or equal to max_tokens=1, got 4.",
+        ),
+        (
             "vllm-nixl",
             {**BASE, "min_tokens": 3, "kv_transfer_params": {"do_remote_decode": True}},
             "min_tokens",

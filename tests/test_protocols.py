@@ -127,6 +127,20 @@ def test_mooncake_unknown_engine_id_on_decode_triggers_requery(
         wait_until(recovered, 5, "a request to succeed after the decode reported a stale id")
 
 
+def test_mooncake_min_tokens_reaches_only_the_decode(make_cluster: FakeClusterFactory) -> None:
+    """A vLLM prefill refuses min_tokens above its max_tokens=1 (400); the decode honours it."""
+    cluster = make_cluster("vllm-mooncake")
+    with cluster.client() as client:
+        for stream in (False, True):
+            response = client.post(
+                "/v1/completions", json={**COMPLETION, "min_tokens": 4, "stream": stream}
+            )
+            assert response.status_code == 200, response.text
+    for p, d in zip(cluster.prefills[0].records, cluster.decodes[0].records, strict=True):
+        assert "min_tokens" not in p.body
+        assert d.body["min_tokens"] == 4
+
+
 def test_nixl_decode_gets_prefill_params_verbatim_and_min_tokens_back(
     make_cluster: FakeClusterFactory,
 ) -> None:

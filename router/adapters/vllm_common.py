@@ -12,19 +12,20 @@ __all__ = ["check_single_sequence", "vllm_prefill_body"]
 _MIN_TOKEN_FIELDS = ("min_tokens", "min_completion_tokens")
 
 
-def vllm_prefill_body(
-    body: dict[str, Any], kv_transfer_params: dict[str, Any], *, drop_min_tokens: bool
-) -> dict[str, Any]:
-    """The client's body as a one-token, non-streaming prefill request."""
+def vllm_prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """The client's body as a one-token, non-streaming prefill request.
+
+    ``min_tokens`` / ``min_completion_tokens`` go too: vLLM refuses ``min_tokens`` above
+    ``max_tokens=1`` with a 400. The decode leg gets the client's body, so they still apply.
+    """
     prefill = dict(body)
     prefill["stream"] = False
     prefill["max_tokens"] = 1
     if "max_completion_tokens" in prefill:
         prefill["max_completion_tokens"] = 1
     prefill.pop("stream_options", None)
-    if drop_min_tokens:
-        for name in _MIN_TOKEN_FIELDS:
-            prefill.pop(name, None)
+    for name in _MIN_TOKEN_FIELDS:
+        prefill.pop(name, None)
     prefill["kv_transfer_params"] = kv_transfer_params
     return prefill
 

@@ -1,6 +1,7 @@
 """vLLM MooncakeConnector >= 0.16: router-minted transfer_id, P and D sent concurrently.
 
-PROTOCOLS.md section 3.3: P gets ``X-data-parallel-rank`` and ``max_tokens=1``; D gets the
+PROTOCOLS.md section 3.3: P gets ``X-data-parallel-rank`` and ``max_tokens=1`` (without
+``min_tokens``, which vLLM refuses above ``max_tokens``); D gets the client's body with the
 prefill's bootstrap address, the engine id of the pinned DP rank and the same ``transfer_id``.
 """
 
@@ -49,7 +50,7 @@ class VllmMooncakeAdapter:
             "transfer_id": transfer_id,
         }
         return LegPlan(
-            prefill_body=vllm_prefill_body(request.body, prefill_params, drop_min_tokens=False),
+            prefill_body=vllm_prefill_body(request.body, prefill_params),
             decode_body=decode_body,
             prefill_headers={"x-data-parallel-rank": str(rank)},
         )

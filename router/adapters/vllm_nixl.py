@@ -35,7 +35,7 @@ class VllmNixlAdapter:
         check_single_sequence(request, self.name)
 
     def plan(self, request: ParsedRequest, prefill: Worker, rank: int, decode: Worker) -> LegPlan:
-        body = vllm_prefill_body(request.body, dict(_PREFILL_PARAMS), drop_min_tokens=True)
+        body = vllm_prefill_body(request.body, dict(_PREFILL_PARAMS))
         return LegPlan(prefill_body=body, decode_body=None)
 
     def decode_after_prefill(self, request: ParsedRequest, prefill_answer: Any) -> dict[str, Any]:
