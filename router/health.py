@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from registry.engine_api import RankTables
+from router.interrupt import reap
 from router.rank_layout import RankLayoutUnavailable, fetch_rank_layout, namespace_rank_layout
 from router.settings import EngineProtocol, HealthSettings
 from router.upstream_httpx import NODELAY
@@ -79,14 +80,7 @@ class HealthProber:
 
     async def aclose(self) -> None:
         """Cancel the refresh probes, wait until they ended, then close their HTTP client."""
-        probes = list(self._refreshing.values())
-        for task in probes:
-            task.cancel()
-        if probes:
-            await asyncio.wait(probes)
-        for task in probes:
-            if not task.cancelled() and task.exception() is not None:
-                logger.warning("refresh probe failed: %r", task.exception())
+        await asyncio.gather(*(reap(task) for task in list(self._refreshing.values())))
         await self._client.aclose()
 
     async def _alive(self, worker: Worker) -> bool:
