@@ -24,11 +24,14 @@ _FLAG_OF = {
     ("upstream", "connect_timeout_s"): "--connect-timeout",
     ("upstream", "read_timeout_s"): "--read-timeout",
     ("upstream", "prefill_timeout_s"): "--prefill-timeout",
+    ("upstream", "kv_arrival_timeout_s"): "--kv-arrival-timeout",
     ("upstream", "max_retries"): "--max-retries",
     ("upstream", "client"): "--upstream-client",
     ("health", "interval_s"): "--health-interval",
     ("health", "timeout_s"): "--health-timeout",
     ("health", "failure_threshold"): "--health-failure-threshold",
+    ("health", "unhealthy_threshold"): "--health-unhealthy-threshold",
+    ("health", "healthy_threshold"): "--health-healthy-threshold",
     ("logging", "level"): "--log-level",
     ("registry", "url"): "--registry",
     ("registry", "admin_token"): "--admin-token",
@@ -66,6 +69,12 @@ def _build_parser() -> _Parser:
     p.add_argument("--connect-timeout", type=float, help="upstream connect timeout, s")
     p.add_argument("--read-timeout", type=float, help="upstream idle time between reads, s")
     p.add_argument("--prefill-timeout", type=float, help="total time for a prefill leg, s")
+    p.add_argument(
+        "--kv-arrival-timeout",
+        type=float,
+        help="deadline for a streaming decode's first byte after its prefill answered, s "
+        "(default 30)",
+    )
     p.add_argument("--max-retries", type=int, help="retries on connect errors")
     p.add_argument(
         "--upstream-client",
@@ -79,6 +88,17 @@ def _build_parser() -> _Parser:
         "--health-failure-threshold",
         type=int,
         help="consecutive failed requests that mark a worker unhealthy",
+    )
+    p.add_argument(
+        "--health-unhealthy-threshold",
+        type=int,
+        help="consecutive failed probes that mark a worker unhealthy (default 3; a refused "
+        "connection counts as all of them)",
+    )
+    p.add_argument(
+        "--health-healthy-threshold",
+        type=int,
+        help="consecutive good probes that bring an unhealthy worker back (default 2)",
     )
     p.add_argument(
         "--registry",

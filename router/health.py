@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from enum import Enum
 from typing import Any
 
 import httpx
@@ -24,6 +26,12 @@ from router.workers import Role, Worker, WorkerPool
 __all__ = ["HealthProber"]
 
 logger = logging.getLogger(__name__)
+
+
+class _Probe(Enum):
+    OK = "ok"
+    FAILED = "failed"  # timeout, error status, bad layout: maybe just busy
+    REFUSED = "refused"  # nothing listens on the port: the engine is gone
 
 
 class HealthProber:
@@ -56,19 +64,46 @@ class HealthProber:
         await asyncio.gather(*(self.probe(worker) for worker in self._pool.all()))
 
     async def probe(self, worker: Worker) -> None:
-        healthy = await self._alive(worker)
-        if healthy and worker.role is Role.PREFILL:
-            healthy = await self._learn_layout(worker)
-        if healthy != worker.healthy:
-            logger.info(
-                "%s worker %s is now %s",
-                worker.role.value,
-                worker.url,
-                "healthy" if healthy else "unhealthy",
+        started = time.monotonic()
+        outcome = await self._alive(worker)
+        if outcome is _Probe.OK and worker.role is Role.PREFILL:
+            outcome = await self._learn_layout(worker)
+        if outcome is _Probe.OK:
+            self._probe_succeeded(worker)
+        else:
+            self._probe_failed(worker, outcome, started)
+
+    def _probe_succeeded(self, worker: Worker) -> None:
+        worker.probe_failures = 0
+        worker.probe_successes += 1
+        if worker.healthy:
+            return
+        needed = self._settings.healthy_threshold if worker.seen_healthy else 1
+        if worker.probe_successes >= needed:
+            logger.info("%s worker %s is now healthy", worker.role.value, worker.url)
+            worker.mark_up()
+
+    def _probe_failed(self, worker: Worker, outcome: _Probe, started: float) -> None:
+        worker.probe_successes = 0
+        if not worker.healthy:
+            return
+        if outcome is _Probe.FAILED and worker.last_success >= started - self._settings.interval_s:
+            logger.debug("probe of %s failed, but it is serving requests: ignored", worker.url)
+            return
+        worker.probe_failures += 1
+        threshold = self._settings.unhealthy_threshold
+        if outcome is _Probe.REFUSED or worker.probe_failures >= threshold:
+            reason = (
+                "its port refuses connections"
+                if outcome is _Probe.REFUSED
+                else f"{worker.probe_failures} probes in a row failed"
             )
-        worker.healthy = healthy
-        if healthy:
-            worker.consecutive_failures = 0
+            logger.warning(
+                "%s worker %s is now unhealthy: %s", worker.role.value, worker.url, reason
+            )
+            worker.mark_down(reason)
+            if worker.role is Role.PREFILL:
+                worker.set_layout(worker.dp_size, ())
 
     def refresh_soon(self, worker: Worker) -> None:
         """Re-read ``worker``'s layout now (deduplicated); used when a decode reports it stale."""
@@ -83,15 +118,21 @@ class HealthProber:
         await asyncio.gather(*(reap(task) for task in list(self._refreshing.values())))
         await self._client.aclose()
 
-    async def _alive(self, worker: Worker) -> bool:
+    async def _alive(self, worker: Worker) -> _Probe:
         try:
             response = await self._client.get(worker.url + "/health")
+        except httpx.ConnectError as exc:
+            logger.debug("health probe of %s failed: %r", worker.url, exc)
+            return _Probe.REFUSED if _refused(exc) else _Probe.FAILED
         except httpx.HTTPError as exc:
             logger.debug("health probe of %s failed: %r", worker.url, exc)
-            return False
-        return response.status_code == 200
+            return _Probe.FAILED
+        if response.status_code != 200:
+            logger.debug("health probe of %s: HTTP %d", worker.url, response.status_code)
+            return _Probe.FAILED
+        return _Probe.OK
 
-    async def _learn_layout(self, worker: Worker) -> bool:
+    async def _learn_layout(self, worker: Worker) -> _Probe:
         try:
             if worker.bootstrap_namespace is not None and self._tables is not None:
                 layout = await namespace_rank_layout(
@@ -102,8 +143,7 @@ class HealthProber:
         except RankLayoutUnavailable as exc:
             if worker.healthy or worker.engine_ids:
                 logger.warning("prefill %s layout unavailable: %s", worker.url, exc)
-            worker.set_layout(worker.dp_size, ())
-            return False
+            return _Probe.FAILED
         if layout.engine_ids != worker.engine_ids or layout.dp_size != worker.dp_size:
             logger.info(
                 "prefill %s layout: dp_size=%d engine_ids=%s",
@@ -112,4 +152,14 @@ class HealthProber:
                 list(layout.engine_ids),
             )
         worker.set_layout(layout.dp_size, layout.engine_ids)
-        return True
+        return _Probe.OK
+
+
+def _refused(exc: httpx.ConnectError) -> bool:
+    """Whether the connect failed because nothing listens (not a connect timeout)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return "refused" in str(exc).lower()

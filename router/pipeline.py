@@ -3,13 +3,22 @@
 Failure rules (PROTOCOLS.md 3.3, 5.7): if the prefill leg fails, the decode leg is cancelled at
 once and the client gets the prefill's error; if the client goes away, both legs are cancelled.
 Only connect errors are retried, and only before any byte reached the client.
+
+Real engines never give up on a KV that does not come before 480-540 s, so the router does:
+- the prefill's answer ends the generation (a stop token; ``completed_by_prefill``): the client
+  gets that answer and the decode leg is cancelled;
+- the prefill is lost (marked down, restarted) while the decode may still wait for its KV: the
+  decode leg is cancelled with an error;
+- a streaming decode's first byte has not come ``kv_arrival_timeout_s`` after the prefill
+  answered (``LegClock``): the decode leg is cancelled with a 504.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import msgspec
@@ -23,8 +32,11 @@ from router.errors import (
     UpstreamUnavailable,
 )
 from router.interrupt import Interrupt, failure_of, reap
+from router.leg_clock import LegClock
 from router.policies import Policy, least_loaded_rank
+from router.prefill_answer import prefill_answer_body, prefill_answer_events
 from router.relay import Responder
+from router.sample_split import SampleSplit
 from router.schemas import ParsedRequest
 from router.settings import HealthSettings, UpstreamSettings
 from router.upstream import UpstreamClient, UpstreamPool, UpstreamResponse, is_worker_fault
@@ -40,6 +52,14 @@ _JSON = b"application/json"
 
 class ClientDisconnected(Exception):
     """The client closed its connection; both legs were cancelled."""
+
+
+class _PrefillCompleted(Exception):
+    """The prefill's answer already ends the generation; the decode leg is cancelled."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        super().__init__("the prefill's answer ends the generation")
+        self.answer = answer
 
 
 def _error_detail(body: bytes) -> str:
@@ -101,6 +121,19 @@ class Pipeline:
     ) -> None:
         """Serve ``request``; raises RouterError for the caller to render, or ClientDisconnected."""
         self._adapter.check(request)
+        if request.n > 1 and self._adapter.splits_samples:
+            split = SampleSplit(request, responder)
+            await split.run(lambda part, sink: self._serve(part, headers, sink, disconnected))
+            return
+        await self._serve(request, headers, responder, disconnected)
+
+    async def _serve(
+        self,
+        request: ParsedRequest,
+        headers: dict[str, str],
+        responder: Responder,
+        disconnected: asyncio.Future[Any],
+    ) -> None:
         attempts = self._settings.max_retries + 1
         failed: set[str] = set()
         last_error: UpstreamUnavailable | None = None
@@ -156,43 +189,98 @@ class Pipeline:
         prefill_headers = {**headers, **plan.prefill_headers} if plan.prefill_headers else headers
         prefill_body = _encode(plan.prefill_body)
         prefill_call = self._prefill(request, prefill, rank, prefill_body, prefill_headers)
-        if plan.decode_body is None:
-            answer = await self._until_disconnect(prefill_call, disconnected)
-            body = self._adapter.decode_after_prefill(request, _prefill_json(answer, prefill))
-            decode_call = self._decode(request, decode, _encode(body), headers, responder, prefill)
-            await self._until_disconnect(decode_call, disconnected)
-            return
-        # SGLang sends the very same body to both legs: encode it once.
-        same = plan.decode_body is plan.prefill_body
-        decode_body = prefill_body if same else _encode(plan.decode_body)
-        decode_call = self._decode(request, decode, decode_body, headers, responder, prefill)
-        await self._concurrent(prefill_call, decode_call, disconnected)
+        clock = LegClock(self._settings.kv_arrival_timeout_s, watch_first_byte=request.stream)
+        try:
+            if plan.decode_body is None:
+                await self._sequential(
+                    request, pair, prefill_call, headers, responder, clock, disconnected
+                )
+            else:
+                # SGLang sends the very same body to both legs: encode it once.
+                same = plan.decode_body is plan.prefill_body
+                decode_body = prefill_body if same else _encode(plan.decode_body)
+                decode_call = self._decode(
+                    request, decode, decode_body, headers, responder, prefill, clock
+                )
+                await self._concurrent(
+                    pair, prefill_call, decode_call, responder, clock, disconnected
+                )
+        except _PrefillCompleted as done:
+            await self._answer_from_prefill(request, done.answer, responder)
+        finally:
+            clock.close()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "routed prefill=%s dp_rank=%d decode=%s %s %s",
+                prefill.url,
+                rank,
+                decode.url,
+                plan.transfer_ref or "-",
+                clock.summary(),
+            )
 
-    async def _until_disconnect(
-        self, call: Coroutine[Any, Any, Any], disconnected: asyncio.Future[Any]
-    ) -> Any:
-        """Await ``call`` in this task; a client disconnect cancels it."""
+    async def _sequential(
+        self,
+        request: ParsedRequest,
+        pair: tuple[Worker, int, Worker],
+        prefill_call: Coroutine[Any, Any, bytes],
+        headers: dict[str, str],
+        responder: Responder,
+        clock: LegClock,
+        disconnected: asyncio.Future[Any],
+    ) -> None:
+        """Prefill first; then the decode, built from the prefill's answer."""
+        prefill, _, decode = pair
         interrupt = Interrupt()
         with interrupt.on_done(disconnected, lambda _: ClientDisconnected()):
-            return await interrupt.guard(call)
+            answer = _prefill_json(await interrupt.guard(prefill_call), prefill)
+        clock.prefill_answered()
+        if self._adapter.completed_by_prefill(answer):
+            raise _PrefillCompleted(answer)
+        body = self._adapter.decode_after_prefill(request, answer)
+        decode_call = self._decode(
+            request, decode, _encode(body), headers, responder, prefill, clock
+        )
+        interrupt = Interrupt()
+        with self._kv_watch(interrupt, prefill, decode, clock, disconnected):
+            await interrupt.guard(decode_call)
 
     async def _concurrent(
         self,
+        pair: tuple[Worker, int, Worker],
         prefill_call: Coroutine[Any, Any, bytes],
         decode_call: Coroutine[Any, Any, None],
+        responder: Responder,
+        clock: LegClock,
         disconnected: asyncio.Future[Any],
     ) -> None:
         """Run both legs; a prefill failure or a disconnect cancels the decode at once.
 
         The decode leg runs in this task (it owns the client response); the prefill leg in a
-        child task whose failure interrupts this one.
+        child task whose failure (or answer that ends the generation) interrupts this one.
         """
+
+        def prefill_outcome(task: asyncio.Future[bytes]) -> BaseException | None:
+            failure = failure_of(task)
+            if failure is not None or task.cancelled():
+                return failure
+            clock.prefill_answered()
+            answer = task.result()
+            if b'"stop"' not in answer or responder.started:
+                return None  # the common case: no stop at all, decoded by nobody
+            try:
+                data = _decode(answer)
+            except msgspec.DecodeError:
+                return None
+            return _PrefillCompleted(data) if self._adapter.completed_by_prefill(data) else None
+
+        prefill, _, decode = pair
         prefill_task = asyncio.create_task(prefill_call)
         interrupt = Interrupt()
         try:
             with (
-                interrupt.on_done(prefill_task, failure_of),
-                interrupt.on_done(disconnected, lambda _: ClientDisconnected()),
+                interrupt.on_done(prefill_task, prefill_outcome),
+                self._kv_watch(interrupt, prefill, decode, clock, disconnected),
             ):
                 await interrupt.guard(decode_call)
             try:
@@ -201,6 +289,52 @@ class Pipeline:
                 logger.warning("prefill failed after the decode answered: %s", exc.message)
         finally:
             await reap(prefill_task)
+
+    @contextlib.contextmanager
+    def _kv_watch(
+        self,
+        interrupt: Interrupt,
+        prefill: Worker,
+        decode: Worker,
+        clock: LegClock,
+        disconnected: asyncio.Future[Any],
+    ) -> Iterator[None]:
+        """While the decode leg runs: the client leaving, the prefill being lost while the KV may
+        still be on its way, or the KV-arrival deadline passing interrupt it."""
+
+        def lost(signal: asyncio.Future[str]) -> BaseException | None:
+            if not clock.kv_pending():
+                return None  # the decode has the KV: it can finish without the prefill
+            return UpstreamUnavailable(
+                f"{signal.result()} before the decode received this request's KV cache",
+                role="prefill",
+                url=prefill.url,
+                connect=False,
+            )
+
+        def expired(deadline: asyncio.Future[float]) -> BaseException:
+            return UpstreamTimeout(
+                f"no first byte {deadline.result():g}s after prefill {prefill.url} answered: "
+                "the KV cache did not arrive",
+                role="decode",
+                url=decode.url,
+            )
+
+        with (
+            interrupt.on_done(disconnected, lambda _: ClientDisconnected()),
+            interrupt.on_done(prefill.loss_signal(), lost),
+            interrupt.on_done(clock.expired, expired),
+        ):
+            yield
+
+    async def _answer_from_prefill(
+        self, request: ParsedRequest, answer: dict[str, Any], responder: Responder
+    ) -> None:
+        logger.info("the prefill's one token ended the generation: answering with it")
+        if request.stream:
+            await responder.whole(200, b"text/event-stream", prefill_answer_events(request, answer))
+        else:
+            await responder.whole(200, _JSON, prefill_answer_body(answer))
 
     async def _prefill(
         self,
@@ -252,15 +386,17 @@ class Pipeline:
         headers: dict[str, str],
         responder: Responder,
         prefill: Worker,
+        clock: LegClock,
     ) -> None:
         upstream = self._pool.client(worker)
         with worker.load():
             try:
                 response = await upstream.open(request.endpoint.value, body, headers)
                 if request.stream and response.status < 400:
-                    await self._relay(worker, response, responder, prefill)
+                    await self._relay(worker, response, responder, prefill, clock)
                 else:
                     content = await response.read()
+                    clock.decode_answered()
                     self._check_decode_status(response.status, content, worker, prefill)
                     await responder.whole(response.status, response.content_type, content)
             except UpstreamError as exc:
@@ -268,7 +404,12 @@ class Pipeline:
                 raise
 
     async def _relay(
-        self, worker: Worker, response: UpstreamResponse, responder: Responder, prefill: Worker
+        self,
+        worker: Worker,
+        response: UpstreamResponse,
+        responder: Responder,
+        prefill: Worker,
+        clock: LegClock,
     ) -> None:
         """Move decode's SSE bytes to the client as they come.
 
@@ -278,6 +419,7 @@ class Pipeline:
         try:
             chunks = response.chunks()
             chunk = await anext(chunks, b"")
+            clock.decode_answered()
             self._check_stale_layout(chunk, worker, prefill)
             await responder.start(response.status, response.content_type, sse=True)
             while chunk:

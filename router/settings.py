@@ -70,6 +70,9 @@ class UpstreamSettings(BaseModel):
     connect_timeout_s: PositiveFloat = 5.0
     read_timeout_s: PositiveFloat = 600.0  # idle time between two reads, not a total
     prefill_timeout_s: PositiveFloat = 900.0  # total time a prefill leg may take
+    # A streaming decode's first byte must come this long after its prefill answered: past it the
+    # KV cache is not coming (real engines wait 480-540 s for a KV that never arrives).
+    kv_arrival_timeout_s: PositiveFloat = 30.0
     max_connections: int = Field(default=2048, gt=0)
     max_keepalive: int = Field(default=512, ge=0)
     keepalive_s: PositiveFloat = 4.0  # below the engines' own keep-alive (uvicorn: 5 s)
@@ -86,7 +89,9 @@ class PolicySettings(BaseModel):
 class HealthSettings(BaseModel):
     interval_s: PositiveFloat = 5.0
     timeout_s: PositiveFloat = 2.0
-    failure_threshold: int = Field(default=3, ge=1)
+    failure_threshold: int = Field(default=3, ge=1)  # consecutive failed requests: down
+    unhealthy_threshold: int = Field(default=3, ge=1)  # consecutive failed probes: down
+    healthy_threshold: int = Field(default=2, ge=1)  # consecutive good probes: back up
 
 
 class LoggingSettings(BaseModel):

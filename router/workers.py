@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,7 +36,11 @@ class Worker:
     healthy: bool = False
     draining: bool = False
     epoch: int = 1
-    consecutive_failures: int = 0
+    consecutive_failures: int = 0  # failed requests in a row
+    probe_failures: int = 0  # failed health probes in a row
+    probe_successes: int = 0  # good health probes in a row
+    seen_healthy: bool = False  # a new worker needs one good probe, a fallen one more
+    last_success: float = -1e18  # time.monotonic() of the last request it served
     inflight: int = 0
     dp_size: int = 1
     engine_ids: tuple[str, ...] = ()  # vLLM Mooncake: engine id per DP rank, from /query
@@ -46,6 +52,8 @@ class Worker:
     bootstrap_namespace: str | None = None
     bootstrap_host: str = ""
     bootstrap_path: str = ""
+    # Resolved (with the reason) when this prefill is lost: requests waiting for its KV give up.
+    _loss: asyncio.Future[str] | None = None
 
     def __post_init__(self) -> None:
         self.host = format_host(httpx.URL(self.url).host)
@@ -59,7 +67,12 @@ class Worker:
         return f"http://{self.bootstrap_host}:{self.bootstrap_port}{self.bootstrap_path}"
 
     def set_layout(self, dp_size: int, engine_ids: tuple[str, ...] = ()) -> None:
-        """Record the prefill's DP layout (from its bootstrap server)."""
+        """Record the prefill's DP layout (from its bootstrap server).
+
+        New engine ids mean the engines restarted: the KV of requests it answered is gone.
+        """
+        if self.engine_ids and engine_ids != self.engine_ids:
+            self.signal_loss(f"its engine ids changed from {list(self.engine_ids)}")
         self.engine_ids = engine_ids
         if dp_size != self.dp_size:
             self.dp_size = dp_size
@@ -80,14 +93,35 @@ class Worker:
             if rank_ok:
                 ranks[rank] -= 1
 
+    def loss_signal(self) -> asyncio.Future[str]:
+        """A future resolved with a reason when this worker is lost (down, restarted)."""
+        if self._loss is None:
+            self._loss = asyncio.get_running_loop().create_future()
+        return self._loss
+
+    def signal_loss(self, reason: str) -> None:
+        """Tell every request bound to this worker that it is lost."""
+        loss, self._loss = self._loss, None
+        if loss is not None and not loss.done():
+            loss.set_result(reason)
+
+    def mark_up(self) -> None:
+        self.healthy = self.seen_healthy = True
+        self.consecutive_failures = 0
+
+    def mark_down(self, reason: str) -> None:
+        self.healthy = False
+        self.signal_loss(f"it became unhealthy ({reason})")
+
     def record_success(self) -> None:
         self.consecutive_failures = 0
+        self.last_success = time.monotonic()
 
     def record_failure(self, threshold: int) -> None:
         """A request failed at the transport or with 5xx; enough in a row mark it unhealthy."""
         self.consecutive_failures += 1
-        if self.consecutive_failures >= threshold:
-            self.healthy = False
+        if self.consecutive_failures >= threshold and self.healthy:
+            self.mark_down(f"{self.consecutive_failures} requests in a row failed")
 
 
 C = TypeVar("C")

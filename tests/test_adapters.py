@@ -44,7 +44,9 @@ def test_mooncake_prefill_leg_is_one_token_non_streaming_with_transfer_id() -> N
     p = plan.prefill_body
     assert p["stream"] is False and p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
     assert "stream_options" not in p
-    assert "min_tokens" not in p  # vLLM answers 400 to min_tokens > max_tokens=1
+    # vLLM answers 400 to min_tokens > max_tokens=1; min_tokens=1 masks stop tokens for the
+    # prefill's one token, so vLLM keeps the KV for the decode
+    assert p["min_tokens"] == 1
     assert plan.decode_body is not None and plan.decode_body["min_tokens"] == 3
     assert p["kv_transfer_params"] == {
         "do_remote_decode": True,
@@ -94,7 +96,7 @@ def test_vllm_protocols_reject_multi_sequence_requests(adapter: Any, body: dict[
         adapter.check(_req(Endpoint.COMPLETIONS, **body))
 
 
-def test_nixl_prefill_strips_min_tokens_and_decode_gets_params_verbatim() -> None:
+def test_nixl_prefill_asks_one_min_token_and_decode_gets_params_verbatim() -> None:
     adapter = VllmNixlAdapter()
     request = _req(
         Endpoint.COMPLETIONS,
@@ -107,7 +109,7 @@ def test_nixl_prefill_strips_min_tokens_and_decode_gets_params_verbatim() -> Non
     plan = adapter.plan(request, _prefill(), 0, DECODE)
     assert plan.decode_body is None
     p = plan.prefill_body
-    assert "min_tokens" not in p and "min_completion_tokens" not in p
+    assert p["min_tokens"] == 1 and "min_completion_tokens" not in p
     assert p["kv_transfer_params"] == {
         "do_remote_decode": True,
         "do_remote_prefill": False,

@@ -22,6 +22,7 @@ class LegPlan:
     prefill_body: dict[str, Any]
     decode_body: dict[str, Any] | None
     prefill_headers: dict[str, str] = field(default_factory=dict)
+    transfer_ref: str = ""  # the KV hand-off's id (transfer_id, bootstrap room), for logs
 
 
 class PDAdapter(Protocol):
@@ -30,6 +31,7 @@ class PDAdapter(Protocol):
     name: str
     sequential: bool  # True: prefill must finish before decode starts
     needs_engine_ids: bool  # True: a prefill is routable only once its engine ids are known
+    splits_samples: bool  # True: n > 1 goes out as n single-sequence requests
 
     def check(self, request: ParsedRequest) -> None:
         """Raise InvalidRequest if this protocol cannot serve the request."""
@@ -41,6 +43,10 @@ class PDAdapter(Protocol):
 
     def decode_after_prefill(self, request: ParsedRequest, prefill_answer: Any) -> dict[str, Any]:
         """Sequential protocols: the decode body, given the prefill's decoded JSON answer."""
+        ...
+
+    def completed_by_prefill(self, prefill_answer: Any) -> bool:
+        """Whether the prefill's decoded answer already ends the generation (no KV will come)."""
         ...
 
     def is_stale_layout(self, decode_error_body: bytes) -> bool:

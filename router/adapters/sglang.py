@@ -3,7 +3,9 @@
 PROTOCOLS.md sections 5.1 and 5.5. Rooms are random in [1, 2**63-1] (0 means "not ready" on the
 decode side); batched prompts and n > 1 get one room per sequence. With a DP prefill every room
 satisfies ``room % dp_size == rank``, and P gets ``routed_dp_rank`` while D gets
-``disagg_prefill_dp_rank``.
+``disagg_prefill_dp_rank``. ``n > 1`` reaches this adapter only as n requests with ``n: 1``
+(``splits_samples``, ``router/sample_split.py``): SGLang's n > 1 prefix warm-up reuses the rooms
+and its decode then waits for a transfer that never comes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class SglangAdapter:
     name = "sglang"
     sequential = False
     needs_engine_ids = False
+    splits_samples = True
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
@@ -54,16 +57,20 @@ class SglangAdapter:
             body["bootstrap_host"] = [prefill.bootstrap_host] * count
             body["bootstrap_port"] = [prefill.bootstrap_port] * count
             body["bootstrap_room"] = rooms
+        ref = f"bootstrap_room={rooms[0] if count == 1 else rooms}"
         if prefill.dp_size == 1:
-            return LegPlan(prefill_body=body, decode_body=body)
+            return LegPlan(prefill_body=body, decode_body=body, transfer_ref=ref)
         prefill_body = dict(body)
         prefill_body["routed_dp_rank"] = rank
         decode_body = dict(body)
         decode_body["disagg_prefill_dp_rank"] = rank
-        return LegPlan(prefill_body=prefill_body, decode_body=decode_body)
+        return LegPlan(prefill_body=prefill_body, decode_body=decode_body, transfer_ref=ref)
 
     def decode_after_prefill(self, request: ParsedRequest, prefill_answer: Any) -> dict[str, Any]:
         raise NotImplementedError("sglang dispatches prefill and decode concurrently")
+
+    def completed_by_prefill(self, prefill_answer: Any) -> bool:
+        return False  # the prefill answers after it sent the KV
 
     def is_stale_layout(self, decode_error_body: bytes) -> bool:
         return False

@@ -1,7 +1,7 @@
 """vLLM MooncakeConnector >= 0.16: router-minted transfer_id, P and D sent concurrently.
 
-PROTOCOLS.md section 3.3: P gets ``X-data-parallel-rank`` and ``max_tokens=1`` (without
-``min_tokens``, which vLLM refuses above ``max_tokens``); D gets the client's body with the
+PROTOCOLS.md section 3.3: P gets ``X-data-parallel-rank`` and ``max_tokens=1`` (with
+``min_tokens=1``: see ``vllm_prefill_body``); D gets the client's body with the
 prefill's bootstrap address, the engine id of the pinned DP rank and the same ``transfer_id``.
 """
 
@@ -12,7 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from router.adapters.base import LegPlan
-from router.adapters.vllm_common import check_single_sequence, vllm_prefill_body
+from router.adapters.vllm_common import (
+    check_single_sequence,
+    finished_without_kv,
+    vllm_prefill_body,
+)
 from router.schemas import ParsedRequest
 from router.workers import Worker
 
@@ -27,6 +31,7 @@ class VllmMooncakeAdapter:
     name = "vllm-mooncake"
     sequential = False
     needs_engine_ids = True
+    splits_samples = False
 
     def __init__(self, new_transfer_id: Callable[[], str] = _uuid_transfer_id) -> None:
         self._new_transfer_id = new_transfer_id
@@ -53,10 +58,14 @@ class VllmMooncakeAdapter:
             prefill_body=vllm_prefill_body(request.body, prefill_params),
             decode_body=decode_body,
             prefill_headers={"x-data-parallel-rank": str(rank)},
+            transfer_ref=f"transfer_id={transfer_id}",
         )
 
     def decode_after_prefill(self, request: ParsedRequest, prefill_answer: Any) -> dict[str, Any]:
         raise NotImplementedError("vllm-mooncake dispatches prefill and decode concurrently")
+
+    def completed_by_prefill(self, prefill_answer: Any) -> bool:
+        return finished_without_kv(prefill_answer)
 
     def is_stale_layout(self, decode_error_body: bytes) -> bool:
         return b"not found from bootstrap server" in decode_error_body

@@ -1,7 +1,7 @@
 """vLLM NixlConnector: prefill first, then decode with the prefill's kv_transfer_params verbatim.
 
-PROTOCOLS.md section 4. ``min_tokens`` / ``min_completion_tokens`` are removed from the prefill
-copy and kept for decode, which receives the client's original body.
+PROTOCOLS.md section 4. The prefill copy gets ``min_tokens=1`` (see ``vllm_prefill_body``); the
+decode receives the client's original body, ``min_tokens`` included.
 """
 
 from __future__ import annotations
@@ -9,7 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from router.adapters.base import LegPlan
-from router.adapters.vllm_common import check_single_sequence, vllm_prefill_body
+from router.adapters.vllm_common import (
+    check_single_sequence,
+    finished_without_kv,
+    vllm_prefill_body,
+)
 from router.errors import InvalidRequest
 from router.schemas import ParsedRequest
 from router.workers import Worker
@@ -30,6 +34,7 @@ class VllmNixlAdapter:
     name = "vllm-nixl"
     sequential = True
     needs_engine_ids = False
+    splits_samples = False
 
     def check(self, request: ParsedRequest) -> None:
         check_single_sequence(request, self.name)
@@ -50,6 +55,9 @@ class VllmNixlAdapter:
         decode_body = dict(request.body)
         decode_body["kv_transfer_params"] = params
         return decode_body
+
+    def completed_by_prefill(self, prefill_answer: Any) -> bool:
+        return finished_without_kv(prefill_answer)
 
     def is_stale_layout(self, decode_error_body: bytes) -> bool:
         return False
