@@ -10,17 +10,20 @@ import contextlib
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeGuard, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeGuard, TypeVar
 
 import httpx
 import msgspec
 
 __all__ = [
+    "EOS_TOKEN_ID",
+    "FIRST_TOKEN_ID",
     "Admission",
     "Call",
     "EngineContext",
     "EngineError",
     "FakeConfig",
+    "Generation",
     "Received",
     "Reply",
     "RoleHandler",
@@ -31,13 +34,18 @@ __all__ = [
     "Slot",
     "SlotTable",
     "bad_request",
+    "generate",
     "is_int",
     "request_shape",
     "run_all",
+    "token_text",
     "wait_ready",
 ]
 
 K = TypeVar("K", bound=Hashable)
+
+FIRST_TOKEN_ID: Final = 1000  # generation step k emits token id FIRST_TOKEN_ID + k (" tok{k}")
+EOS_TOKEN_ID: Final = 2  # the first token with FakeConfig.first_token_eos
 
 
 @dataclass
@@ -55,6 +63,15 @@ class FakeConfig:
     check_kv: bool = True  # False: validate PD fields but skip the P<->D rendezvous
     default_bootstrap_port: int = 8998  # sglang decode: used when bootstrap_port is null
     max_records: int | None = None  # keep only the newest N records (long benchmark runs)
+    # What real engines do that a router must survive (/work/shared/REAL_ENGINES.md):
+    first_token_eos: bool = False  # the first generated token is EOS (unless min_tokens masks it)
+    ignore_min_tokens: bool = False  # stop tokens are not masked before min_tokens (old engines)
+    die_after_answer: bool = False  # prefill: after a 200 answer, die (ports refuse, KV never sent)
+    withhold_kv: bool = False  # prefill: answer, but never hand this request's KV to the decode
+    health_status: int = 200  # what /health answers
+    health_delay: float = 0.0  # /health answers after this many seconds
+    health_delay_under_load: float = 0.0  # ... plus this many while completions are in flight
+    sglang_n_hang: bool = True  # sglang decode: n > 1 waits for a KV that never comes (real)
 
 
 @dataclass
@@ -306,6 +323,101 @@ def request_shape(chat: bool, body: Mapping[str, Any]) -> Shape:
         max_tokens=_token_limit(body),
         prompt_tokens=tokens,
     )
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def token_text(step: int) -> str:
+    """The text of generation step `step` (token id ``FIRST_TOKEN_ID + step``)."""
+    return f" tok{step}"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The tokens one choice generates, and why it ended (vLLM's semantics)."""
+
+    token_ids: tuple[int, ...]
+    texts: tuple[str, ...]  # per token, as the client sees it ("" for a stop token)
+    finish_reason: str  # "length" (hit max_tokens) or "stop"
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS
+    token_stop: bool = False  # ended on a stop token (EOS or stop_token_ids), not by length
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+@dataclass(frozen=True)
+class _StopRules:
+    """The request's stop conditions (vLLM ``SamplingParams``)."""
+
+    token_ids: frozenset[int]
+    strings: tuple[str, ...]
+    ignore_eos: bool
+    min_tokens: int
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> _StopRules:
+        ids = body.get("stop_token_ids") or []
+        if not isinstance(ids, list) or not all(is_int(token) for token in ids):
+            raise bad_request(f"'stop_token_ids' must be a list of integers, got {ids!r}")
+        stop = body.get("stop") or []
+        strings = [stop] if isinstance(stop, str) else stop
+        if not isinstance(strings, list) or not all(isinstance(s, str) and s for s in strings):
+            raise bad_request(f"'stop' must be a string or a list of strings, got {stop!r}")
+        min_tokens = body.get("min_tokens") or 0
+        return cls(
+            token_ids=frozenset(ids),
+            strings=tuple(strings),
+            ignore_eos=body.get("ignore_eos") is True,
+            min_tokens=min_tokens if is_int(min_tokens) else 0,
+        )
+
+
+def _cut_at_stop_string(
+    token_ids: list[int], texts: list[str], strings: tuple[str, ...]
+) -> Generation | None:
+    """vLLM's detokenizer: the text ends before the first stop string (finish "stop")."""
+    text = "".join(texts)
+    found = [(index, s) for s in strings if (index := text.find(s)) >= 0]
+    if not found:
+        return None
+    end, stop = min(found)
+    cut, start = [], 0
+    for piece in texts:  # the same tokens, their text clipped at the stop string
+        cut.append(text[start : start + len(piece)][: max(end - start, 0)])
+        start += len(piece)
+    return Generation(tuple(token_ids), tuple(cut), "stop", stop)
+
+
+def generate(body: Mapping[str, Any], limit: int, capped: bool, config: FakeConfig) -> Generation:
+    """The deterministic output of one choice: at most `limit` tokens.
+
+    Step k emits ``FIRST_TOKEN_ID + k`` (text `token_text(k)`), or EOS first with
+    `FakeConfig.first_token_eos`. As in vLLM: EOS (unless ``ignore_eos``) and the request's
+    ``stop_token_ids`` end the choice with finish "stop" and an empty text for that token
+    (``stop_reason`` the id, None for EOS), but not before ``min_tokens`` tokens (vLLM masks
+    them); a ``stop`` string ends it with ``stop_reason`` the string, the text cut before it.
+    `capped`: `limit` is the request's max_tokens (finish "length" when reached).
+    """
+    rules = _StopRules.of(body)
+    token_ids: list[int] = []
+    texts: list[str] = []
+    for step in range(limit):
+        masked = step < rules.min_tokens and not config.ignore_min_tokens
+        eos = step == 0 and config.first_token_eos and not rules.ignore_eos and not masked
+        token = EOS_TOKEN_ID if eos else FIRST_TOKEN_ID + step
+        token_ids.append(token)
+        if eos or (token in rules.token_ids and not masked):
+            texts.append("")
+            reason = None if eos else token
+            return Generation(tuple(token_ids), tuple(texts), "stop", reason, token_stop=True)
+        texts.append(token_text(step))
+        cut = _cut_at_stop_string(token_ids, texts, rules.strings)
+        if cut is not None:
+            return cut
+    return Generation(tuple(token_ids), tuple(texts), "length" if capped else "stop")
 
 
 # --------------------------------------------------------------------------- handler seam

@@ -2,13 +2,15 @@
 
 ``fake_cluster_factory(stack)`` returns ``make(engine, prefill=1, decode=1, dp_size=1, ...)``;
 everything it starts is stopped when ``stack`` closes. ``settings_for`` builds the router
-settings the factory uses, for tests that start the router themselves.
+settings the factory uses, for tests that start the router themselves. ``serve_engine`` serves
+one fake engine so that ``engine.kill()`` (``FakeConfig.die_after_answer``) can take it down.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +19,47 @@ import httpx
 from router import RouterSettings, create_app
 from testkit.fake_engine import EngineProtocol, FakeConfig, FakeEngine
 from testkit.polling import wait_until
-from testkit.servers import run_server
+from testkit.servers import TestServer, make_server, run_server, serving
 
-__all__ = ["FakeCluster", "FakeClusterFactory", "fake_cluster_factory", "settings_for"]
+__all__ = [
+    "FakeCluster",
+    "FakeClusterFactory",
+    "fake_cluster_factory",
+    "serve_engine",
+    "settings_for",
+]
+
+ENGINE_START_TIMEOUT_S = 10.0
+
+
+def _kill_now(servers: list[TestServer]) -> None:
+    """On the servers' loop: stop listening, drop every connection, let them exit."""
+    for server in servers:
+        for listener in server.servers:
+            listener.close()  # the port refuses connections from now on
+        for connection in list(server.server_state.connections):
+            connection.transport.close()  # what was written still goes out, then EOF
+        server.should_exit = True
+
+
+@contextlib.contextmanager
+def serve_engine(engine: FakeEngine) -> Iterator[list[int]]:
+    """Serve ``engine.app`` and its bootstrap app (if any) on one background event loop, on
+    127.0.0.1; yield their ports. ``engine.kill()`` then takes them down as a killed process
+    (from any thread): new connections are refused, open ones (a decode's KV read) drop."""
+    apps = [engine.app] if engine.bootstrap_app is None else [engine.app, engine.bootstrap_app]
+    servers = [make_server(app, host="127.0.0.1", port=0, lifespan="on") for app in apps]
+    with serving(servers, ENGINE_START_TIMEOUT_S) as ports:
+        loop: asyncio.AbstractEventLoop = servers[0].servers[0].get_loop()
+
+        def kill() -> None:
+            loop.call_soon_threadsafe(_kill_now, servers)
+
+        engine.killers.append(kill)
+        try:
+            yield ports
+        finally:
+            engine.killers.remove(kill)
 
 
 @dataclass
@@ -148,13 +188,8 @@ def _serve_prefill(
     fake: FakeEngine,
 ) -> tuple[str, int | None]:
     own = servers[("prefill", index)] = stack.enter_context(contextlib.ExitStack())
-    port = own.enter_context(run_server(fake.app))
-    boot = (
-        own.enter_context(run_server(fake.bootstrap_app))
-        if fake.bootstrap_app is not None
-        else None
-    )
-    return f"http://127.0.0.1:{port}", boot
+    ports = own.enter_context(serve_engine(fake))
+    return f"http://127.0.0.1:{ports[0]}", ports[1] if len(ports) > 1 else None
 
 
 def _serve_decode(
@@ -164,4 +199,4 @@ def _serve_decode(
     fake: FakeEngine,
 ) -> str:
     own = servers[("decode", index)] = stack.enter_context(contextlib.ExitStack())
-    return f"http://127.0.0.1:{own.enter_context(run_server(fake.app))}"
+    return f"http://127.0.0.1:{own.enter_context(serve_engine(fake))[0]}"

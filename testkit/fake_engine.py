@@ -42,6 +42,8 @@ import httpx
 import uvicorn
 
 from testkit.fake_base import (
+    EOS_TOKEN_ID,
+    FIRST_TOKEN_ID,
     Admission,
     Call,
     EngineError,
@@ -75,7 +77,15 @@ from testkit.fake_wire import (
     sse_events,
 )
 
-__all__ = ["FakeConfig", "FakeEngine", "Received", "main", "serve"]
+__all__ = [
+    "EOS_TOKEN_ID",
+    "FIRST_TOKEN_ID",
+    "FakeConfig",
+    "FakeEngine",
+    "Received",
+    "main",
+    "serve",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +124,10 @@ class FakeEngine:
         self.config = config if config is not None else FakeConfig()
         self.records: list[Received] = []
         self.inflight = 0
+        self.health_checks = 0  # GET /health requests received
+        self.dead = False  # kill() was called
+        # Called by kill(): each stops some of this engine's servers (see fake_cluster.serve_engine)
+        self.killers: list[Callable[[], None]] = []
         self._engine_id = engine_id or str(uuid.uuid4())
         self._created = int(time.time())
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
@@ -147,6 +161,13 @@ class FakeEngine:
         """Simulate an engine restart: a new random engine id and no KV state."""
         self._engine_id = str(uuid.uuid4())
         self.handler.reset()
+
+    def kill(self) -> None:
+        """Die as a killed process would: from now on every port of this engine refuses
+        connections and open connections drop (through `killers`; without any, only `dead`)."""
+        self.dead = True
+        for killer in self.killers:
+            killer()
 
     def http_client(self) -> httpx.AsyncClient:
         """The engine's outbound client for the running event loop (closed at shutdown)."""
@@ -187,7 +208,13 @@ class FakeEngine:
             await self._serve_completion(scope, receive, send)
 
     async def _health(self, _: RouteRequest) -> Reply:
-        return Reply(200, b"")
+        """Real engines answer /health slowly when busy (NIXL on a small machine: > 2 s)."""
+        self.health_checks += 1
+        config = self.config
+        delay = config.health_delay + (config.health_delay_under_load if self.inflight else 0.0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return Reply(config.health_status, b"")
 
     async def _models(self, _: RouteRequest) -> Reply:
         model = {
@@ -268,6 +295,8 @@ class FakeEngine:
             await self._stream(completion, out, call.record)
         else:
             await out.whole(200, full_body(completion))
+        if self.role == "prefill" and self.config.die_after_answer and out.complete:
+            self.kill()  # right after the answer left: the KV it promised never will
 
     async def _stream(self, completion: Completion, out: Output, record: Received) -> None:
         await out.start(200, SSE_TYPE)

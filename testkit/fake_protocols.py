@@ -14,6 +14,14 @@ engines, ranks or ids makes the decode fail instead of silently "working":
 * sglang: D POSTs `/fake/sglang/kv` on P's bootstrap port once per room; P answers only after
   D arrived (SGLang's `KVPoll.Bootstrapping`), and D only after P served the room.
 
+What real engines do when the KV does not come (REAL_ENGINES.md, "Observed router-relevant
+behaviour"), each reproduced here: a vLLM prefill whose one token is a stop token keeps no KV
+(its connectors hold KV only for a request that ended by length); a prefill that died after
+answering (`FakeConfig.die_after_answer`) or withholds the KV (`withhold_kv`) never serves it;
+a decode whose KV read hits a transport error retries until `kv_timeout` (vLLM waits its full
+abort timeout for a dead prefill); SGLang's decode waits forever for an n > 1 request
+(`sglang_n_hang`: its prefix warm-up reuses the room).
+
 The HTTP app and the bootstrap app of one engine may run on different threads (tests start one
 uvicorn per app), so the rendezvous primitives (`testkit/fake_base.py`) are thread-safe.
 """
@@ -34,6 +42,7 @@ from testkit.fake_base import (
     Call,
     EngineContext,
     EngineError,
+    FakeConfig,
     Reply,
     RoleHandler,
     RouteRequest,
@@ -41,6 +50,7 @@ from testkit.fake_base import (
     Shape,
     SlotTable,
     bad_request,
+    generate,
     is_int,
     run_all,
     wait_ready,
@@ -54,6 +64,7 @@ BOOTSTRAP_KEYS: Final = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 ROUTE_KEYS_OLD: Final = ("engine_rank", "target_dp_group")
 ROUTE_KEYS_NEW: Final = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 QUERY_TIMEOUT_S: Final = 10.0
+RETRY_S: Final = 0.05  # a decode's pause between two KV reads that hit a transport error
 
 
 async def health_ok(_: RouteRequest) -> Reply:
@@ -77,6 +88,30 @@ def _error_detail(response: httpx.Response) -> str:
 def http_url(host: str, port: int, path: str) -> str:
     """An http URL; IPv6 hosts may come with or without brackets."""
     return str(httpx.URL(scheme="http", host=host.strip("[]"), port=port, path=path))
+
+
+def hands_over_kv(config: FakeConfig) -> bool:
+    """Whether a prefill will ever serve the KV of what it answers (not dying, not withholding)."""
+    return not (config.withhold_kv or config.die_after_answer)
+
+
+def vllm_keeps_kv(call: Call, config: FakeConfig) -> bool:
+    """Whether a vLLM prefill keeps the request's KV for the decode: only when its one token
+    ended the request by length. A stop token (EOS, `stop_token_ids`) frees it at once; a stop
+    string does not (vLLM matches it in the front end after the engine finished by length)."""
+    return hands_over_kv(config) and not generate(call.body, 1, True, config).token_stop
+
+
+async def post_retrying(ctx: EngineContext, url: str, body: dict[str, Any]) -> httpx.Response:
+    """POST `body`, retrying transport errors (refused, reset) until `kv_timeout`; TimeoutError
+    then. A real vLLM decode does not fail a KV read when the prefill is gone: it waits its full
+    abort timeout (480-540 s) for the KV."""
+    async with asyncio.timeout(ctx.config.kv_timeout):
+        while True:
+            try:
+                return await ctx.http_client().post(url, json=body)
+            except httpx.TransportError:
+                await asyncio.sleep(RETRY_S)
 
 
 # --------------------------------------------------------------------------- vLLM common
@@ -172,7 +207,7 @@ class MooncakePrefill(RoleHandler):
         transfer_id = _require_str(params, "transfer_id", "kv_transfer_params")
         rank = parse_dp_rank(call.headers, self.ctx.dp_size)
         call.record.dp_ranks.append(rank)
-        if self.ctx.config.check_kv:
+        if self.ctx.config.check_kv and vllm_keeps_kv(call, self.ctx.config):
             self._served.fulfil(transfer_id, self.ctx.engine_ids[rank])
         return Admission(echo_kv=True, max_tokens=1)
 
@@ -270,8 +305,7 @@ class MooncakeDecode(RoleHandler):
         timeout = self.ctx.config.kv_timeout
         body = {"transfer_id": transfer_id, "engine_id": engine_id}
         try:
-            async with asyncio.timeout(timeout):
-                response = await self.ctx.http_client().post(f"{addr}/fake/pull", json=body)
+            response = await post_retrying(self.ctx, f"{addr}/fake/pull", body)
         except TimeoutError:
             raise EngineError(500, f"KV pull of {transfer_id} timed out after {timeout}s") from None
         except httpx.HTTPError as exc:
@@ -294,16 +328,17 @@ class NixlPrefill(RoleHandler):
         super().__init__(ctx)
         self._lock = threading.Lock()
         self._ready: set[str] = set()  # remote_request_id of KV waiting to be pulled
+        self._withheld: set[str] = set()  # remote_request_id of KV that never comes
 
     async def admit(self, call: Call) -> Admission:
-        check_vllm_prefill(call.body)
-        for key in ("min_tokens", "min_completion_tokens"):
-            if key in call.body:
-                raise bad_request(f"prefill request must not carry {key} (restore it for decode)")
+        check_vllm_prefill(call.body)  # min_tokens above max_tokens=1 is a 400, as on vLLM
+        config = self.ctx.config
+        if generate(call.body, 1, True, config).token_stop:  # the KV is freed: nothing to read
+            return Admission(echo_kv=True, kv_transfer_params=None, max_tokens=1)
         request_id = f"{call.headers.get('x-request-id', 'cmpl')}-{uuid.uuid4().hex[:8]}"
-        if self.ctx.config.check_kv:
+        if config.check_kv:
             with self._lock:
-                self._ready.add(request_id)
+                (self._ready if hands_over_kv(config) else self._withheld).add(request_id)
         params = self._params(call, request_id)
         return Admission(echo_kv=True, kv_transfer_params=params, max_tokens=1)
 
@@ -313,6 +348,7 @@ class NixlPrefill(RoleHandler):
     def reset(self) -> None:
         with self._lock:
             self._ready.clear()
+            self._withheld.clear()
 
     def _params(self, call: Call, request_id: str) -> dict[str, Any]:
         host, port = call.server
@@ -335,6 +371,10 @@ class NixlPrefill(RoleHandler):
         with self._lock:
             known = request_id in self._ready
             self._ready.discard(request_id)
+            withheld = request_id in self._withheld
+        if withheld:  # the read never completes
+            await asyncio.sleep(self.ctx.config.kv_timeout)
+            return Reply(504, {"detail": f"KV of {request_id} never became readable"})
         if not known:
             return Reply(404, {"detail": f"unknown remote_request_id {request_id}"})
         return Reply(200, {"status": "ok"})
@@ -370,10 +410,7 @@ class NixlDecode(RoleHandler):
     async def _pull(self, host: str, port: int, request_id: str) -> None:
         url = http_url(host, port, "/fake/nixl/pull")
         try:
-            async with asyncio.timeout(self.ctx.config.kv_timeout):
-                response = await self.ctx.http_client().post(
-                    url, json={"remote_request_id": request_id}
-                )
+            response = await post_retrying(self.ctx, url, {"remote_request_id": request_id})
         except (TimeoutError, httpx.HTTPError) as exc:
             msg = f"NIXL read of {request_id} from {url} failed: {exc!r}"
             raise EngineError(500, msg) from None
@@ -532,7 +569,8 @@ class SglangPrefill(RoleHandler):
                 f"Request {room} timed out after {timeout} seconds in KVPoll.Bootstrapping "
                 "(the decode never arrived)",
             )
-        self._served.fulfil(room)
+        if hands_over_kv(self.ctx.config):
+            self._served.fulfil(room)
 
     async def _decode_arrives(self, request: RouteRequest) -> Reply:
         room = request.json().get("room")
@@ -575,7 +613,8 @@ class SglangDecode(RoleHandler):
     """SGLang decode: fetches each room's KV from the prefill's bootstrap port.
 
     A body with none of the bootstrap fields is a plain request (the benchmark's
-    direct-to-decode baseline); the prefill always requires them.
+    direct-to-decode baseline); the prefill always requires them. An unreachable prefill is
+    retried until `kv_timeout` (real SGLang gives up after two failed heartbeats, ~10 s).
     """
 
     async def admit(self, call: Call) -> Admission:
@@ -583,6 +622,8 @@ class SglangDecode(RoleHandler):
             return Admission()
         boot = parse_bootstrap(call.body, call.shape)
         _optional_ranks(call.body, "disagg_prefill_dp_rank", boot)
+        if self.ctx.config.sglang_n_hang and call.shape.n > 1:
+            await self._never_arrives(boot.rooms)
         if self.ctx.config.check_kv:
             default_port = self.ctx.config.default_bootstrap_port
             await run_all(
@@ -591,12 +632,20 @@ class SglangDecode(RoleHandler):
             )
         return Admission()
 
+    async def _never_arrives(self, rooms: list[int]) -> None:
+        """SGLang 0.5.23 with n > 1: its prefix warm-up request reuses the room(s), and the decode
+        waits for a transfer that never comes (until SGLang's waiting timeout, 300 s)."""
+        timeout = self.ctx.config.kv_timeout
+        await asyncio.sleep(timeout)
+        raise EngineError(
+            500, f"bootstrap_room {rooms}: KV not received within {timeout}s (n > 1 request)"
+        )
+
     async def _fetch(self, host: str, port: int, room: int) -> None:
         url = http_url(host, port, "/fake/sglang/kv")
         timeout = self.ctx.config.kv_timeout
         try:
-            async with asyncio.timeout(timeout):
-                response = await self.ctx.http_client().post(url, json={"room": room})
+            response = await post_retrying(self.ctx, url, {"room": room})
         except TimeoutError:
             raise EngineError(
                 500, f"bootstrap_room {room}: KV not received within {timeout}s from {url}"

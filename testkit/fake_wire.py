@@ -20,10 +20,12 @@ from testkit.fake_base import (
     Call,
     EngineError,
     FakeConfig,
+    Generation,
     Received,
     Reply,
     RouteRequest,
     Routes,
+    generate,
 )
 
 __all__ = [
@@ -235,10 +237,6 @@ class AsgiApp:
 # --------------------------------------------------------------------------- rendering
 
 
-def token_text(step: int) -> str:
-    return f" tok{step}"
-
-
 @dataclass(frozen=True)
 class Completion:
     """Everything needed to render one answer."""
@@ -246,8 +244,7 @@ class Completion:
     chat: bool
     model: str
     choices: int
-    tokens: int
-    finish_reason: str
+    generation: Generation  # every choice generates the same
     prompt_tokens: int
     include_usage: bool
     admission: Admission
@@ -257,6 +254,10 @@ class Completion:
     @property
     def object_id(self) -> str:
         return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.id}"
+
+    @property
+    def tokens(self) -> int:
+        return len(self.generation.token_ids)
 
     def usage(self) -> dict[str, int]:
         completion = self.tokens * self.choices
@@ -269,14 +270,12 @@ class Completion:
 
 def plan_completion(call: Call, admission: Admission, config: FakeConfig) -> Completion:
     caps = [cap for cap in (call.shape.max_tokens, admission.max_tokens) if cap is not None]
-    tokens = min([max(config.tokens, 0), *caps])
-    finish = "length" if caps and tokens >= min(caps) else "stop"
+    limit = min([max(config.tokens, 0), *caps])
     return Completion(
         chat=call.chat,
         model=config.model,
         choices=call.shape.choices,
-        tokens=tokens,
-        finish_reason=finish,
+        generation=generate(call.body, limit, bool(caps) and limit >= min(caps), config),
         prompt_tokens=call.shape.prompt_tokens,
         include_usage=call.shape.include_usage,
         admission=admission,
@@ -301,6 +300,7 @@ def _chunk_head(c: Completion) -> bytes:
 
 
 def _stream_choice(c: Completion, index: int, text: str, finish: str | None) -> bytes:
+    choice: dict[str, Any]
     if c.chat:
         choice = {
             "index": index,
@@ -310,6 +310,8 @@ def _stream_choice(c: Completion, index: int, text: str, finish: str | None) -> 
         }
     else:
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    if finish is not None and c.generation.stop_reason is not None:
+        choice["stop_reason"] = c.generation.stop_reason  # vLLM: only where it is set
     return _encode(choice)
 
 
@@ -332,10 +334,11 @@ def sse_events(c: Completion) -> Iterator[bytes]:
         for index in range(c.choices):
             choice = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
             yield head + _encode(choice) + CHUNK_TAIL
-    steps = max(c.tokens, 1)
+    texts = c.generation.texts
+    steps = max(len(texts), 1)
     for step in range(steps):
-        text = token_text(step) if step < c.tokens else ""
-        finish = c.finish_reason if step == steps - 1 else None
+        text = texts[step] if step < len(texts) else ""
+        finish = c.generation.finish_reason if step == steps - 1 else None
         for index in range(c.choices):
             yield head + _stream_choice(c, index, text, finish) + CHUNK_TAIL
     if c.include_usage:
@@ -345,29 +348,22 @@ def sse_events(c: Completion) -> Iterator[bytes]:
 
 def full_body(c: Completion) -> bytes:
     """A non-stream answer; vLLM ones carry top-level `kv_transfer_params`."""
-    text = "".join(token_text(step) for step in range(c.tokens))
+    text = c.generation.text
+    finish, stop_reason = c.generation.finish_reason, c.generation.stop_reason
     choices: list[dict[str, Any]] = []
     for index in range(c.choices):
-        if c.chat:
-            message = {"role": "assistant", "content": text}
-            choices.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                }
-            )
-        else:
-            choices.append(
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": None,
-                }
-            )
+        content: dict[str, Any] = (
+            {"message": {"role": "assistant", "content": text}} if c.chat else {"text": text}
+        )
+        choices.append(
+            {
+                "index": index,
+                **content,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+            }
+        )
     body: dict[str, Any] = {
         "id": c.object_id,
         "object": "chat.completion" if c.chat else "text_completion",

@@ -34,6 +34,7 @@ __all__ = [
     "http_process",
     "run_server",
     "run_servers",
+    "serving",
 ]
 
 
@@ -119,7 +120,8 @@ def _stop(servers: list[TestServer], thread: threading.Thread) -> None:
 
 
 @contextlib.contextmanager
-def _serving(servers: list[TestServer], start_timeout: float) -> Iterator[list[int]]:
+def serving(servers: list[TestServer], start_timeout: float) -> Iterator[list[int]]:
+    """Run ``servers`` on one loop in a thread; yields their ports once all listen."""
     failures: list[BaseException] = []
     thread = threading.Thread(
         target=_run_thread, args=(servers, failures), name="test-uvicorn", daemon=True
@@ -143,7 +145,7 @@ def run_server(
 ) -> Iterator[int]:
     """Serve `app` on a daemon thread with its own event loop; yield the bound port."""
     server = make_server(app, host=host, port=port, lifespan=lifespan)
-    with _serving([server], start_timeout) as ports:
+    with serving([server], start_timeout) as ports:
         yield ports[0]
 
 
@@ -156,7 +158,7 @@ def run_servers(
 ) -> Iterator[list[int]]:
     """Serve several apps (OS-chosen ports) on one background event loop; yield the ports."""
     servers = [make_server(app, host=host, port=0, lifespan=lifespan) for app in apps]
-    with _serving(servers, start_timeout) as ports:
+    with serving(servers, start_timeout) as ports:
         yield ports
 
 

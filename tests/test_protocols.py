@@ -128,7 +128,8 @@ def test_mooncake_unknown_engine_id_on_decode_triggers_requery(
 
 
 def test_mooncake_min_tokens_reaches_only_the_decode(make_cluster: FakeClusterFactory) -> None:
-    """A vLLM prefill refuses min_tokens above its max_tokens=1 (400); the decode honours it."""
+    """A vLLM prefill refuses min_tokens above its max_tokens=1 (400): it gets min_tokens=1 (which
+    keeps its one token from being a stop token); the decode honours the client's."""
     cluster = make_cluster("vllm-mooncake")
     with cluster.client() as client:
         for stream in (False, True):
@@ -137,7 +138,7 @@ def test_mooncake_min_tokens_reaches_only_the_decode(make_cluster: FakeClusterFa
             )
             assert response.status_code == 200, response.text
     for p, d in zip(cluster.prefills[0].records, cluster.decodes[0].records, strict=True):
-        assert "min_tokens" not in p.body
+        assert p.body["min_tokens"] == 1
         assert d.body["min_tokens"] == 4
 
 
@@ -151,30 +152,45 @@ def test_nixl_decode_gets_prefill_params_verbatim_and_min_tokens_back(
         )
     assert response.status_code == 200, response.text
     p, d = cluster.prefills[0].records[0], cluster.decodes[0].records[0]
-    assert "min_tokens" not in p.body
+    assert p.body["min_tokens"] == 1
     assert d.body["min_tokens"] == 2
     assert d.body["kv_transfer_params"]["some_future_field"] == "x"
     assert d.body["kv_transfer_params"]["remote_host"] == "127.0.0.1"
 
 
+def test_sglang_batched_prompts_get_room_lists(make_cluster: FakeClusterFactory) -> None:
+    cluster = make_cluster("sglang")
+    with cluster.client() as client:
+        response = client.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b", "c"]})
+    assert response.status_code == 200, response.text
+    p, d = cluster.prefills[0].records[0], cluster.decodes[0].records[0]
+    assert isinstance(p.body["bootstrap_room"], list) and len(set(p.body["bootstrap_room"])) == 3
+    assert p.body == d.body
+
+
 @pytest.mark.parametrize(
     "path,body",
     [
-        ("/v1/completions", {**COMPLETION, "prompt": ["a", "b", "c"]}),
         ("/v1/completions", {**COMPLETION, "n": 2}),
+        ("/v1/completions", {**COMPLETION, "n": 2, "prompt": ["a", "b"]}),
         ("/v1/chat/completions", {**CHAT, "n": 3}),
     ],
 )
-def test_sglang_multi_sequence_requests_get_room_lists(
+def test_sglang_n_goes_out_as_single_sequence_requests_with_rooms_of_their_own(
     make_cluster: FakeClusterFactory, path: str, body: dict[str, Any]
 ) -> None:
+    """SGLang PD hangs on n > 1 (its n > 1 warm-up reuses the rooms): n requests with n=1."""
     cluster = make_cluster("sglang")
     with cluster.client() as client:
         response = client.post(path, json=body)
     assert response.status_code == 200, response.text
-    p, d = cluster.prefills[0].records[0], cluster.decodes[0].records[0]
-    assert isinstance(p.body["bootstrap_room"], list)
-    assert p.body == d.body
+    n, batch = body["n"], len(body.get("prompt", [])) if isinstance(body.get("prompt"), list) else 1
+    assert [c["index"] for c in response.json()["choices"]] == list(range(n * batch))
+    prefills, decodes = cluster.prefills[0].records, cluster.decodes[0].records
+    assert len(prefills) == len(decodes) == n
+    rooms = [str(r.body["bootstrap_room"]) for r in prefills]
+    assert len(set(rooms)) == n
+    assert all(r.body["n"] == 1 for r in prefills + decodes)
 
 
 def test_sglang_dp_prefill_rooms_follow_the_chosen_rank(make_cluster: FakeClusterFactory) -> None:
