@@ -35,7 +35,19 @@ __all__ = [
     "run_server",
     "run_servers",
     "serving",
+    "stop_process",
 ]
+
+
+def stop_process(process: subprocess.Popen[Any], timeout: float = 15.0) -> None:
+    """SIGTERM ``process`` if it still runs and reap it; SIGKILL it if it will not stop."""
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.communicate(timeout=timeout)  # also closes its pipes, if any
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
 
 
 def free_port() -> int:
@@ -211,10 +223,4 @@ def http_process(
             time.sleep(0.01)
         yield process
     finally:
-        if process.poll() is None:
-            process.terminate()
-        try:
-            process.communicate(timeout=15)  # also closes the pipe
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
+        stop_process(process)

@@ -26,7 +26,7 @@ from typing import Literal
 
 import httpx
 
-from testkit.servers import free_port
+from testkit.servers import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_VENV = REPO / ".venv-sglang"
@@ -392,13 +392,7 @@ def router_process(
             time.sleep(0.1)
         yield router
     finally:
-        if process.poll() is None:
-            process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def _ready(router: Router) -> bool:

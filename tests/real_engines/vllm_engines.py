@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from testkit.servers import free_port
+from testkit.servers import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM_DIR = Path(__file__).with_name("vllm_shim")
@@ -339,12 +339,7 @@ def run_router(
         wait_router_ready(router)
         yield router
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def wait_router_ready(router: Router) -> None:
