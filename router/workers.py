@@ -111,6 +111,7 @@ class Worker:
 
     def mark_down(self, reason: str) -> None:
         self.healthy = False
+        self.probe_successes = 0  # coming back takes fresh good probes
         self.signal_loss(f"it became unhealthy ({reason})")
 
     def record_success(self) -> None:
