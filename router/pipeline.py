@@ -231,7 +231,7 @@ class Pipeline:
     ) -> None:
         """Prefill first; then the decode, built from the prefill's answer."""
         prefill, _, decode = pair
-        interrupt = Interrupt()
+        interrupt = Interrupt()  # guards one leg at a time
         with interrupt.on_done(disconnected, lambda _: ClientDisconnected()):
             answer = _prefill_json(await interrupt.guard(prefill_call), prefill)
         clock.prefill_answered()
@@ -241,7 +241,6 @@ class Pipeline:
         decode_call = self._decode(
             request, decode, _encode(body), headers, responder, prefill, clock
         )
-        interrupt = Interrupt()
         with self._kv_watch(interrupt, prefill, decode, clock, disconnected):
             await interrupt.guard(decode_call)
 

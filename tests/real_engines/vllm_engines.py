@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from testkit.polling import wait_until
 from testkit.servers import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
@@ -264,13 +265,8 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 def poll(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Check ``predicate`` every 0.25 s until it holds (``testkit.polling.wait_until`` polls
-    every 10 ms: too often for an engine's ``/metrics`` on two shared cores)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.25)
+    """``wait_until`` every 0.25 s: an engine's ``/metrics`` is costly on two shared cores."""
+    wait_until(predicate, timeout, what, interval=0.25)
 
 
 def queue_lengths(engine: Engine) -> tuple[float, float]:
