@@ -33,6 +33,21 @@ _FLAG_OF = {
     ("health", "unhealthy_threshold"): "--health-unhealthy-threshold",
     ("health", "healthy_threshold"): "--health-healthy-threshold",
     ("logging", "level"): "--log-level",
+    ("load", "interval_s"): "--load-interval",
+    ("load", "timeout_s"): "--load-timeout",
+    ("load", "stale_after_s"): "--load-stale-after",
+    ("cache", "tokenizer"): "--tokenizer",
+    ("cache", "render_url"): "--render-url",
+    ("cache", "kv_events_port"): "--kv-events-port",
+    ("cache", "kv_events_replay_port"): "--kv-events-replay-port",
+    ("cache", "max_indexed_blocks"): "--max-indexed-blocks",
+    ("cache", "prediction_ttl_s"): "--prediction-ttl",
+    ("cache", "balance_abs_threshold"): "--balance-abs-threshold",
+    ("cache", "balance_rel_threshold"): "--balance-rel-threshold",
+    ("cache", "approx_tree_max_chars"): "--approx-tree-max-chars",
+    ("cache", "tokenize_cache_entries"): "--tokenize-cache-entries",
+    ("cache", "pd_min_uncached_tokens"): "--pd-min-uncached-tokens",
+    ("cache", "prefill_saturated_waiting"): "--prefill-saturated-waiting",
     ("registry", "url"): "--registry",
     ("registry", "admin_token"): "--admin-token",
     ("registry", "advertise_host"): "--advertise-host",
@@ -53,7 +68,8 @@ def _build_parser() -> _Parser:
         action="append",
         nargs="+",
         metavar=("URL", "BOOTSTRAP_PORT"),
-        help="prefill worker URL and optional bootstrap port (int or 'none'); repeat",
+        help="prefill worker URL, optional bootstrap port (int or 'none') and KV event "
+        "endpoints events=tcp://HOST:PORT replay=tcp://HOST:PORT; repeat",
     )
     p.add_argument("--decode", action="append", metavar="URL", help="decode worker URL; repeat")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -122,21 +138,96 @@ def _build_parser() -> _Parser:
         "(default: --host, or the hostname when listening on a wildcard address)",
     )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    _add_scheduling_flags(p)
     return p
 
 
+def _add_scheduling_flags(p: _Parser) -> None:
+    """Engine load polling and KV-cache-aware routing."""
+    p.add_argument(
+        "--load-interval", type=float, help="seconds between engine load reads (0: never; 1)"
+    )
+    p.add_argument("--load-timeout", type=float, help="engine load read timeout, s (1)")
+    p.add_argument(
+        "--load-stale-after", type=float, help="an engine load older than this is unknown, s (5)"
+    )
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="the engines' Hugging Face tokenizer directory"
+    )
+    p.add_argument(
+        "--render-url",
+        metavar="URL",
+        help="tokenize with this vLLM engine's render endpoint instead of --tokenizer",
+    )
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        help="KV event port of every prefill (on its URL's host; DP rank r at PORT+r)",
+    )
+    p.add_argument(
+        "--kv-events-replay-port", type=int, help="KV event replay port of every prefill"
+    )
+    p.add_argument(
+        "--max-indexed-blocks", type=int, help="cap on KV blocks indexed, all workers (4000000)"
+    )
+    p.add_argument(
+        "--prediction-ttl", type=float, help="lifetime of predicted cache entries, s (2)"
+    )
+    p.add_argument(
+        "--balance-abs-threshold",
+        type=float,
+        help="cache_aware: load wins when max-min load exceeds this (32) ...",
+    )
+    p.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        help="... and the max load exceeds this times the min (1.5)",
+    )
+    p.add_argument(
+        "--approx-tree-max-chars",
+        type=int,
+        help="approximate cache_aware: prefix tree size cap per worker, chars",
+    )
+    p.add_argument(
+        "--tokenize-cache-entries", type=int, help="cached tokenized prompt segments (8192)"
+    )
+    p.add_argument(
+        "--pd-min-uncached-tokens",
+        type=int,
+        help="vLLM: fewer predicted uncached prompt tokens skip the prefill leg (0: never)",
+    )
+    p.add_argument(
+        "--prefill-saturated-waiting",
+        type=int,
+        help="vLLM: when every prefill has this many waiting requests, skip the prefill leg",
+    )
+
+
 def _prefill_spec(parser: _Parser, values: list[str]) -> dict[str, Any]:
-    if len(values) > 2:
-        parser.error(f"argument --prefill: expected URL [BOOTSTRAP_PORT], got {' '.join(values)}")
+    """``URL [BOOTSTRAP_PORT|none|ns:NAME] [events=tcp://H:P] [replay=tcp://H:P]``."""
+    named = {"events": "kv_events", "replay": "kv_events_replay"}
     spec: dict[str, Any] = {"url": values[0]}
-    if len(values) == 2 and values[1].startswith("ns:"):
-        spec["bootstrap_namespace"] = values[1][3:]
-    elif len(values) == 2 and values[1].lower() != "none":
-        if not values[1].isdigit():
+    positional = []
+    for value in values[1:]:
+        key, sep, rest = value.partition("=")
+        if sep and key in named:
+            spec[named[key]] = rest
+        else:
+            positional.append(value)
+    if len(positional) > 1:
+        parser.error(
+            "argument --prefill: expected URL [BOOTSTRAP_PORT] [events=ENDPOINT] "
+            f"[replay=ENDPOINT], got {' '.join(values)}"
+        )
+    port = positional[0] if positional else "none"
+    if port.startswith("ns:"):
+        spec["bootstrap_namespace"] = port[3:]
+    elif port.lower() != "none":
+        if not port.isdigit():
             parser.error(
-                f"argument --prefill: invalid bootstrap port {values[1]!r} (an integer or 'none')"
+                f"argument --prefill: invalid bootstrap port {port!r} (an integer or 'none')"
             )
-        spec["bootstrap_port"] = int(values[1])
+        spec["bootstrap_port"] = int(port)
     return spec
 
 

@@ -13,7 +13,9 @@ from registry.engine_api import RankTables
 from registry.service import RegistryService
 from router.adapters import build_adapter
 from router.discovery import Discovery
+from router.engine_load import EngineLoadMonitor
 from router.health import HealthProber
+from router.metrics import RouterMetrics
 from router.namespace_ports import namespace_servers
 from router.pipeline import Pipeline
 from router.policies import build_policy
@@ -31,6 +33,7 @@ class AppContext:
     prober: HealthProber
     registry: RegistryService
     discovery: Discovery
+    metrics: RouterMetrics
 
     def live_view(self, worker_id: str) -> dict[str, Any] | None:
         """This router's live state of a worker, for the admin API."""
@@ -75,6 +78,8 @@ async def open_context(settings: RouterSettings, tables: RankTables) -> AsyncIte
     service = RegistryService(store)
     prober = HealthProber(pool, settings.engine, settings.health, tables)
     discovery = Discovery(pool, service, settings, prober)
+    load_monitor = EngineLoadMonitor(pool, settings.engine, settings.load)
+    metrics = RouterMetrics()
     policy = settings.policy
     pipeline = Pipeline(
         pool,
@@ -84,14 +89,17 @@ async def open_context(settings: RouterSettings, tables: RankTables) -> AsyncIte
         settings.upstream,
         settings.health,
         prober.refresh_soon,
+        metrics,
     )
     tables.bind(store)
     try:
         await discovery.seed()
-        async with namespace_servers(tables, settings), _background(prober.run(), discovery.run()):
-            yield AppContext(settings, pool, pipeline, prober, service, discovery)
+        background = _background(prober.run(), discovery.run(), load_monitor.run())
+        async with namespace_servers(tables, settings), background:
+            yield AppContext(settings, pool, pipeline, prober, service, discovery, metrics)
     finally:
         tables.bind(None)
         await discovery.aclose()
         await prober.aclose()
+        await load_monitor.aclose()
         await store.close()

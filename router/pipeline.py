@@ -33,6 +33,7 @@ from router.errors import (
 )
 from router.interrupt import Interrupt, failure_of, reap
 from router.leg_clock import LegClock
+from router.metrics import RouterMetrics
 from router.policies import Policy, least_loaded_rank
 from router.prefill_answer import prefill_answer_body, prefill_answer_events
 from router.relay import Responder
@@ -103,6 +104,7 @@ class Pipeline:
         upstream_settings: UpstreamSettings,
         health_settings: HealthSettings,
         on_stale_layout: Callable[[Worker], None],
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._pool = pool
         self._adapter = adapter
@@ -111,6 +113,7 @@ class Pipeline:
         self._settings = upstream_settings
         self._failure_threshold = health_settings.failure_threshold
         self._on_stale_layout = on_stale_layout
+        self._metrics = metrics or RouterMetrics()
 
     async def handle(
         self,

@@ -13,8 +13,10 @@ from registry.models import NAMESPACE_PATTERN
 from registry.settings import RegistrySettings
 
 __all__ = [
+    "CacheAwareSettings",
     "EngineProtocol",
     "HealthSettings",
+    "LoadSettings",
     "LoggingSettings",
     "PolicySettings",
     "RouterSettings",
@@ -44,6 +46,20 @@ class WorkerSpec(BaseModel):
     # set when the prefill registers its ranks with this router's registry instead of hosting
     # its own bootstrap server (vLLM >= 0.32 bootstrap_server_address, our transfer library)
     bootstrap_namespace: str | None = Field(default=None, pattern=NAMESPACE_PATTERN)
+    # the prefill's KV event stream (DP rank 0; rank r at port + r), like the engine's own
+    # --kv-events-config endpoint / replay_endpoint; None: derived from CacheAwareSettings ports
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _check_events(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        url = httpx.URL(value)
+        if url.scheme != "tcp" or not url.host or url.port is None:
+            raise ValueError(f"a KV event endpoint must look like tcp://host:port, got {value!r}")
+        return value
 
     @field_validator("url")
     @classmethod
@@ -86,6 +102,36 @@ class PolicySettings(BaseModel):
     decode_policy: str | None = None
 
 
+class LoadSettings(BaseModel):
+    """Polling each worker's own load report (vLLM ``/metrics``; SGLang ``/v1/loads``, else
+    ``/metrics``). A failed or missing reading is unknown, never idle."""
+
+    interval_s: float = Field(default=1.0, ge=0)  # 0: never poll (router in-flight counts only)
+    timeout_s: PositiveFloat = 1.0
+    stale_after_s: PositiveFloat = 5.0  # an older reading is unknown
+
+
+class CacheAwareSettings(BaseModel):
+    """KV-cache-aware prefill selection (``cache_aware``) and skipping the prefill leg."""
+
+    tokenizer: str | None = None  # a Hugging Face tokenizer directory (tokenizer.json + config)
+    render_url: str | None = None  # a vLLM engine or render server: POST /v1/.../render
+    kv_events_port: int | None = Field(default=None, ge=1, le=65535)  # on each prefill's host
+    kv_events_replay_port: int | None = Field(default=None, ge=1, le=65535)
+    max_indexed_blocks: int = Field(default=4_000_000, gt=0)  # the whole index, all workers
+    prediction_ttl_s: PositiveFloat = 2.0  # predicted entries live this long unless confirmed
+    balance_abs_threshold: float = Field(default=32.0, ge=0)  # load wins when max-min > this
+    balance_rel_threshold: float = Field(default=1.5, ge=1.0)  # ... and max > this * min
+    approx_tree_max_chars: int = Field(default=16 * 1024 * 1024, gt=0)  # per worker
+    tokenize_cache_entries: int = Field(default=8192, ge=0)
+    # vLLM protocols: a request whose predicted uncached prompt tokens are fewer goes to the
+    # decode alone (it prefills locally); 0 never skips
+    pd_min_uncached_tokens: int = Field(default=0, ge=0)
+    # vLLM protocols: when every prefill reports at least this many waiting requests, the
+    # decode prefills locally; None never skips for load
+    prefill_saturated_waiting: int | None = Field(default=None, ge=1)
+
+
 class HealthSettings(BaseModel):
     interval_s: PositiveFloat = 5.0
     timeout_s: PositiveFloat = 2.0
@@ -120,5 +166,7 @@ class RouterSettings(BaseSettings):
     upstream: UpstreamSettings = UpstreamSettings()
     policy: PolicySettings = PolicySettings()
     health: HealthSettings = HealthSettings()
+    load: LoadSettings = LoadSettings()
+    cache: CacheAwareSettings = CacheAwareSettings()
     registry: RegistrySettings = RegistrySettings()
     logging: LoggingSettings = LoggingSettings()

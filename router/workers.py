@@ -46,6 +46,9 @@ class Worker:
     engine_ids: tuple[str, ...] = ()  # vLLM Mooncake: engine id per DP rank, from /query
     rank_inflight: list[int] = field(default_factory=lambda: [0])
     rank_turn: int = 0  # this prefill's own round-robin cursor over tied DP ranks
+    # the prefill's KV event stream (DP rank 0; rank r at port + r), None: not known
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
     host: str = ""
     # Where decoders reach the prefill's bootstrap server: the prefill's own host by default; the
     # router's registry (advertised host, namespace port or path) when the prefill registers there.
@@ -92,6 +95,16 @@ class Worker:
             self.inflight -= 1
             if rank_ok:
                 ranks[rank] -= 1
+
+    def load_score(self, rank: int | None = None) -> float:
+        """Work queued at this worker (or one DP rank), for load-aware choices.
+
+        The engine's own report (running + waiting) plus what this router sent since that
+        reading when a fresh reading exists; else this router's in-flight count.
+        """
+        if rank is None:
+            return float(self.inflight)
+        return float(self.rank_inflight[rank]) if rank < len(self.rank_inflight) else 0.0
 
     def loss_signal(self) -> asyncio.Future[str]:
         """A future resolved with a reason when this worker is lost (down, restarted)."""

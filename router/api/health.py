@@ -33,6 +33,12 @@ async def health() -> Response:
     return Response(status_code=200)
 
 
+@router.get("/metrics")
+async def metrics(ctx: Context) -> Response:
+    """The router's Prometheus metrics (routing decisions, skipped prefills)."""
+    return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
 @router.get("/ready")
 async def ready(ctx: Context) -> JSONResponse:
     """200 once at least one healthy prefill and one healthy decode worker exist, else 503.
