@@ -1,10 +1,10 @@
 """The import direction between the top-level packages, checked on every module's syntax tree.
 
 registry and transfer are the ground floor, router and worker stand on them (the router uses
-only ``transfer.events``, the KV cache event feed it follows; never the engine-side KV path); test support
-(``testkit``) serves ``tests`` and ``bench`` and nothing in the product imports it; no test
-imports a benchmark (the benchmarks' own tests live in ``bench/tests``), and nothing outside
-``tests`` imports ``tests``. Function-level imports count too.
+only ``transfer.events``, the KV cache event feed it follows, never the engine-side KV path);
+test support (``testkit``) serves ``tests`` and ``bench`` and nothing in the product imports it;
+no test imports a benchmark (the benchmarks' own tests live in ``bench/tests``), and nothing
+outside ``tests`` imports ``tests``. Function-level imports count too.
 """
 
 from __future__ import annotations
