@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 
 import httpx
 
-__all__ = ["Role", "Worker", "WorkerPool", "format_host"]
+__all__ = ["EngineLoad", "LoadReading", "Role", "Worker", "WorkerPool", "format_host"]
 
 
 class Role(StrEnum):
@@ -23,6 +23,28 @@ class Role(StrEnum):
 def format_host(host: str) -> str:
     """A host as it goes into ``host:port`` strings: IPv6 literals in brackets."""
     return f"[{host}]" if ":" in host else host
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One DP rank's load as its engine reported it: requests running and waiting, and the share
+    of its KV cache in use (0..1; None when the engine does not report it)."""
+
+    running: float
+    waiting: float
+    kv_usage: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReading:
+    """An ``EngineLoad`` as the router keeps it: when it was read, until when it counts (later it
+    is stale, i.e. unknown) and the rank's dispatch counter then (later dispatches are credited)."""
+
+    load: EngineLoad
+    at: float  # time.monotonic() of the read
+    fresh_until: float
+    dispatched: int
+    queued: float  # running + waiting, kept so that load_score adds nothing up
 
 
 @dataclass(eq=False, slots=True)
@@ -46,6 +68,10 @@ class Worker:
     engine_ids: tuple[str, ...] = ()  # vLLM Mooncake: engine id per DP rank, from /query
     rank_inflight: list[int] = field(default_factory=lambda: [0])
     rank_turn: int = 0  # this prefill's own round-robin cursor over tied DP ranks
+    # requests this router ever sent to each DP rank (only grows): credits since a reading
+    rank_dispatched: list[int] = field(default_factory=lambda: [0])
+    # each DP rank's last load report from its engine, None: unknown (never read, read failed)
+    engine_load: list[LoadReading | None] = field(default_factory=lambda: [None])
     # the prefill's KV event stream (DP rank 0; rank r at port + r), None: not known
     kv_events: str | None = None
     kv_events_replay: str | None = None
@@ -80,15 +106,19 @@ class Worker:
         if dp_size != self.dp_size:
             self.dp_size = dp_size
             self.rank_inflight = [0] * dp_size
+            self.rank_dispatched = [0] * dp_size
+            self.engine_load = [None] * dp_size
 
     @contextmanager
     def load(self, rank: int = 0) -> Iterator[None]:
-        """Count one in-flight request (and DP rank) for as long as the block runs."""
+        """Count one in-flight request (and DP rank) for as long as the block runs, and one more
+        request dispatched to the rank (credited to it until the engine's next load report)."""
         self.inflight += 1
         ranks = self.rank_inflight
         rank_ok = rank < len(ranks)
         if rank_ok:
             ranks[rank] += 1
+            self.rank_dispatched[rank] += 1
         try:
             yield
         finally:
@@ -103,8 +133,66 @@ class Worker:
         reading when a fresh reading exists; else this router's in-flight count.
         """
         if rank is None:
-            return float(self.inflight)
-        return float(self.rank_inflight[rank]) if rank < len(self.rank_inflight) else 0.0
+            return self._total_score()
+        if rank >= len(self.rank_inflight):
+            return 0.0
+        reading = self.engine_load[rank]
+        if reading is None or time.monotonic() >= reading.fresh_until:
+            return float(self.rank_inflight[rank])
+        return reading.queued + (self.rank_dispatched[rank] - reading.dispatched)
+
+    def _total_score(self) -> float:
+        """Sum over the DP ranks; this router's in-flight count when any rank's load is unknown."""
+        now = time.monotonic()
+        total = 0.0
+        for reading, dispatched in zip(self.engine_load, self.rank_dispatched, strict=True):
+            if reading is None or now >= reading.fresh_until:
+                return float(self.inflight)
+            total += reading.queued + (dispatched - reading.dispatched)
+        return total
+
+    def engine_waiting(self, rank: int | None = None) -> float | None:
+        """Requests waiting at the engine (one DP rank, or all) as it last reported them (no
+        credits); None when unknown or stale (for all ranks: when any rank is)."""
+        now = time.monotonic()
+        readings = self.engine_load if rank is None else self.engine_load[rank : rank + 1]
+        total = 0.0
+        for reading in readings:
+            if reading is None or now >= reading.fresh_until:
+                return None
+            total += reading.load.waiting
+        return total if readings else None
+
+    def engine_load_known(self, rank: int | None = None) -> bool:
+        """Whether a fresh engine report backs ``load_score(rank)`` (for all ranks: every one)."""
+        now = time.monotonic()
+        readings = self.engine_load if rank is None else self.engine_load[rank : rank + 1]
+        return bool(readings) and all(r is not None and now < r.fresh_until for r in readings)
+
+    def record_engine_load(
+        self,
+        loads: list[EngineLoad | None],
+        *,
+        at: float,
+        stale_after: float,
+        dispatched: list[int],
+    ) -> None:
+        """Keep one engine report per DP rank (None: that rank unknown). ``dispatched`` is the
+        ranks' dispatch counters when the read began: requests sent after it are credited."""
+        if len(loads) != self.dp_size:
+            raise ValueError(f"{len(loads)} rank loads for dp_size={self.dp_size}")
+        if len(dispatched) != self.dp_size:  # the layout changed during the read
+            dispatched = self.rank_dispatched
+        self.engine_load = [
+            None
+            if load is None
+            else LoadReading(load, at, at + stale_after, sent, load.running + load.waiting)
+            for load, sent in zip(loads, dispatched, strict=True)
+        ]
+
+    def forget_engine_load(self) -> None:
+        """The engine's load is unknown (a read failed): fall back to in-flight counts."""
+        self.engine_load = [None] * self.dp_size
 
     def loss_signal(self) -> asyncio.Future[str]:
         """A future resolved with a reason when this worker is lost (down, restarted)."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import pytest
 
 from router.policies import build_policy, least_loaded_rank
 from router.policies.power_of_two import PowerOfTwo
-from router.workers import Role, Worker
+from router.workers import EngineLoad, Role, Worker
 
 
 def _workers(*loads: int) -> list[Worker]:
@@ -17,6 +18,17 @@ def _workers(*loads: int) -> list[Worker]:
     for worker, load in zip(workers, loads, strict=True):
         worker.inflight = load
     return workers
+
+
+def _report(worker: Worker, running: float, waiting: float = 0.0) -> Worker:
+    """The engine's own (fresh) load report for a one-rank worker."""
+    worker.record_engine_load(
+        [EngineLoad(running, waiting)],
+        at=time.monotonic(),
+        stale_after=60.0,
+        dispatched=list(worker.rank_dispatched),
+    )
+    return worker
 
 
 def test_round_robin_cycles_in_order() -> None:
@@ -44,6 +56,40 @@ def test_least_load_breaks_ties_round_robin() -> None:
     picks = Counter(policy.choose(workers).url for _ in range(100))
     assert set(picks) == {workers[1].url, workers[2].url}
     assert abs(picks[workers[1].url] - picks[workers[2].url]) <= 2
+
+
+def test_least_load_follows_the_engines_report_over_inflight_counts() -> None:
+    """Other routers' traffic shows only in the engine's report: it decides when known."""
+    policy = build_policy("least_load")
+    workers = _workers(0, 4, 1)
+    _report(workers[0], running=10, waiting=5)
+    _report(workers[1], running=2, waiting=1)
+    assert {policy.choose(workers) for _ in range(5)} == {workers[2]}  # in-flight 1 < 3
+    _report(workers[2], running=6)
+    assert {policy.choose(workers) for _ in range(5)} == {workers[1]}
+
+
+def test_least_load_credits_requests_sent_since_the_report() -> None:
+    """Requests that already ended still count until the engine's next report says so."""
+    policy = build_policy("least_load")
+    idle, busy = _workers(0, 0)
+    _report(idle, running=0)
+    _report(busy, running=2)
+    picks = []
+    for _ in range(6):
+        chosen = policy.choose([idle, busy])
+        with chosen.load():
+            picks.append(chosen)
+    assert picks[:2] == [idle, idle]
+    assert picks.count(idle) == 4 and idle.load_score() == busy.load_score() == 4.0
+
+
+def test_power_of_two_compares_engine_load_when_known() -> None:
+    policy = PowerOfTwo(random.Random(5))
+    workers = _workers(0, 9)
+    _report(workers[0], running=30)
+    _report(workers[1], running=2, waiting=1)
+    assert all(policy.choose(workers) is workers[1] for _ in range(20))
 
 
 def test_power_of_two_prefers_the_less_loaded_of_its_two_samples() -> None:

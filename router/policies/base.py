@@ -21,10 +21,11 @@ class Policy(Protocol):
 
 
 def least_loaded_rank(worker: Worker) -> int:
-    """The DP rank of ``worker`` with the fewest in-flight requests; ties go round-robin on the
-    worker's own cursor (a cursor shared by all prefills aliases with a round-robin over them:
-    with two prefills, each would only ever see even or only odd turns)."""
-    loads = worker.rank_inflight
+    """The DP rank of ``worker`` with the lowest ``load_score`` (the engine's report plus this
+    router's dispatches since, else its in-flight requests); ties go round-robin on the worker's
+    own cursor (a cursor shared by all prefills aliases with a round-robin over them: with two
+    prefills, each would only ever see even or only odd turns)."""
+    loads = [worker.load_score(rank) for rank in range(len(worker.rank_inflight))]
     lowest = min(loads)
     tied = [rank for rank, load in enumerate(loads) if load == lowest]
     turn, worker.rank_turn = worker.rank_turn, worker.rank_turn + 1

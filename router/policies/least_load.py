@@ -9,7 +9,8 @@ __all__ = ["LeastLoad"]
 
 
 class LeastLoad:
-    """Fewest in-flight requests at this router; ties are broken round-robin."""
+    """Lowest ``load_score``: the engine's reported load plus this router's dispatches since,
+    or this router's in-flight count when the engine's load is unknown. Ties go round-robin."""
 
     name = "least_load"
 
@@ -17,6 +18,7 @@ class LeastLoad:
         self._counter = itertools.count()
 
     def choose(self, candidates: Sequence[Worker]) -> Worker:
-        lowest = min(worker.inflight for worker in candidates)
-        tied = [worker for worker in candidates if worker.inflight == lowest]
+        scores = [worker.load_score() for worker in candidates]
+        lowest = min(scores)
+        tied = [worker for worker, score in zip(candidates, scores, strict=True) if score == lowest]
         return tied[next(self._counter) % len(tied)]

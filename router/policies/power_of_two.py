@@ -9,7 +9,7 @@ __all__ = ["PowerOfTwo"]
 
 
 class PowerOfTwo:
-    """Two random candidates; the one with fewer in-flight requests wins (first on a tie)."""
+    """Two random candidates; the one with the lower ``load_score`` wins (first on a tie)."""
 
     name = "power_of_two"
 
@@ -21,4 +21,4 @@ class PowerOfTwo:
             return candidates[0]
         first, second = self._rng.sample(range(len(candidates)), 2)
         a, b = candidates[first], candidates[second]
-        return b if b.inflight < a.inflight else a
+        return b if b.load_score() < a.load_score() else a
