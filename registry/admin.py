@@ -23,6 +23,9 @@ from registry.settings import RegistrySettings
 
 __all__ = ["LiveView", "NewWorker", "admin_routes", "authorizer"]
 
+# tcp://host:port (host: a name, an IPv4 address or a bracketed IPv6 literal)
+_TCP_ENDPOINT = r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}$"
+
 # worker id -> what this process knows live about it (health, in-flight, layout), or None
 LiveView = Callable[[str], dict[str, Any] | None]
 
@@ -39,6 +42,9 @@ class NewWorker(BaseModel):
     engine: Literal["vllm-mooncake", "vllm-nixl", "sglang"] | None = None
     # set by a worker registering itself: the entry expires unless heartbeated within lease_s
     lease_s: float | None = Field(default=None, ge=1, le=3600)
+    # a prefill's KV cache event stream and its replay endpoint (DP rank 0; rank r: port + r)
+    kv_events: str | None = Field(default=None, pattern=_TCP_ENDPOINT)
+    kv_events_replay: str | None = Field(default=None, pattern=_TCP_ENDPOINT)
 
     @field_validator("url")
     @classmethod
@@ -119,6 +125,8 @@ def admin_routes(
             engine=body.engine,
             source="admin" if body.lease_s is None else "engine",
             ttl=body.lease_s,
+            kv_events=body.kv_events,
+            kv_events_replay=body.kv_events_replay,
         )
         return _describe(record, view)
 

@@ -43,6 +43,10 @@ class WorkerRecord(msgspec.Struct, kw_only=True, frozen=True):
     draining: bool = False
     epoch: int = 1
     source: Literal["static", "admin", "engine"] = "admin"
+    # the prefill's KV cache event stream (DP rank 0; rank r at port + r) and its replay
+    # endpoint, ``tcp://host:port``; None: not advertised (older records decode as None)
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
 
 def worker_id(role: str, url: str) -> str:

@@ -49,8 +49,13 @@ class RegistryService:
         engine: str | None = None,
         source: Literal["static", "admin", "engine"] = "admin",
         ttl: float | None = None,
+        kv_events: str | None = None,
+        kv_events_replay: str | None = None,
     ) -> WorkerRecord:
-        """Register (idempotently) a worker; a changed address or engine bumps its epoch."""
+        """Register (idempotently) a worker; a changed address or engine bumps its epoch.
+
+        A changed KV event endpoint alone does not: the engine is the same, only how to follow
+        its cache changed (the router re-subscribes on its own)."""
         url = url.rstrip("/")
         wid = worker_id(role, url)
         old = await self.get_worker(wid)
@@ -62,6 +67,8 @@ class RegistryService:
             bootstrap_namespace=bootstrap_namespace,
             engine=engine,
             source=source,
+            kv_events=kv_events,
+            kv_events_replay=kv_events_replay,
         )
         if old is not None:
             same = (old.bootstrap_port, old.bootstrap_namespace, old.engine) == (
@@ -72,7 +79,8 @@ class RegistryService:
             record = msgspec.structs.replace(
                 record, epoch=old.epoch if same else old.epoch + 1, draining=False
             )
-            if same and not old.draining and old.source == source and ttl is None:
+            events_same = (old.kv_events, old.kv_events_replay) == (kv_events, kv_events_replay)
+            if same and events_same and not old.draining and old.source == source and ttl is None:
                 return old
         await self.store.put(worker_key(wid), encode_worker(record), ttl=ttl)
         logger.info(

@@ -15,10 +15,14 @@ from router.adapters import build_adapter
 from router.discovery import Discovery
 from router.engine_load import EngineLoadMonitor
 from router.health import HealthProber
+from router.kv_event_feed import KVEventFeed
+from router.kv_index import KVBlockIndex
 from router.metrics import RouterMetrics
 from router.namespace_ports import namespace_servers
 from router.pipeline import Pipeline
-from router.policies import build_policy
+from router.policies import build_policies
+from router.prefix_tree import ApproxPrefixTree
+from router.prompt_tokens import Featurizer, open_token_source
 from router.settings import RouterSettings
 from router.upstream import UpstreamPool
 
@@ -34,6 +38,8 @@ class AppContext:
     registry: RegistryService
     discovery: Discovery
     metrics: RouterMetrics
+    index: KVBlockIndex
+    feed: KVEventFeed
 
     def live_view(self, worker_id: str) -> dict[str, Any] | None:
         """This router's live state of a worker, for the admin API."""
@@ -52,6 +58,9 @@ class AppContext:
                     "dp_rank": rank,
                     "inflight": load,
                     "engine_id": worker.engine_ids[rank] if rank < len(worker.engine_ids) else None,
+                    # confirmed blocks the KV index holds for this rank, and its event stream
+                    "kv_blocks": self.index.block_count((worker.id, rank)),
+                    "kv_events": self.feed.stats((worker.id, rank)),
                 }
                 for rank, load in enumerate(worker.rank_inflight)
             ]
@@ -80,25 +89,36 @@ async def open_context(settings: RouterSettings, tables: RankTables) -> AsyncIte
     discovery = Discovery(pool, service, settings, prober)
     load_monitor = EngineLoadMonitor(pool, settings.engine, settings.load)
     metrics = RouterMetrics()
-    policy = settings.policy
+    cache = settings.cache
+    index = KVBlockIndex(cache.max_indexed_blocks, cache.prediction_ttl_s)
+    tree = ApproxPrefixTree(cache.approx_tree_max_chars)
+    prefill_policy, decode_policy = build_policies(settings.policy, cache, index, tree)
+    featurizer = Featurizer(open_token_source(cache), metrics.tokenize_seconds.observe)
+    feed = KVEventFeed(lambda: pool.prefill, index, tree, cache)
     pipeline = Pipeline(
         pool,
         adapter,
-        build_policy(policy.prefill_policy or policy.policy),
-        build_policy(policy.decode_policy or policy.policy),
+        prefill_policy,
+        decode_policy,
         settings.upstream,
         settings.health,
         prober.refresh_soon,
         metrics,
+        cache_settings=cache,
+        featurizer=featurizer,
     )
     tables.bind(store)
     try:
         await discovery.seed()
-        background = _background(prober.run(), discovery.run(), load_monitor.run())
+        background = _background(prober.run(), discovery.run(), load_monitor.run(), feed.run())
         async with namespace_servers(tables, settings), background:
-            yield AppContext(settings, pool, pipeline, prober, service, discovery, metrics)
+            yield AppContext(
+                settings, pool, pipeline, prober, service, discovery, metrics, index, feed
+            )
     finally:
         tables.bind(None)
+        await feed.aclose()
+        await featurizer.aclose()
         await discovery.aclose()
         await prober.aclose()
         await load_monitor.aclose()

@@ -77,6 +77,8 @@ class Discovery:
                 bootstrap_port=spec.bootstrap_port,
                 bootstrap_namespace=spec.bootstrap_namespace,
                 source="static",
+                kv_events=spec.kv_events,
+                kv_events_replay=spec.kv_events_replay,
             )
             for spec in self._settings.prefill
         ]
@@ -96,6 +98,8 @@ class Discovery:
                     bootstrap_port=record.bootstrap_port,
                     bootstrap_namespace=record.bootstrap_namespace,
                     source="static",
+                    kv_events=record.kv_events,
+                    kv_events_replay=record.kv_events_replay,
                 )
         except RegistryUnavailable as exc:
             self._set_status(False, str(exc))
@@ -149,6 +153,8 @@ class Discovery:
             id=record.id,
             epoch=record.epoch,
             draining=record.draining,
+            kv_events=record.kv_events,
+            kv_events_replay=record.kv_events_replay,
         )
         self._place_bootstrap(worker, record.bootstrap_namespace)
         self._pool.add(worker, build_upstream(worker, self._settings.upstream))
@@ -160,6 +166,8 @@ class Discovery:
             logger.info("worker %s %s is draining", worker.role.value, worker.url)
             self._spawn(self._finish_drain(worker))
         worker.draining = record.draining
+        # the KV event feed notices a changed endpoint and re-subscribes
+        worker.kv_events, worker.kv_events_replay = record.kv_events, record.kv_events_replay
         if record.epoch != worker.epoch:
             logger.info(
                 "worker %s %s re-registered (epoch %d): dropping its cached layout",

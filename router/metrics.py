@@ -11,6 +11,12 @@ _DECISION_BUCKETS = (
     5e-6, 10e-6, 20e-6, 35e-6, 50e-6, 75e-6, 100e-6, 150e-6, 200e-6, 300e-6, 500e-6,
     1e-3, 2e-3, 5e-3, 10e-3, 50e-3,
 )  # fmt: skip
+# Tokenizing a prompt: tens of microseconds (cached prefixes) to tens of milliseconds (a long
+# uncached prompt, or a render call to an engine).
+_TOKENIZE_BUCKETS = (
+    20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 100e-3, 250e-3,
+    1.0, 5.0,
+)  # fmt: skip
 
 
 class RouterMetrics:
@@ -23,6 +29,12 @@ class RouterMetrics:
             "Time to choose a prefill (and DP rank) and a decode for one request",
             ["policy"],
             buckets=_DECISION_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokenize_seconds = Histogram(
+            "pdr_tokenize_seconds",
+            "Time to get one request's prompt token ids (local tokenizer or render API)",
+            buckets=_TOKENIZE_BUCKETS,
             registry=self.registry,
         )
         self.prefill_skipped = Counter(

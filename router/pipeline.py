@@ -4,6 +4,12 @@ Failure rules (PROTOCOLS.md 3.3, 5.7): if the prefill leg fails, the decode leg 
 once and the client gets the prefill's error; if the client goes away, both legs are cancelled.
 Only connect errors are retried, and only before any byte reached the client.
 
+Choosing (``_select``): the prefill policy picks a prefill (``cache_aware`` also its DP rank,
+from the request's prompt features), the decode policy a decode. With a vLLM protocol the
+prefill leg may be skipped (``_few_uncached``, ``_saturated``): the decode alone gets the
+client's body and prefills locally, when few prompt tokens are predicted uncached or every
+prefill is saturated.
+
 Real engines never give up on a KV that does not come before 480-540 s, so the router does:
 - the prefill's answer ends the generation (a stop token; ``completed_by_prefill``): the client
   gets that answer and the decode leg is cancelled;
@@ -18,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -35,11 +43,13 @@ from router.interrupt import Interrupt, failure_of, reap
 from router.leg_clock import LegClock
 from router.metrics import RouterMetrics
 from router.policies import Policy, least_loaded_rank
+from router.policies.cache_aware import CacheAware, PrefillChoice
 from router.prefill_answer import prefill_answer_body, prefill_answer_events
+from router.prompt_tokens import Featurizer, RequestFeatures
 from router.relay import Responder
 from router.sample_split import SampleSplit
 from router.schemas import ParsedRequest
-from router.settings import HealthSettings, UpstreamSettings
+from router.settings import CacheAwareSettings, HealthSettings, UpstreamSettings
 from router.upstream import UpstreamClient, UpstreamPool, UpstreamResponse, is_worker_fault
 from router.workers import Worker
 
@@ -49,6 +59,20 @@ logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 _JSON = b"application/json"
+# Protocols whose decode prefills a request that has no kv_transfer_params by itself.
+_DECODE_CAN_PREFILL = frozenset({"vllm-mooncake", "vllm-nixl"})
+SKIPPED = "skipped"
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """One attempt's choice: the prefill (None: skipped, for ``reason``) and the decode."""
+
+    prefill: Worker | None
+    rank: int
+    decode: Worker
+    choice: PrefillChoice | None = None  # cache_aware's choice, with its prediction
+    reason: str | None = None  # why the prefill leg is skipped
 
 
 class ClientDisconnected(Exception):
@@ -105,6 +129,9 @@ class Pipeline:
         health_settings: HealthSettings,
         on_stale_layout: Callable[[Worker], None],
         metrics: RouterMetrics | None = None,
+        *,
+        cache_settings: CacheAwareSettings | None = None,
+        featurizer: Featurizer | None = None,
     ) -> None:
         self._pool = pool
         self._adapter = adapter
@@ -114,6 +141,17 @@ class Pipeline:
         self._failure_threshold = health_settings.failure_threshold
         self._on_stale_layout = on_stale_layout
         self._metrics = metrics or RouterMetrics()
+        self._cache = cache_settings or CacheAwareSettings()
+        self._featurizer = featurizer or Featurizer(None)
+        self._cache_aware = prefill_policy if isinstance(prefill_policy, CacheAware) else None
+        self._may_skip = adapter.name in _DECODE_CAN_PREFILL and (
+            self._cache.pd_min_uncached_tokens > 0
+            or self._cache.prefill_saturated_waiting is not None
+        )
+        # the prompt's token ids: for precise matching, or to count uncached tokens exactly
+        self._wants_tokens = self._cache_aware is not None or (
+            self._may_skip and self._cache.pd_min_uncached_tokens > 0
+        )
 
     async def handle(
         self,
@@ -140,31 +178,63 @@ class Pipeline:
         attempts = self._settings.max_retries + 1
         failed: set[str] = set()
         last_error: UpstreamUnavailable | None = None
+        features = await self._features(request)
         for attempt in range(1, attempts + 1):
             try:
-                prefill, rank, decode = self._select(failed)
+                route = self._route(failed, features, count=attempt == 1)
             except NoWorkerAvailable:
                 if last_error is None:
                     raise
                 raise last_error from None  # retries used up every healthy worker
-            plan = self._adapter.plan(request, prefill, rank, decode)
             try:
-                await self._attempt(
-                    request, plan, headers, (prefill, rank, decode), responder, disconnected
-                )
+                if route.prefill is None:
+                    await self._direct(request, route, headers, responder, disconnected)
+                    return
+                plan = self._adapter.plan(request, route.prefill, route.rank, route.decode)
+                pair = (route.prefill, route.rank, route.decode)
+                await self._attempt(request, plan, headers, pair, responder, disconnected)
                 return
             except UpstreamUnavailable as exc:
                 if not exc.connect or responder.started or attempt == attempts:
                     raise
                 last_error = exc
-                failed.add(prefill.id if exc.role == "prefill" else decode.id)
+                culprit = route.prefill if exc.role == "prefill" else route.decode
+                failed.add((culprit or route.decode).id)
                 logger.warning(
                     "attempt %d failed before any byte was sent, retrying: %s",
                     attempt,
                     exc.message,
                 )
 
-    def _select(self, failed: set[str]) -> tuple[Worker, int, Worker]:
+    async def _features(self, request: ParsedRequest) -> RequestFeatures | None:
+        """The prompt's text and (when a choice needs them) token ids; None when unused."""
+        if self._cache_aware is None and not self._may_skip:
+            return None
+        return await self._featurizer.features(request, tokens=self._wants_tokens)
+
+    def _route(self, failed: set[str], features: RequestFeatures | None, *, count: bool) -> _Route:
+        """Choose (timed), decide whether to skip the prefill leg, and count the outcome."""
+        started = time.perf_counter()
+        route = self._select(failed, features)
+        self._metrics.decision_seconds.labels(self._prefill_policy.name).observe(
+            time.perf_counter() - started
+        )
+        if route.reason is None and route.choice is not None and features is not None:
+            assert self._cache_aware is not None
+            self._cache_aware.record(route.choice, features)
+        if count:  # once per request, not per retry
+            self._metrics.routed.labels(self._choice_label(route)).inc()
+            if route.reason is not None:
+                self._metrics.prefill_skipped.labels(route.reason).inc()
+        return route
+
+    def _choice_label(self, route: _Route) -> str:
+        """How the prefill was chosen: skipped, cache_aware's way, or the policy's name."""
+        if route.reason is not None:
+            return SKIPPED
+        return route.choice.how if route.choice is not None else self._prefill_policy.name
+
+    def _select(self, failed: set[str], features: RequestFeatures | None) -> _Route:
         prefills = self._pool.available_prefill()
         decodes = self._pool.available_decode()
         if not prefills:
@@ -172,12 +242,72 @@ class Pipeline:
         if not decodes:
             raise NoWorkerAvailable("no healthy decode worker is available")
         if failed:
-            prefills = [w for w in prefills if w.id not in failed] or prefills
             decodes = [w for w in decodes if w.id not in failed] or decodes
-        prefill = self._prefill_policy.choose(prefills)
         decode = self._decode_policy.choose(decodes)
-        rank = least_loaded_rank(prefill) if prefill.dp_size > 1 else 0
-        return prefill, rank, decode
+        if self._may_skip and self._saturated(prefills):
+            return _Route(None, 0, decode, None, "prefills_saturated")
+        if failed:
+            prefills = [w for w in prefills if w.id not in failed] or prefills
+        if self._cache_aware is not None:
+            choice = self._cache_aware.choose_prefill(prefills, features or RequestFeatures())
+            route = _Route(choice.worker, choice.rank, decode, choice)
+        else:
+            prefill = self._prefill_policy.choose(prefills)
+            rank = least_loaded_rank(prefill) if prefill.dp_size > 1 else 0
+            route = _Route(prefill, rank, decode)
+        if self._may_skip and self._few_uncached(route, features):
+            return _Route(None, 0, decode, route.choice, "few_uncached_tokens")
+        return route
+
+    def _few_uncached(self, route: _Route, features: RequestFeatures | None) -> bool:
+        """Whether the prompt tokens predicted uncached at the chosen prefill are too few to be
+        worth a KV transfer (``pd_min_uncached_tokens``; 0 never)."""
+        minimum = self._cache.pd_min_uncached_tokens
+        total = None if features is None else features.prompt_tokens
+        if minimum <= 0 or total is None:
+            return False
+        cached = route.choice.cached_tokens if route.choice is not None else 0
+        return total - cached < minimum
+
+    def _saturated(self, prefills: list[Worker]) -> bool:
+        """Whether every available prefill reports at least ``prefill_saturated_waiting``
+        waiting requests (an unknown reading never counts as saturated)."""
+        threshold = self._cache.prefill_saturated_waiting
+        if threshold is None or not prefills:
+            return False
+        for worker in prefills:
+            waiting = worker.engine_waiting(None)
+            if waiting is None or waiting < threshold:
+                return False
+        return True
+
+    async def _direct(
+        self,
+        request: ParsedRequest,
+        route: _Route,
+        headers: dict[str, str],
+        responder: Responder,
+        disconnected: asyncio.Future[Any],
+    ) -> None:
+        """The decode alone, with the client's body unchanged: it prefills locally (a vLLM
+        request without kv_transfer_params). Same relay, errors and retries as a PD attempt."""
+        clock = LegClock(self._settings.kv_arrival_timeout_s, watch_first_byte=False)
+        call = self._decode(
+            request, route.decode, _encode(request.body), headers, responder, None, clock
+        )
+        interrupt = Interrupt()
+        try:
+            with interrupt.on_done(disconnected, lambda _: ClientDisconnected()):
+                await interrupt.guard(call)
+        finally:
+            clock.close()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "routed prefill=skipped (%s) decode=%s %s",
+                route.reason,
+                route.decode.url,
+                clock.summary(),
+            )
 
     async def _attempt(
         self,
@@ -387,7 +517,7 @@ class Pipeline:
         body: bytes,
         headers: dict[str, str],
         responder: Responder,
-        prefill: Worker,
+        prefill: Worker | None,
         clock: LegClock,
     ) -> None:
         upstream = self._pool.client(worker)
@@ -410,7 +540,7 @@ class Pipeline:
         worker: Worker,
         response: UpstreamResponse,
         responder: Responder,
-        prefill: Worker,
+        prefill: Worker | None,
         clock: LegClock,
     ) -> None:
         """Move decode's SSE bytes to the client as they come.
@@ -435,7 +565,7 @@ class Pipeline:
         self._record(worker, None)
 
     def _check_decode_status(
-        self, status: int, content: bytes, worker: Worker, prefill: Worker
+        self, status: int, content: bytes, worker: Worker, prefill: Worker | None
     ) -> None:
         if status < 500:
             self._record(worker, None)
@@ -443,9 +573,9 @@ class Pipeline:
         self._check_stale_layout(content, worker, prefill)
         worker.record_failure(self._failure_threshold)
 
-    def _check_stale_layout(self, content: bytes, worker: Worker, prefill: Worker) -> None:
+    def _check_stale_layout(self, content: bytes, worker: Worker, prefill: Worker | None) -> None:
         """A decode error naming an unknown engine id: re-read the prefill's layout now."""
-        if self._adapter.is_stale_layout(content):
+        if prefill is not None and self._adapter.is_stale_layout(content):
             logger.warning(
                 "decode %s does not know prefill %s's engine id; re-querying",
                 worker.url,

@@ -1,7 +1,8 @@
 """vLLM NixlConnector: prefill first, then decode with the prefill's kv_transfer_params verbatim.
 
 PROTOCOLS.md section 4. The prefill copy gets ``min_tokens=1`` (see ``vllm_prefill_body``); the
-decode receives the client's original body, ``min_tokens`` included.
+decode receives the client's original body, ``min_tokens`` included. A DP prefill gets the chosen
+rank in ``X-data-parallel-rank`` (section 2), as with Mooncake.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class VllmNixlAdapter:
 
     def plan(self, request: ParsedRequest, prefill: Worker, rank: int, decode: Worker) -> LegPlan:
         body = vllm_prefill_body(request.body, dict(_PREFILL_PARAMS))
-        return LegPlan(prefill_body=body, decode_body=None)
+        # a DP prefill computes on the rank the router chose (cache_aware: where its prefix is)
+        headers = {"x-data-parallel-rank": str(rank)} if prefill.dp_size > 1 else {}
+        return LegPlan(prefill_body=body, decode_body=None, prefill_headers=headers)
 
     def decode_after_prefill(self, request: ParsedRequest, prefill_answer: Any) -> dict[str, Any]:
         params = (

@@ -4,17 +4,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from router.kv_index import KVBlockIndex
 from router.policies.base import Policy, least_loaded_rank
+from router.policies.cache_aware import CacheAware
 from router.policies.least_load import LeastLoad
 from router.policies.power_of_two import PowerOfTwo
 from router.policies.round_robin import RoundRobin
+from router.prefix_tree import ApproxPrefixTree
+from router.settings import CacheAwareSettings, PolicySettings
 
-__all__ = ["POLICIES", "Policy", "build_policy", "least_loaded_rank"]
+__all__ = [
+    "CACHE_AWARE",
+    "POLICIES",
+    "CacheAware",
+    "Policy",
+    "build_policies",
+    "build_policy",
+    "least_loaded_rank",
+]
+
+CACHE_AWARE = CacheAware.name
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "round_robin": RoundRobin,
     "least_load": LeastLoad,
     "power_of_two": PowerOfTwo,
+    # a prefill policy: with ``--policy cache_aware`` the decode side is least_load. The
+    # router's context builds it over the shared index (``CacheAware(settings, index=...)``).
+    CACHE_AWARE: CacheAware,
 }
 
 
@@ -25,3 +42,23 @@ def build_policy(name: str) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
     return factory()
+
+
+def build_policies(
+    settings: PolicySettings,
+    cache: CacheAwareSettings,
+    index: KVBlockIndex,
+    tree: ApproxPrefixTree,
+) -> tuple[Policy, Policy]:
+    """The (prefill, decode) policies. ``cache_aware`` works over the shared ``index`` (fed by
+    the KV event feed) and ``tree``; as ``--policy`` it applies to the prefill side only, and
+    the decode side is least_load (a decode's cache is not what makes a prefill fast)."""
+    prefill_name = settings.prefill_policy or settings.policy
+    decode_name = settings.decode_policy or (
+        "least_load" if settings.policy == CACHE_AWARE else settings.policy
+    )
+    if prefill_name == CACHE_AWARE:
+        prefill: Policy = CacheAware(cache, index=index, tree=tree)
+    else:
+        prefill = build_policy(prefill_name)
+    return prefill, build_policy(decode_name)

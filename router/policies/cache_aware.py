@@ -1,0 +1,177 @@
+"""``cache_aware``: send a prompt to the prefill DP rank that already holds most of its prefix.
+
+Two ways to know what a rank holds (PROTOCOLS.md 11.2):
+
+* precise: the engines' KV cache events fill a :class:`KVBlockIndex` of chained block keys per
+  (worker, DP rank); the request's token ids, chained the same way, are matched against it.
+  Used when the request's token ids are known, every candidate has an event stream and one of
+  them has reported its block size (sent an event).
+* approximate: an :class:`ApproxPrefixTree` of the request texts this router sent to each rank
+  (SGLang router / SMG style); used otherwise.
+
+The longest cached prefix wins; ties go to the lower load, then round-robin. When the load over
+the candidate ranks is imbalanced, ``(max - min) > balance_abs_threshold`` and
+``max > balance_rel_threshold * min`` (``Worker.load_score``), the least loaded rank wins
+instead (SMG semantics). Once the pipeline sends the prefill leg it calls ``record`` (predicted
+index entries, or the text in the tree) so that the next turn of a conversation follows it even
+before the engine's events arrive. Like every policy it only chooses (no I/O): the pipeline
+computes the request's features first. As a plain ``Policy`` (the decode side) it is least-load.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.kv_index import KVBlockIndex, Location
+from router.prefix_tree import ApproxPrefixTree
+from router.prompt_tokens import RequestFeatures
+from router.settings import CacheAwareSettings
+from router.workers import Worker
+
+__all__ = ["APPROXIMATE", "LOAD", "PRECISE", "CacheAware", "PrefillChoice"]
+
+PRECISE = "precise"
+APPROXIMATE = "approximate"
+LOAD = "load"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChoice:
+    """The chosen prefill and DP rank, how they were chosen, and the prompt tokens predicted to
+    be cached there (0 when unknown)."""
+
+    worker: Worker
+    rank: int
+    how: str  # "precise" | "approximate" | "load" (the load imbalance overrode the cache)
+    cached_tokens: int = 0
+    mode: str = LOAD  # how the cache was judged: what ``CacheAware.record`` remembers
+
+
+def _all_locations(candidates: Sequence[Worker]) -> list[tuple[Worker, int]]:
+    return [(worker, rank) for worker in candidates for rank in range(max(worker.dp_size, 1))]
+
+
+class CacheAware:
+    """The ``cache_aware`` prefill policy over a shared index and prefix tree."""
+
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        settings: CacheAwareSettings | None = None,
+        *,
+        index: KVBlockIndex | None = None,
+        tree: ApproxPrefixTree | None = None,
+        has_stream: Callable[[Worker], bool] | None = None,
+    ) -> None:
+        self.settings = settings = settings or CacheAwareSettings()
+        self.index = index or KVBlockIndex(settings.max_indexed_blocks, settings.prediction_ttl_s)
+        self.tree = tree or ApproxPrefixTree(settings.approx_tree_max_chars)
+        self._has_stream = has_stream or self._configured_stream
+        self._turn = itertools.count()
+
+    def choose(self, candidates: Sequence[Worker]) -> Worker:
+        """As a plain policy (decode side): the lowest load score, ties round-robin."""
+        lowest = min(worker.load_score(None) for worker in candidates)
+        tied = [worker for worker in candidates if worker.load_score(None) == lowest]
+        return tied[next(self._turn) % len(tied)]
+
+    def choose_prefill(
+        self, candidates: Sequence[Worker], features: RequestFeatures
+    ) -> PrefillChoice:
+        """The prefill and DP rank for a request, among available ``candidates`` (non-empty)."""
+        places = _all_locations(candidates)
+        loads = [worker.load_score(rank) for worker, rank in places]
+        mode, cached = self._cached(places, features)
+        how = mode
+        if self._imbalanced(loads):
+            best = self._least(range(len(places)), loads)
+            how = LOAD
+        else:
+            top = max(cached)
+            best = self._least([i for i, c in enumerate(cached) if c == top], loads)
+        worker, rank = places[best]
+        return PrefillChoice(worker, rank, how, cached[best], mode)
+
+    def record(self, choice: PrefillChoice, features: RequestFeatures) -> None:
+        """The request goes to ``choice``: remember what its rank is about to hold, so the
+        requests that follow (a conversation's next turn) find it before the engine's events
+        confirm it. Not called when the prefill leg is skipped."""
+        location = (choice.worker.id, choice.rank)
+        if choice.mode == APPROXIMATE and features.text:
+            self.tree.insert(features.text, location)
+        if choice.mode != PRECISE or features.tokens is None:
+            return
+        size = self.index.block_size_of(location) or self._any_block_size()
+        if size is not None:
+            self.index.predict(location, features.keys(size), size)
+
+    def forget(self, worker_id: str) -> None:
+        """A worker left (removed, drained, dead, restarted): drop all it was thought to hold."""
+        self.index.clear_worker(worker_id)
+        self.tree.remove_worker(worker_id)
+
+    def _configured_stream(self, worker: Worker) -> bool:
+        return worker.kv_events is not None or self.settings.kv_events_port is not None
+
+    def _cached(
+        self, places: list[tuple[Worker, int]], features: RequestFeatures
+    ) -> tuple[str, list[int]]:
+        """How the cache is judged, and each place's predicted cached prompt tokens. Precise
+        needs every candidate's event stream and a block size reported by at least one of them
+        (before any event there is nothing to chain keys by: the text tree stands in)."""
+        if (
+            features.tokens is not None
+            and all(self._has_stream(w) for w, _ in places)
+            and any(self.index.block_size_of((w.id, rank)) for w, rank in places)
+        ):
+            return PRECISE, self._precise(places, features)
+        if features.text:
+            return APPROXIMATE, self._approximate(places, features.text, features)
+        return LOAD, [0] * len(places)
+
+    def _precise(self, places: list[tuple[Worker, int]], features: RequestFeatures) -> list[int]:
+        """Cached tokens per place from the index. A place whose block size is not known yet
+        (only predictions there) is matched at every block size seen among the others."""
+        locations = [(worker.id, rank) for worker, rank in places]
+        sizes = {self.index.block_size_of(location) for location in locations}
+        cached: dict[Location, int] = {}
+        for size in sizes - {None}:
+            assert size is not None
+            group = [loc for loc in locations if self.index.block_size_of(loc) in (size, None)]
+            for location, blocks in self.index.match(features.keys(size), size, group).items():
+                cached[location] = max(cached.get(location, 0), blocks * size)
+        return [cached.get(location, 0) for location in locations]
+
+    def _approximate(
+        self, places: list[tuple[Worker, int]], text: str, features: RequestFeatures
+    ) -> list[int]:
+        matched = self.tree.match(text, [(worker.id, rank) for worker, rank in places])
+        tokens = features.prompt_tokens or 0
+        return [
+            tokens * matched.get((worker.id, rank), 0) // max(len(text), 1)
+            for worker, rank in places
+        ]
+
+    def _imbalanced(self, loads: list[float]) -> bool:
+        high, low = max(loads), min(loads)
+        settings = self.settings
+        return (
+            high - low > settings.balance_abs_threshold
+            and high > settings.balance_rel_threshold * low
+        )
+
+    def _least(self, indices: Sequence[int], loads: list[float]) -> int:
+        """The index with the lowest load among ``indices``; ties round-robin."""
+        lowest = min(loads[i] for i in indices)
+        tied = [i for i in indices if loads[i] == lowest]
+        return tied[next(self._turn) % len(tied)]
+
+    def _any_block_size(self) -> int | None:
+        for location in self.index.locations():
+            size = self.index.block_size_of(location)
+            if size is not None:
+                return size
+        return None
