@@ -4,11 +4,7 @@ Failure rules (PROTOCOLS.md 3.3, 5.7): if the prefill leg fails, the decode leg 
 once and the client gets the prefill's error; if the client goes away, both legs are cancelled.
 Only connect errors are retried, and only before any byte reached the client.
 
-Choosing (``_select``): the prefill policy picks a prefill (``cache_aware`` also its DP rank,
-from the request's prompt features), the decode policy a decode. With a vLLM protocol the
-prefill leg may be skipped (``_few_uncached``, ``_saturated``): the decode alone gets the
-client's body and prefills locally, when few prompt tokens are predicted uncached or every
-prefill is saturated.
+Choosing the workers (and whether to skip the prefill leg) is ``route_choice.RouteChooser``.
 
 Real engines never give up on a KV that does not come before 480-540 s, so the router does:
 - the prefill's answer ends the generation (a stop token; ``completed_by_prefill``): the client
@@ -24,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -42,11 +36,11 @@ from router.errors import (
 from router.interrupt import Interrupt, failure_of, reap
 from router.leg_clock import LegClock
 from router.metrics import RouterMetrics
-from router.policies import Policy, least_loaded_rank
-from router.policies.cache_aware import CacheAware, PrefillChoice
+from router.policies import Policy
 from router.prefill_answer import prefill_answer_body, prefill_answer_events
-from router.prompt_tokens import Featurizer, RequestFeatures
+from router.prompt_tokens import Featurizer
 from router.relay import Responder
+from router.route_choice import Route, RouteChooser
 from router.sample_split import SampleSplit
 from router.schemas import ParsedRequest
 from router.settings import CacheAwareSettings, HealthSettings, UpstreamSettings
@@ -59,20 +53,6 @@ logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 _JSON = b"application/json"
-# Protocols whose decode prefills a request that has no kv_transfer_params by itself.
-_DECODE_CAN_PREFILL = frozenset({"vllm-mooncake", "vllm-nixl"})
-SKIPPED = "skipped"
-
-
-@dataclass(frozen=True, slots=True)
-class _Route:
-    """One attempt's choice: the prefill (None: skipped, for ``reason``) and the decode."""
-
-    prefill: Worker | None
-    rank: int
-    decode: Worker
-    choice: PrefillChoice | None = None  # cache_aware's choice, with its prediction
-    reason: str | None = None  # why the prefill leg is skipped
 
 
 class ClientDisconnected(Exception):
@@ -135,23 +115,18 @@ class Pipeline:
     ) -> None:
         self._pool = pool
         self._adapter = adapter
-        self._prefill_policy = prefill_policy
-        self._decode_policy = decode_policy
+        self._chooser = RouteChooser(
+            pool,
+            adapter.name,
+            prefill_policy,
+            decode_policy,
+            metrics or RouterMetrics(),
+            cache_settings or CacheAwareSettings(),
+            featurizer or Featurizer(None),
+        )
         self._settings = upstream_settings
         self._failure_threshold = health_settings.failure_threshold
         self._on_stale_layout = on_stale_layout
-        self._metrics = metrics or RouterMetrics()
-        self._cache = cache_settings or CacheAwareSettings()
-        self._featurizer = featurizer or Featurizer(None)
-        self._cache_aware = prefill_policy if isinstance(prefill_policy, CacheAware) else None
-        self._may_skip = adapter.name in _DECODE_CAN_PREFILL and (
-            self._cache.pd_min_uncached_tokens > 0
-            or self._cache.prefill_saturated_waiting is not None
-        )
-        # the prompt's token ids: for precise matching, or to count uncached tokens exactly
-        self._wants_tokens = self._cache_aware is not None or (
-            self._may_skip and self._cache.pd_min_uncached_tokens > 0
-        )
 
     async def handle(
         self,
@@ -178,10 +153,10 @@ class Pipeline:
         attempts = self._settings.max_retries + 1
         failed: set[str] = set()
         last_error: UpstreamUnavailable | None = None
-        features = await self._features(request)
+        features = await self._chooser.features(request)
         for attempt in range(1, attempts + 1):
             try:
-                route = self._route(failed, features, count=attempt == 1)
+                route = self._chooser.route(failed, features, count=attempt == 1)
             except NoWorkerAvailable:
                 if last_error is None:
                     raise
@@ -206,85 +181,10 @@ class Pipeline:
                     exc.message,
                 )
 
-    async def _features(self, request: ParsedRequest) -> RequestFeatures | None:
-        """The prompt's text and (when a choice needs them) token ids; None when unused."""
-        if self._cache_aware is None and not self._may_skip:
-            return None
-        return await self._featurizer.features(request, tokens=self._wants_tokens)
-
-    def _route(self, failed: set[str], features: RequestFeatures | None, *, count: bool) -> _Route:
-        """Choose (timed), decide whether to skip the prefill leg, and count the outcome."""
-        started = time.perf_counter()
-        route = self._select(failed, features)
-        self._metrics.decision_seconds.labels(self._prefill_policy.name).observe(
-            time.perf_counter() - started
-        )
-        if route.reason is None and route.choice is not None and features is not None:
-            assert self._cache_aware is not None
-            self._cache_aware.record(route.choice, features)
-        if count:  # once per request, not per retry
-            self._metrics.routed.labels(self._choice_label(route)).inc()
-            if route.reason is not None:
-                self._metrics.prefill_skipped.labels(route.reason).inc()
-        return route
-
-    def _choice_label(self, route: _Route) -> str:
-        """How the prefill was chosen: skipped, cache_aware's way, or the policy's name."""
-        if route.reason is not None:
-            return SKIPPED
-        return route.choice.how if route.choice is not None else self._prefill_policy.name
-
-    def _select(self, failed: set[str], features: RequestFeatures | None) -> _Route:
-        prefills = self._pool.available_prefill()
-        decodes = self._pool.available_decode()
-        if not prefills:
-            raise NoWorkerAvailable("no healthy prefill worker is available")
-        if not decodes:
-            raise NoWorkerAvailable("no healthy decode worker is available")
-        if failed:
-            decodes = [w for w in decodes if w.id not in failed] or decodes
-        decode = self._decode_policy.choose(decodes)
-        if self._may_skip and self._saturated(prefills):
-            return _Route(None, 0, decode, None, "prefills_saturated")
-        if failed:
-            prefills = [w for w in prefills if w.id not in failed] or prefills
-        if self._cache_aware is not None:
-            choice = self._cache_aware.choose_prefill(prefills, features or RequestFeatures())
-            route = _Route(choice.worker, choice.rank, decode, choice)
-        else:
-            prefill = self._prefill_policy.choose(prefills)
-            rank = least_loaded_rank(prefill) if prefill.dp_size > 1 else 0
-            route = _Route(prefill, rank, decode)
-        if self._may_skip and self._few_uncached(route, features):
-            return _Route(None, 0, decode, route.choice, "few_uncached_tokens")
-        return route
-
-    def _few_uncached(self, route: _Route, features: RequestFeatures | None) -> bool:
-        """Whether the prompt tokens predicted uncached at the chosen prefill are too few to be
-        worth a KV transfer (``pd_min_uncached_tokens``; 0 never)."""
-        minimum = self._cache.pd_min_uncached_tokens
-        total = None if features is None else features.prompt_tokens
-        if minimum <= 0 or total is None:
-            return False
-        cached = route.choice.cached_tokens if route.choice is not None else 0
-        return total - cached < minimum
-
-    def _saturated(self, prefills: list[Worker]) -> bool:
-        """Whether every available prefill reports at least ``prefill_saturated_waiting``
-        waiting requests (an unknown reading never counts as saturated)."""
-        threshold = self._cache.prefill_saturated_waiting
-        if threshold is None or not prefills:
-            return False
-        for worker in prefills:
-            waiting = worker.engine_waiting(None)
-            if waiting is None or waiting < threshold:
-                return False
-        return True
-
     async def _direct(
         self,
         request: ParsedRequest,
-        route: _Route,
+        route: Route,
         headers: dict[str, str],
         responder: Responder,
         disconnected: asyncio.Future[Any],

@@ -18,9 +18,11 @@ from starlette.routing import Route
 
 from router import create_app
 from router.adapters import VllmNixlAdapter
-from router.pipeline import Pipeline
+from router.metrics import RouterMetrics
 from router.policies import build_policy
-from router.settings import CacheAwareSettings, HealthSettings, UpstreamSettings
+from router.prompt_tokens import Featurizer
+from router.route_choice import RouteChooser
+from router.settings import CacheAwareSettings
 from router.upstream import UpstreamPool
 from router.workers import EngineLoad, Role, Worker
 from testkit.fake_cluster import FakeClusterFactory, settings_for
@@ -118,16 +120,15 @@ async def test_saturated_prefills_are_skipped() -> None:
     assert 'pdr_prefill_skipped_total{reason="prefills_saturated"} 1.0' in metrics
 
 
-def _pipeline(saturated_at: int) -> Pipeline:
-    return Pipeline(
+def _chooser(saturated_at: int) -> RouteChooser:
+    return RouteChooser(
         UpstreamPool(needs_engine_ids=False),
-        VllmNixlAdapter(),
+        VllmNixlAdapter().name,
         build_policy("round_robin"),
         build_policy("round_robin"),
-        UpstreamSettings(),
-        HealthSettings(),
-        lambda _: None,
-        cache_settings=CacheAwareSettings(prefill_saturated_waiting=saturated_at),
+        RouterMetrics(),
+        CacheAwareSettings(prefill_saturated_waiting=saturated_at),
+        Featurizer(None),
     )
 
 
@@ -140,8 +141,8 @@ def _reporting(waiting: float | None) -> Worker:
 
 
 def test_saturation_needs_every_prefill_to_report_a_full_queue() -> None:
-    pipeline = _pipeline(5)
-    assert pipeline._saturated([_reporting(5), _reporting(7)])
-    assert not pipeline._saturated([_reporting(5), _reporting(4)])
-    assert not pipeline._saturated([_reporting(9), _reporting(None)])  # unknown is not full
-    assert not pipeline._saturated([])
+    chooser = _chooser(5)
+    assert chooser.saturated([_reporting(5), _reporting(7)])
+    assert not chooser.saturated([_reporting(5), _reporting(4)])
+    assert not chooser.saturated([_reporting(9), _reporting(None)])  # unknown is not full
+    assert not chooser.saturated([])

@@ -1,0 +1,146 @@
+"""Choosing where one request goes: a prefill (and DP rank) and a decode, or the decode alone.
+
+The prefill policy picks a prefill (``cache_aware`` also its DP rank, from the request's prompt
+features), the decode policy a decode; the choice is timed and counted in the router's metrics.
+With a vLLM protocol the prefill leg may be skipped (``_few_uncached``, ``saturated``): the
+decode alone gets the client's body and prefills locally, when few prompt tokens are predicted
+uncached or every prefill is saturated. No I/O here except tokenizing through a render endpoint
+(``features``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from router.errors import NoWorkerAvailable
+from router.metrics import RouterMetrics
+from router.policies import Policy, least_loaded_rank
+from router.policies.cache_aware import CacheAware, PrefillChoice
+from router.prompt_tokens import Featurizer, RequestFeatures
+from router.schemas import ParsedRequest
+from router.settings import CacheAwareSettings
+from router.upstream import UpstreamPool
+from router.workers import Worker
+
+__all__ = ["SKIPPED", "Route", "RouteChooser"]
+
+# Protocols whose decode prefills a request that has no kv_transfer_params by itself.
+_DECODE_CAN_PREFILL = frozenset({"vllm-mooncake", "vllm-nixl"})
+SKIPPED = "skipped"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One attempt's choice: the prefill (None: skipped, for ``reason``) and the decode."""
+
+    prefill: Worker | None
+    rank: int
+    decode: Worker
+    choice: PrefillChoice | None = None  # cache_aware's choice, with its prediction
+    reason: str | None = None  # why the prefill leg is skipped
+
+
+class RouteChooser:
+    """Composes the prefill and decode policies, the skip rules and the decision metrics."""
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        protocol: str,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        metrics: RouterMetrics,
+        cache_settings: CacheAwareSettings,
+        featurizer: Featurizer,
+    ) -> None:
+        self._pool = pool
+        self._prefill_policy = prefill_policy
+        self._decode_policy = decode_policy
+        self._metrics = metrics
+        self._cache = cache_settings
+        self._featurizer = featurizer
+        self._cache_aware = prefill_policy if isinstance(prefill_policy, CacheAware) else None
+        self._may_skip = protocol in _DECODE_CAN_PREFILL and (
+            cache_settings.pd_min_uncached_tokens > 0
+            or cache_settings.prefill_saturated_waiting is not None
+        )
+        # the prompt's token ids: for precise matching, or to count uncached tokens exactly
+        self._wants_tokens = self._cache_aware is not None or (
+            self._may_skip and cache_settings.pd_min_uncached_tokens > 0
+        )
+
+    async def features(self, request: ParsedRequest) -> RequestFeatures | None:
+        """The prompt's text and (when a choice needs them) token ids; None when unused."""
+        if self._cache_aware is None and not self._may_skip:
+            return None
+        return await self._featurizer.features(request, tokens=self._wants_tokens)
+
+    def route(self, failed: set[str], features: RequestFeatures | None, *, count: bool) -> Route:
+        """Choose (timed), decide whether to skip the prefill leg, and count the outcome."""
+        started = time.perf_counter()
+        route = self._select(failed, features)
+        self._metrics.decision_seconds.labels(self._prefill_policy.name).observe(
+            time.perf_counter() - started
+        )
+        if route.reason is None and route.choice is not None and features is not None:
+            assert self._cache_aware is not None
+            self._cache_aware.record(route.choice, features)
+        if count:  # once per request, not per retry
+            self._metrics.routed.labels(self._choice_label(route)).inc()
+            if route.reason is not None:
+                self._metrics.prefill_skipped.labels(route.reason).inc()
+        return route
+
+    def _choice_label(self, route: Route) -> str:
+        """How the prefill was chosen: skipped, cache_aware's way, or the policy's name."""
+        if route.reason is not None:
+            return SKIPPED
+        return route.choice.how if route.choice is not None else self._prefill_policy.name
+
+    def _select(self, failed: set[str], features: RequestFeatures | None) -> Route:
+        prefills = self._pool.available_prefill()
+        decodes = self._pool.available_decode()
+        if not prefills:
+            raise NoWorkerAvailable("no healthy prefill worker is available")
+        if not decodes:
+            raise NoWorkerAvailable("no healthy decode worker is available")
+        if failed:
+            decodes = [w for w in decodes if w.id not in failed] or decodes
+        decode = self._decode_policy.choose(decodes)
+        if self._may_skip and self.saturated(prefills):
+            return Route(None, 0, decode, None, "prefills_saturated")
+        if failed:
+            prefills = [w for w in prefills if w.id not in failed] or prefills
+        if self._cache_aware is not None:
+            choice = self._cache_aware.choose_prefill(prefills, features or RequestFeatures())
+            route = Route(choice.worker, choice.rank, decode, choice)
+        else:
+            prefill = self._prefill_policy.choose(prefills)
+            rank = least_loaded_rank(prefill) if prefill.dp_size > 1 else 0
+            route = Route(prefill, rank, decode)
+        if self._may_skip and self._few_uncached(route, features):
+            return Route(None, 0, decode, route.choice, "few_uncached_tokens")
+        return route
+
+    def _few_uncached(self, route: Route, features: RequestFeatures | None) -> bool:
+        """Whether the prompt tokens predicted uncached at the chosen prefill are too few to be
+        worth a KV transfer (``pd_min_uncached_tokens``; 0 never)."""
+        minimum = self._cache.pd_min_uncached_tokens
+        total = None if features is None else features.prompt_tokens
+        if minimum <= 0 or total is None:
+            return False
+        cached = route.choice.cached_tokens if route.choice is not None else 0
+        return total - cached < minimum
+
+    def saturated(self, prefills: list[Worker]) -> bool:
+        """Whether every available prefill reports at least ``prefill_saturated_waiting``
+        waiting requests (an unknown reading never counts as saturated)."""
+        threshold = self._cache.prefill_saturated_waiting
+        if threshold is None or not prefills:
+            return False
+        for worker in prefills:
+            waiting = worker.engine_waiting(None)
+            if waiting is None or waiting < threshold:
+                return False
+        return True
