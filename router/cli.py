@@ -42,6 +42,7 @@ _FLAG_OF = {
     ("cache", "kv_events_replay_port"): "--kv-events-replay-port",
     ("cache", "max_indexed_blocks"): "--max-indexed-blocks",
     ("cache", "prediction_ttl_s"): "--prediction-ttl",
+    ("cache", "cache_threshold"): "--cache-threshold",
     ("cache", "balance_abs_threshold"): "--balance-abs-threshold",
     ("cache", "balance_rel_threshold"): "--balance-rel-threshold",
     ("cache", "approx_tree_max_chars"): "--approx-tree-max-chars",
@@ -172,6 +173,12 @@ def _add_scheduling_flags(p: _Parser) -> None:
     )
     p.add_argument(
         "--prediction-ttl", type=float, help="lifetime of predicted cache entries, s (2)"
+    )
+    p.add_argument(
+        "--cache-threshold",
+        type=float,
+        help="cache_aware: the cache decides only when a rank holds at least this fraction of "
+        "the prompt (0.3); below it the least loaded rank wins",
     )
     p.add_argument(
         "--balance-abs-threshold",

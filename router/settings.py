@@ -120,6 +120,9 @@ class CacheAwareSettings(BaseModel):
     kv_events_replay_port: int | None = Field(default=None, ge=1, le=65535)
     max_indexed_blocks: int = Field(default=4_000_000, gt=0)  # the whole index, all workers
     prediction_ttl_s: PositiveFloat = 2.0  # predicted entries live this long unless confirmed
+    # the cache decides only when the best rank holds at least this fraction of the prompt
+    # (SMG's cache_threshold): a shared template header alone must not pull every request along
+    cache_threshold: float = Field(default=0.3, ge=0.0, le=1.0)
     balance_abs_threshold: float = Field(default=32.0, ge=0)  # load wins when max-min > this
     balance_rel_threshold: float = Field(default=1.5, ge=1.0)  # ... and max > this * min
     approx_tree_max_chars: int = Field(default=16 * 1024 * 1024, gt=0)  # per worker

@@ -104,7 +104,8 @@ def test_approximate_without_token_ids_or_event_streams() -> None:
     text = "system: be brief\nuser: hello\n"
     first = RequestFeatures(text=text)
     choice = chooser.choose_prefill([a, b], first)
-    assert choice.how == "approximate" and choice.cached_tokens == 0
+    # nothing cached anywhere: load decides, the text is remembered for the next turn
+    assert choice.how == "load" and choice.mode == "approximate" and choice.cached_tokens == 0
     chooser.record(choice, first)
     second = RequestFeatures(text=text + "assistant: hi\nuser: more\n")
     again = chooser.choose_prefill([a, b], second)
@@ -154,7 +155,9 @@ async def test_approximate_turns_of_a_conversation_stay_on_one_prefill(
         assert (await client.post("/v1/chat/completions", json=other)).status_code == 200
         assert sorted(served_by(cluster.prefills)) == [1, 5]  # new text: the idle one
         metrics = (await client.get("/metrics")).text
-    assert 'pdr_routed_requests_total{prefill_choice="approximate"} 6.0' in metrics
+    # the first turn and the unrelated request found nothing cached: load chose
+    assert 'pdr_routed_requests_total{prefill_choice="approximate"} 4.0' in metrics
+    assert 'pdr_routed_requests_total{prefill_choice="load"} 2.0' in metrics
     assert 'pdr_routing_decision_seconds_count{policy="cache_aware"} 6.0' in metrics
 
 
@@ -244,8 +247,8 @@ async def test_precise_turns_follow_the_engines_kv_events(tmp_path: Path) -> Non
                 async with httpx.AsyncClient(base_url=base, timeout=10) as client:
                     await _drive(client, tokenizer, fakes, pubs, [u for u, _ in addrs])
                     metrics = (await client.get("/metrics")).text
-    # the first turn, before any event: the text tree stands in
-    assert 'pdr_routed_requests_total{prefill_choice="approximate"} 1.0' in metrics
+    # the first turn, before any event, found nothing cached: load chose
+    assert 'pdr_routed_requests_total{prefill_choice="load"} 1.0' in metrics
     assert 'pdr_routed_requests_total{prefill_choice="precise"} 3.0' in metrics
     assert "pdr_tokenize_seconds_count 4.0" in metrics
 
@@ -282,3 +285,23 @@ async def _drive(
             await asyncio.sleep(0.1)  # a resend interval; the condition is checked above
         assert await _kv_blocks(client, wid) >= len(keys)
         stored = len(keys)
+
+
+def test_a_short_shared_header_does_not_pull_every_prompt_along() -> None:
+    """Prompts sharing only a template header (below cache_threshold of the prompt) go by load;
+    a prompt whose cached share crosses it follows the cache."""
+    chooser = CacheAware(
+        CacheAwareSettings(cache_threshold=0.5),
+        index=KVBlockIndex(100),
+        tree=ApproxPrefixTree(10**6),
+    )
+    a, b = prefills(2)
+    header = "system: shared header\n"
+    first = RequestFeatures(text=header + "user: " + "x" * 100)
+    chosen = chooser.choose_prefill([a, b], first)
+    chooser.record(chosen, first)
+    with chosen.worker.load(0):  # the chosen one is busier now
+        other = chooser.choose_prefill([a, b], RequestFeatures(text=header + "user: " + "y" * 100))
+        assert other.worker is not chosen.worker and other.how == "load"
+        again = chooser.choose_prefill([a, b], RequestFeatures(text=first.text + " more"))
+        assert again.worker is chosen.worker and again.how == "approximate"

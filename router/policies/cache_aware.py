@@ -9,7 +9,9 @@ Two ways to know what a rank holds (PROTOCOLS.md 11.2):
 * approximate: an :class:`ApproxPrefixTree` of the request texts this router sent to each rank
   (SGLang router / SMG style); used otherwise.
 
-The longest cached prefix wins; ties go to the lower load, then round-robin. When the load over
+The longest cached prefix wins when it covers at least ``cache_threshold`` of the prompt (a
+shared template header alone must not pull every request to one rank); ties go to the lower
+load, then round-robin. Below the threshold the least loaded rank wins. When the load over
 the candidate ranks is imbalanced, ``(max - min) > balance_abs_threshold`` and
 ``max > balance_rel_threshold * min`` (``Worker.load_score``), the least loaded rank wins
 instead (SMG semantics). Once the pipeline sends the prefill leg it calls ``record`` (predicted
@@ -44,7 +46,7 @@ class PrefillChoice:
 
     worker: Worker
     rank: int
-    how: str  # "precise" | "approximate" | "load" (the load imbalance overrode the cache)
+    how: str  # "precise" | "approximate" | "load" (imbalance, or too little cached to decide)
     cached_tokens: int = 0
     mode: str = LOAD  # how the cache was judged: what ``CacheAware.record`` remembers
 
@@ -86,11 +88,11 @@ class CacheAware:
         loads = [worker.load_score(rank) for worker, rank in places]
         mode, cached = self._cached(places, features)
         how = mode
-        if self._imbalanced(loads):
+        top = max(cached)
+        if self._imbalanced(loads) or not self._worth_following(top, features):
             best = self._least(range(len(places)), loads)
             how = LOAD
         else:
-            top = max(cached)
             best = self._least([i for i, c in enumerate(cached) if c == top], loads)
         worker, rank = places[best]
         return PrefillChoice(worker, rank, how, cached[best], mode)
@@ -154,6 +156,14 @@ class CacheAware:
             tokens * matched.get((worker.id, rank), 0) // max(len(text), 1)
             for worker, rank in places
         ]
+
+    def _worth_following(self, cached: int, features: RequestFeatures) -> bool:
+        """Whether the best cached prefix is a large enough share of the prompt
+        (``cache_threshold``) to decide; a short shared header is not."""
+        prompt = features.prompt_tokens
+        if cached <= 0:
+            return False
+        return not prompt or cached >= self.settings.cache_threshold * prompt
 
     def _imbalanced(self, loads: list[float]) -> bool:
         high, low = max(loads), min(loads)
