@@ -118,7 +118,7 @@ def _mean(values: Sequence[float]) -> float:
 # --- child processes ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
@@ -161,7 +161,7 @@ def _kill_if_same(pid: int, started: str) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-class _Child:
+class Child:
     """A subprocess in its own session, its output drained by a thread (the last lines kept)."""
 
     def __init__(self, argv: list[str]) -> None:
@@ -227,7 +227,7 @@ class _Child:
         self._drainer.join(timeout=2.0)
 
 
-def _wait_health(child: _Child, url: str, timeout_s: float) -> None:
+def wait_health(child: Child, url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.proc.poll() is not None:
@@ -275,18 +275,18 @@ def _baseline_argv(cfg: TTFTConfig, port: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def _started(cfg: TTFTConfig, target: str) -> Iterator[tuple[_Child, str]]:
+def _started(cfg: TTFTConfig, target: str) -> Iterator[tuple[Child, str]]:
     """Start ``target``, wait until it serves, yield it and its URL; always stop it."""
-    port = _free_port()
+    port = free_port()
     argv = _cluster_argv(cfg, port) if target == "cluster" else _baseline_argv(cfg, port)
-    child = _Child(argv)
+    child = Child(argv)
     try:
         if target == "cluster":
             url = child.wait_ready_line(cfg.ready_timeout_s + 10.0)
             child.note_descendants()
         else:
             url = f"http://{LOOPBACK}:{port}"
-            _wait_health(child, url, cfg.ready_timeout_s)
+            wait_health(child, url, cfg.ready_timeout_s)
         yield child, url
     finally:
         child.stop()
@@ -338,7 +338,7 @@ def one_request(client: httpx.Client, url: str, model: str, prompt: str, max_tok
 @dataclass
 class _Target:
     name: str
-    child: _Child
+    child: Child
     url: str
     model: str
     samples: list[Sample] = field(default_factory=list)

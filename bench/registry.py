@@ -5,7 +5,7 @@
 Three sections, each printed as a table as soon as it is done, with ratios to a baseline measured
 in the same invocation:
 
-1. the router's per-request worker choice (``Pipeline._select`` over an in-memory ``WorkerPool``:
+1. the router's per-request worker choice (``RouteChooser.route`` over an in-memory ``WorkerPool``:
    both policies' ``choose`` plus ``least_loaded_rank``) per policy, baseline ``round_robin``; for
    contrast, what reading the registry per request (``list_workers``) would cost instead;
 2. watch propagation of ``RegistryService.add_worker`` to a ``watch_workers()`` consumer on a
@@ -46,9 +46,11 @@ from registry.errors import Conflict, RegistryUnavailable
 from registry.models import worker_id
 from registry.service import RegistryService, WorkerChange
 from router.adapters import build_adapter
-from router.pipeline import Pipeline
+from router.metrics import RouterMetrics
 from router.policies import POLICIES, build_policy
-from router.settings import EngineProtocol, HealthSettings, UpstreamSettings
+from router.prompt_tokens import Featurizer
+from router.route_choice import RouteChooser
+from router.settings import CacheAwareSettings, EngineProtocol
 from router.transport import LeanPoolTransport
 from router.upstream import UpstreamPool, UpstreamResponse
 from router.workers import Role, Worker
@@ -179,26 +181,26 @@ def build_pool(prefills: int = 4, decodes: int = 4, dp_size: int = 2) -> Upstrea
     return pool
 
 
-def _ignore_stale_layout(worker: Worker) -> None:
-    return None
-
-
-def build_pipeline(policy: str, pool: UpstreamPool) -> Pipeline:
-    """A router pipeline as ``router/context.py`` builds it (vLLM Mooncake: needs engine ids)."""
-    return Pipeline(
+def build_chooser(policy: str, pool: UpstreamPool) -> RouteChooser:
+    """The router's routing decision as ``router/pipeline.py`` builds it (vLLM Mooncake)."""
+    return RouteChooser(
         pool,
-        build_adapter(EngineProtocol.VLLM_MOONCAKE),
+        build_adapter(EngineProtocol.VLLM_MOONCAKE).name,
         build_policy(policy),
         build_policy(policy),
-        UpstreamSettings(),
-        HealthSettings(),
-        _ignore_stale_layout,
+        RouterMetrics(),
+        CacheAwareSettings(),
+        Featurizer(None),
     )
 
 
 def time_selection(policy: str, count: int, cap_s: float) -> Run:
-    """Calls of the router's per-request choice (``Pipeline._select``) per second."""
-    select = build_pipeline(policy, build_pool())._select
+    """Calls of the router's per-request choice (``RouteChooser.route``) per second."""
+    chooser = build_chooser(policy, build_pool())
+
+    def select(failed: set[str]) -> None:
+        chooser.route(failed, None, count=False)
+
     failed: set[str] = set()
     for _ in range(SELECT_WARMUP):
         select(failed)
@@ -241,7 +243,7 @@ async def section_selection(config: BenchConfig, etcd_url: str | None) -> str:
     rows = [_selection_row(run, baseline) for run in runs]
     rows += [_selection_row(run, baseline) for run in contrast]
     title = (
-        "1. Per-request worker selection: Pipeline._select over 4 prefill (dp 2) + 4 decode, "
+        "1. Per-request worker selection: RouteChooser.route over 4 prefill (dp 2) + 4 decode, "
         f"baseline {runs[0].label}"
     )
     header = ["selection", "ops", "ops/s", "us/op", "x baseline", "note"]

@@ -64,10 +64,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cli import sigterm_raises
-from bench.cluster_ttft import REPO_ROOT, BenchError
-from bench.cluster_ttft import _Child as Child
-from bench.cluster_ttft import _free_port as free_port
-from bench.cluster_ttft import _wait_health as wait_health
+from bench.cluster_ttft import REPO_ROOT, BenchError, Child, free_port, wait_health
 from bench.cpu import descendants, tree_cpu_seconds
 from bench.loadgen import Percentiles, percentiles
 from bench.traces import Trace, TraceRequest, sample_text, standard_traces
