@@ -12,6 +12,8 @@ from transfer.engine.base import TransferEngine
 from transfer.engine.fake import LoopbackNetwork
 from worker.app import EngineFactory, SimWorker, WorkerConfig, create_app
 from worker.kv import PoolShape
+from worker.kv_events import KVEventsConfig
+from worker.tokenizer import TokenizerError
 
 __all__ = ["main", "parse_args"]
 
@@ -62,6 +64,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="simulated decode step: seconds between streamed tokens",
     )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with a "
+        "chat_template); default: one token per UTF-8 byte",
+    )
+    parser.add_argument(
+        "--hash-seed",
+        help="vLLM protocol: prefix-cache block hash seed, like PYTHONHASHSEED "
+        "(default: random per process)",
+    )
+    parser.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        help='KV cache events, as vLLM/SGLang: \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; '
+        "DP rank r publishes on port+r",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
 
@@ -105,11 +125,18 @@ def build(args: argparse.Namespace) -> SimWorker:
             transfer_timeout_s=args.transfer_timeout,
             compute_s_per_token=args.compute_s_per_token,
             decode_s_per_token=args.decode_s_per_token,
+            tokenizer=args.tokenizer,
+            hash_seed=args.hash_seed,
+            kv_events=_kv_events(args.kv_events_config),
             **extra,
         )
-    except ValueError as exc:
+        return SimWorker(config, _engine(args.engine, args.host))
+    except (ValueError, TokenizerError) as exc:
         raise SystemExit(f"pd-worker: {exc}") from exc
-    return SimWorker(config, _engine(args.engine, args.host))
+
+
+def _kv_events(text: str | None) -> KVEventsConfig | None:
+    return None if text is None else KVEventsConfig.from_json(text)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

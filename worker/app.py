@@ -1,9 +1,12 @@
 """The simulated engine's HTTP app: OpenAI endpoints over the SGLang and vLLM PD request fields.
 
 ``create_app(worker)`` serves one ``worker.sim.SimWorker``: ``/v1/completions`` and
-``/v1/chat/completions`` (JSON, or SSE with one event per generated token), ``/v1/models`` and
-``/health`` (pages, open rooms, prefill queues, KV bytes sent). Request parsing is
-``worker.protocol``; what a sequence does per role is ``worker.sim``.
+``/v1/chat/completions`` (JSON, or SSE with one event per generated token; ``usage`` carries
+``prompt_tokens_details.cached_tokens`` as vLLM and SGLang report it), ``/v1/models``,
+``/health`` (pages, open rooms, prefill queues, KV bytes sent, KV event endpoints),
+``/metrics`` (``worker.metrics``), ``/v1/loads`` (``worker.loads``) and
+``POST /reset_prefix_cache`` (vLLM) / ``/flush_cache`` (SGLang), which empty the prefix cache.
+Request parsing is ``worker.protocol``; what a sequence does per role is ``worker.sim``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
+from worker.loads import loads_report, parse_include
+from worker.metrics import CONTENT_TYPE
 from worker.protocol import Seq, WorkerError, max_tokens, sequences
 from worker.sim import Completion, EngineFactory, SimWorker, WorkerConfig
 
@@ -32,6 +38,7 @@ def _usage(results: list[Completion]) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)},
         "kv_bytes_received": sum(r.kv_bytes for r in results),
         "kv_transfer_s": max((r.transfer_s for r in results), default=0.0),
     }
@@ -69,11 +76,28 @@ def _sse(obj: dict[str, Any]) -> bytes:
 
 
 async def _serve(worker: SimWorker, request: Request, chat: bool) -> Response:
+    """Answer one completion request; the request counts as served until its last byte."""
+    span = contextlib.ExitStack()
+    if worker.config.role != "prefill":
+        span.enter_context(worker.serving())
+    try:
+        response = await _answer(worker, request, chat, span)
+    except BaseException:
+        span.close()
+        raise
+    if not isinstance(response, StreamingResponse):
+        span.close()
+    return response
+
+
+async def _answer(
+    worker: SimWorker, request: Request, chat: bool, span: contextlib.ExitStack
+) -> Response:
     try:
         body = await request.json()
         if not isinstance(body, dict):
             raise WorkerError(400, "the body must be a JSON object")
-        seqs = sequences(body, chat, request.headers)
+        seqs = sequences(body, chat, request.headers, worker.tokenizer)
         results = await _gather(worker, seqs, max_tokens(body))
     except WorkerError as exc:
         return JSONResponse(
@@ -91,12 +115,27 @@ async def _serve(worker: SimWorker, request: Request, chat: bool) -> Response:
         events = _chunks(
             {**base, "object": f"{kind}.chunk"}, results, chat, worker.config.decode_s_per_token
         )
-        return StreamingResponse(events, media_type="text/event-stream")
+        # the span ends with the stream, or after it when the client left (background runs)
+        return StreamingResponse(
+            _closing(events, span),
+            media_type="text/event-stream",
+            background=BackgroundTask(span.close),
+        )
     choices = [_choice(i, r, chat) for i, r in enumerate(results)]
     answer = {**base, "object": kind, "choices": choices, "usage": _usage(results)}
     if "kv_transfer_params" in body:
         answer["kv_transfer_params"] = None  # vLLM >= 0.16's MooncakeConnector returns none
     return JSONResponse(answer)
+
+
+async def _closing(
+    events: AsyncIterator[bytes], span: contextlib.ExitStack
+) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        span.close()
 
 
 async def _gather(worker: SimWorker, seqs: list[Seq], max_new: int) -> list[Completion]:
@@ -129,7 +168,28 @@ def create_app(worker: SimWorker) -> FastAPI:
             "open_rooms": worker.open_rooms,
             "queues": worker.queues,
             "kv_bytes_sent": worker.kv_bytes_sent,
+            "cached_pages": sum(pool.cache.cached_pages for pool in worker.pools),
+            "kv_events": [{"endpoint": e, "replay": r} for e, r in worker.event_endpoints],
         }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(worker.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/loads")
+    async def loads(include: str | None = None, dp_rank: int | None = None) -> Response:
+        try:
+            wanted = parse_include(include)
+        except ValueError as exc:
+            return JSONResponse({"error": {"message": str(exc), "code": 400}}, status_code=400)
+        mode = {"prefill": "prefill", "decode": "decode"}.get(worker.config.role, "null")
+        return JSONResponse(loads_report(worker.snapshots(), mode, wanted, dp_rank))
+
+    @app.post("/reset_prefix_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def reset_prefix_cache() -> Response:
+        worker.reset_prefix_cache()
+        return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -6,12 +6,21 @@ namespace, served on a namespace port (``--bootstrap-namespace pI=PORT``): SGLan
 ``POST /register`` (decoders get ``http://127.0.0.1:PORT`` as ``remote_bootstrap_addr``).
 Everything runs on 127.0.0.1 as child processes in one process group per child; Ctrl-C/SIGTERM
 stops them all (SIGTERM, then SIGKILL after a grace period).
+
+Every prefill publishes KV cache events (unless ``--no-kv-events``): prefill ``i`` gets a free
+event port and replay port for its rank 0 (rank ``r`` uses port + ``r``, all checked free), its
+``--kv-events-config`` says so, and the router's ``--prefill URL ns:pI events=... replay=...``
+names them. ``--policy``/``--prefill-policy``/``--decode-policy`` and ``--tokenizer`` go to the
+router (``--tokenizer`` to every worker too); any other router flag goes through one
+``--router-arg=FLAG`` each (e.g. ``--router-arg=--load-interval --router-arg=0.5``); worker flags
+go after ``--``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -25,12 +34,44 @@ import httpx
 __all__ = ["main"]
 
 _HOST = "127.0.0.1"
+_POLICIES = ["round_robin", "least_load", "power_of_two", "cache_aware"]
+_PORT_TRIES = 50
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind((_HOST, 0))
         return int(sock.getsockname()[1])
+
+
+def _free_run(count: int, taken: set[int]) -> int:
+    """A port P with P .. P+count-1 all free now (and none in ``taken``); adds them to it."""
+    for _ in range(_PORT_TRIES):
+        base = _free_port()
+        run = set(range(base, base + count))
+        if run & taken or base + count > 65536:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in sorted(run):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind((_HOST, port))
+            except OSError:
+                continue
+        taken |= run
+        return base
+    raise SystemExit(f"pd-cluster: no run of {count} free ports after {_PORT_TRIES} tries")
+
+
+def _kv_events_config(events: int, replay: int) -> str:
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://{_HOST}:{events}",
+            "replay_endpoint": f"tcp://{_HOST}:{replay}",
+        }
+    )
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -46,6 +87,28 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="PD protocol the router and the workers speak",
     )
     parser.add_argument("--ready-timeout", type=float, default=60.0)
+    parser.add_argument("--policy", choices=_POLICIES, help="router policy for both roles")
+    parser.add_argument("--prefill-policy", choices=_POLICIES, help="router policy for prefill")
+    parser.add_argument("--decode-policy", choices=_POLICIES, help="router policy for decode")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="Hugging Face tokenizer directory for every worker and the router",
+    )
+    parser.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        help="prefills publish no KV cache events (default: they do, to the router)",
+    )
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more router argument, written --router-arg=ARG (repeat; e.g. "
+        "--router-arg=--load-interval --router-arg=0.5)",
+    )
     parser.add_argument(
         "worker_args",
         nargs=argparse.REMAINDER,
@@ -92,9 +155,21 @@ def _wait(url: str, children: _Children, timeout: float) -> None:
     raise SystemExit(f"pd-cluster: {url} not ready after {timeout:g} s")
 
 
-def _router_args(
-    args: argparse.Namespace, prefills: list[int], namespaces: list[int], decodes: list[int]
-) -> list[str]:
+class _Layout:
+    """Ports of one cluster: router, prefills (HTTP, namespace, KV events), decodes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        taken: set[int] = {args.port}
+        self.prefills = [_free_run(1, taken) for _ in range(args.prefill)]
+        self.namespaces = [_free_run(1, taken) for _ in range(args.prefill)]
+        self.decodes = [_free_run(1, taken) for _ in range(args.decode)]
+        self.events: list[tuple[int, int] | None] = [
+            (_free_run(args.dp, taken), _free_run(args.dp, taken)) if args.kv_events else None
+            for _ in self.prefills
+        ]
+
+
+def _router_args(args: argparse.Namespace, layout: _Layout) -> list[str]:
     out = [
         "router",
         "--engine",
@@ -106,17 +181,36 @@ def _router_args(
         "--advertise-host",
         _HOST,
     ]
-    for i, (port, ns_port) in enumerate(zip(prefills, namespaces, strict=True)):
-        out += [
-            "--bootstrap-namespace",
-            f"p{i}={ns_port}",
-            "--prefill",
-            f"http://{_HOST}:{port}",
-            f"ns:p{i}",
-        ]
-    for port in decodes:
+    for flag in ("policy", "prefill_policy", "decode_policy", "tokenizer"):
+        if getattr(args, flag) is not None:
+            out += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    rows = zip(layout.prefills, layout.namespaces, layout.events, strict=True)
+    for i, (port, ns_port, events) in enumerate(rows):
+        out += ["--bootstrap-namespace", f"p{i}={ns_port}"]
+        out += ["--prefill", f"http://{_HOST}:{port}", f"ns:p{i}"]
+        if events is not None:
+            out += [f"events=tcp://{_HOST}:{events[0]}", f"replay=tcp://{_HOST}:{events[1]}"]
+    for port in layout.decodes:
         out += ["--decode", f"http://{_HOST}:{port}"]
-    return out
+    return out + list(args.router_arg)
+
+
+def _worker_args(args: argparse.Namespace) -> list[str]:
+    """Flags every worker gets: the protocol, the tokenizer, then the user's after ``--``."""
+    out = ["--protocol", args.engine]
+    if args.tokenizer is not None:
+        out += ["--tokenizer", args.tokenizer]
+    return out + [a for a in args.worker_args if a != "--"]
+
+
+def _prefill_args(
+    args: argparse.Namespace, port: int, ns_port: int, events: tuple[int, int] | None
+) -> list[str]:
+    out = ["worker", "--role", "prefill", "--port", str(port)]
+    out += ["--registry", f"{_HOST}:{ns_port}", "--dp", str(args.dp)]
+    if events is not None:
+        out += ["--kv-events-config", _kv_events_config(*events)]
+    return out + _worker_args(args)
 
 
 @contextlib.contextmanager
@@ -135,35 +229,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
     if min(args.prefill, args.decode, args.dp) < 1:
         raise SystemExit("pd-cluster: --prefill, --decode and --dp must be >= 1")
-    extra = [a for a in args.worker_args if a != "--"]
-    prefills = [_free_port() for _ in range(args.prefill)]
-    namespaces = [_free_port() for _ in range(args.prefill)]
-    decodes = [_free_port() for _ in range(args.decode)]
+    layout = _Layout(args)
     children = _Children()
     router = f"http://{_HOST}:{args.port}"
     with _terminating():
         try:
-            children.start(_router_args(args, prefills, namespaces, decodes))
+            children.start(_router_args(args, layout))
             _wait(f"{router}/health", children, args.ready_timeout)
-            for port, ns_port in zip(prefills, namespaces, strict=True):
+            rows = zip(layout.prefills, layout.namespaces, layout.events, strict=True)
+            for port, ns_port, events in rows:
+                children.start(_prefill_args(args, port, ns_port, events))
+            for port in layout.decodes:
                 children.start(
-                    [
-                        "worker",
-                        "--role",
-                        "prefill",
-                        "--port",
-                        str(port),
-                        "--registry",
-                        f"{_HOST}:{ns_port}",
-                        "--protocol",
-                        args.engine,
-                        "--dp",
-                        str(args.dp),
-                        *extra,
-                    ]
+                    ["worker", "--role", "decode", "--port", str(port)] + _worker_args(args)
                 )
-            for port in decodes:
-                children.start(["worker", "--role", "decode", "--port", str(port), *extra])
             _wait(f"{router}/ready", children, args.ready_timeout)
             dp = f", DP={args.dp}" if args.dp > 1 else ""
             print(f"pd-cluster ready: {router}  ({args.prefill}P{args.decode}D{dp}, {args.engine})")

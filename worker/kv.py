@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transfer.page_layout import KVPageLayout, pages_for_tokens
+from worker.prefix_cache import PoolExhausted, PrefixCache
 
 __all__ = ["KVPool", "PoolExhausted", "PoolShape", "detokenize", "generate", "tokenize"]
 
@@ -46,10 +47,6 @@ def generate(kv_digest: bytes, count: int) -> list[int]:
     return out
 
 
-class PoolExhausted(Exception):
-    """Not enough free KV pages for a request."""
-
-
 @dataclass(frozen=True, slots=True)
 class PoolShape:
     layers: int = 8
@@ -63,7 +60,11 @@ class PoolShape:
 
 
 class KVPool:
-    """A packed, pinned KV pool (K and V per layer) with a free-page list."""
+    """A packed, pinned KV pool (K and V per layer); ``cache`` allocates its pages.
+
+    ``allocate``/``release`` are the cache's plain (uncached) page calls; ``free_pages``
+    counts free pages plus cached pages no request references (an allocation may evict them).
+    """
 
     def __init__(self, shape: PoolShape) -> None:
         self.shape = shape
@@ -72,7 +73,7 @@ class KVPool:
         self.data = bytearray(probe.total_bytes)
         self._pin = (ctypes.c_char * len(self.data)).from_buffer(self.data)
         self.layout = self._layout(ctypes.addressof(self._pin))
-        self._free = list(range(shape.pages - 1, -1, -1))
+        self.cache = PrefixCache(shape.pages, shape.page_size)
         self.quarantined = 0  # pages withheld after a transfer whose writes may still land
 
     def _layout(self, base: int) -> KVPageLayout:
@@ -86,22 +87,21 @@ class KVPool:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return self.cache.free_pages
 
     @property
     def max_tokens(self) -> int:
         return self.shape.pages * self.shape.page_size
 
     def allocate(self, num_tokens: int) -> list[int]:
-        need = pages_for_tokens(num_tokens, self.shape.page_size)
-        if need > len(self._free):
-            raise PoolExhausted(f"{need} KV pages needed, {len(self._free)} free")
-        return [self._free.pop() for _ in range(need)]
+        """Private pages for ``num_tokens`` tokens; raises ``PoolExhausted``."""
+        return self.cache.allocate(pages_for_tokens(num_tokens, self.shape.page_size))
 
     def release(self, pages: Sequence[int]) -> None:
-        self._free.extend(reversed(pages))
+        self.cache.release(pages)
 
     def quarantine(self, pages: Sequence[int]) -> None:
+        """Withhold ``pages`` for good (a transfer may still write them): never released."""
         self.quarantined += len(pages)
 
     def _offset(self, region: int, page: int, slot: int) -> int:

@@ -5,7 +5,8 @@ A request moves through four queues; ``counts`` shows how many are in each:
     bootstrap  waits for the decode's transfer info (``KVSender.bootstrap``, bounded by the
                sender's bootstrap timeout); it holds its pages but no forward time
     waiting    waits for the rank's forward pass (one at a time, first come first served)
-    forward    computes one chunk of at most ``chunk_tokens`` prompt tokens (the KV content is a
+    forward    computes one chunk of at most ``chunk_tokens`` uncached prompt tokens (the prefix
+               cache's pages are reused, see ``worker.prefix_cache``; the KV content is a
                pure function of tokens and positions, plus ``compute_s_per_token`` of simulated
                time), then sends the chunk's full pages (``KVSender.send``; the partial last page
                waits for the next chunk) and goes back to ``waiting`` for the next chunk
@@ -44,10 +45,16 @@ STAGES: tuple[Stage, ...] = ("bootstrap", "waiting", "forward", "inflight")
 
 @dataclass(frozen=True, slots=True)
 class PrefillJob:
+    """One prompt to prefill: positions ``[start, len(tokens))`` are computed (the rest came
+    from the prefix cache); ``computed(end)`` runs after each forward chunk (KV of positions
+    ``[0, end)`` now written), e.g. to cache the full pages."""
+
     room: int
     tokens: Sequence[int]
     pages: Sequence[int]
     aux: bytes
+    start: int = 0
+    computed: Callable[[int], None] | None = None
 
 
 class PrefillScheduler:
@@ -79,7 +86,7 @@ class PrefillScheduler:
             await self._sender.bootstrap(job.room)
             started = time.monotonic()
             try:
-                for start in range(0, len(job.tokens), self._chunk):
+                for start in range(job.start, len(job.tokens), self._chunk):
                     end = min(start + self._chunk, len(job.tokens))
                     await self._forward_chunk(job, start, end, stage)
                     last = end == len(job.tokens)
@@ -96,7 +103,7 @@ class PrefillScheduler:
     async def compute(self, job: PrefillJob) -> None:
         """vLLM: the forward pass over the whole prompt, chunk by chunk, sending nothing yet."""
         with self._stage("waiting") as stage:
-            for start in range(0, len(job.tokens), self._chunk):
+            for start in range(job.start, len(job.tokens), self._chunk):
                 await self._forward_chunk(
                     job, start, min(start + self._chunk, len(job.tokens)), stage
                 )
@@ -143,6 +150,8 @@ class PrefillScheduler:
             if self._compute:
                 await asyncio.sleep(self._compute * (end - start))
             self._pool.write(job.pages, job.tokens, start, end)
+            if job.computed is not None:
+                job.computed(end)
         stage("waiting")
 
     @contextlib.contextmanager

@@ -9,6 +9,8 @@
   ``transfer_id``; like vLLM it prefills locally (with a warning) when any is missing. A prefill
   needs ``do_remote_decode`` and a ``transfer_id``. ``transfer_id`` maps to a room by a hash,
   the same on both sides.
+
+Prompts become tokens with the worker's ``worker.tokenizer`` (bytes by default).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from worker.kv import tokenize
+from worker.tokenizer import ByteTokenizer, PromptTokenizer, TokenizerError
 
 __all__ = ["PDProtocol", "Seq", "WorkerError", "max_tokens", "room_of", "sequences"]
 
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 PDProtocol = Literal["sglang", "vllm-mooncake"]
 _ROOM_MASK = (1 << 63) - 1
+_BYTES = ByteTokenizer()
 
 
 class WorkerError(Exception):
@@ -65,40 +68,48 @@ def max_tokens(body: Mapping[str, Any]) -> int:
     return value
 
 
-def sequences(body: Mapping[str, Any], chat: bool, headers: Mapping[str, str]) -> list[Seq]:
+def sequences(
+    body: Mapping[str, Any],
+    chat: bool,
+    headers: Mapping[str, str],
+    tokenizer: PromptTokenizer = _BYTES,
+) -> list[Seq]:
     """The request's sequences with their PD fields, for whichever protocol it speaks."""
     n = body.get("n") or 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise WorkerError(400, f"n must be a positive integer, got {n!r}")
-    texts = [text for text in _prompts(body, chat) for _ in range(n)]
+    try:
+        prompts = [t for t in _prompts(body, chat, tokenizer) for _ in range(n)]
+    except TokenizerError as exc:
+        raise WorkerError(400, str(exc)) from exc
     params = body.get("kv_transfer_params")
     if params is not None:
-        return _vllm(texts, params, headers)
-    return _sglang(texts, body)
+        return _vllm(prompts, params, headers)
+    return _sglang(prompts, body)
 
 
-def _sglang(texts: list[str], body: Mapping[str, Any]) -> list[Seq]:
-    rooms = _as_list(body.get("bootstrap_room"), len(texts))
-    hosts = _as_list(body.get("bootstrap_host"), len(texts))
-    ports = _as_list(body.get("bootstrap_port"), len(texts))
+def _sglang(prompts: list[list[int]], body: Mapping[str, Any]) -> list[Seq]:
+    rooms = _as_list(body.get("bootstrap_room"), len(prompts))
+    hosts = _as_list(body.get("bootstrap_host"), len(prompts))
+    ports = _as_list(body.get("bootstrap_port"), len(prompts))
     routed = _optional_int(body.get("routed_dp_rank"), "routed_dp_rank")
     pulled = _optional_int(body.get("disagg_prefill_dp_rank"), "disagg_prefill_dp_rank")
     seqs = []
-    for i, (text, room, host, port) in enumerate(zip(texts, rooms, hosts, ports, strict=True)):
+    for i, (tokens, room, host, port) in enumerate(zip(prompts, rooms, hosts, ports, strict=True)):
         bootstrap = None if host is None or port is None else f"{host}:{port}"
         room_id = _optional_int(room, "bootstrap_room")
         if room_id is not None and not 0 <= room_id < 1 << 64:
             raise WorkerError(400, f"bootstrap_room {room_id} is outside [0, 2^64)")
-        seqs.append(Seq(i, tokenize(text), room_id, bootstrap, routed, pulled))
+        seqs.append(Seq(i, list(tokens), room_id, bootstrap, routed, pulled))
     return seqs
 
 
-def _vllm(texts: list[str], params: Any, headers: Mapping[str, str]) -> list[Seq]:
+def _vllm(prompts: list[list[int]], params: Any, headers: Mapping[str, str]) -> list[Seq]:
     if not isinstance(params, dict):
         raise WorkerError(400, "kv_transfer_params must be an object")
-    if len(texts) != 1:
+    if len(prompts) != 1:
         raise WorkerError(400, "kv_transfer_params takes exactly one sequence (no batch, n=1)")
-    tokens = tokenize(texts[0])
+    tokens = prompts[0]
     transfer_id = params.get("transfer_id")
     if params.get("do_remote_decode"):
         if not isinstance(transfer_id, str) or not transfer_id:
@@ -119,30 +130,18 @@ def _vllm(texts: list[str], params: Any, headers: Mapping[str, str]) -> list[Seq
     return [Seq(0, tokens, local=True)]
 
 
-def _prompts(body: Mapping[str, Any], chat: bool) -> list[str]:
+def _prompts(body: Mapping[str, Any], chat: bool, tokenizer: PromptTokenizer) -> list[list[int]]:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise WorkerError(400, "messages must be a non-empty list")
-        return [
-            "".join(
-                f"{m.get('role', '')}: {_content(m.get('content'))}\n"
-                for m in messages
-                if isinstance(m, dict)
-            )
-        ]
+        return [tokenizer.chat(messages)]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return [prompt]
+        return [tokenizer.prompt(prompt)]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return list(prompt)
+        return [tokenizer.prompt(p) for p in prompt]
     raise WorkerError(400, "prompt must be a string or a list of strings")
-
-
-def _content(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return str(content or "")
 
 
 def _as_list(value: Any, count: int) -> list[Any]:

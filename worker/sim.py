@@ -11,14 +11,25 @@ transfer engine and sender (SGLang: rank ``routed_dp_rank``, else ``room % dp_si
 ``X-data-parallel-rank`` header, engine ids ``<id>_dp<rank>`` when ``dp_size`` > 1). Pages are
 released on every path (withheld only when the transfer library says writes may still land in
 them).
+
+Each rank's pool is also a prefix cache (``worker.prefix_cache``, block keys from
+``worker.block_hash``): a prefill, or a request computed locally (``both``, a vLLM decode without
+``kv_transfer_params``), reuses its cached prefix pages and computes only the other tokens
+(``compute_s_per_token`` applies to those); pages receiving KV from a prefill are never cached.
+With ``kv_events`` set, every rank publishes its cache changes (``worker.kv_events``). The
+prefill's cached token count travels to the decode in the aux slot, so the answer's
+``usage.prompt_tokens_details.cached_tokens`` is the prefill's cache hit. ``snapshots()`` and
+``metrics`` give the load and cache signals (``worker.metrics``, ``worker.loads``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import struct
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,9 +43,14 @@ from transfer.errors import TransferError
 from transfer.receiver import KVReceiver, ReceiveFailed
 from transfer.rendezvous import PrefillRank
 from transfer.sender import KVSender
+from worker.block_hash import BlockHasher, block_hasher
 from worker.kv import KVPool, PoolExhausted, PoolShape, detokenize, generate
+from worker.kv_events import KVEventsConfig, open_rank_events
+from worker.metrics import RankSnapshot, WorkerMetrics
 from worker.prefill import PrefillJob, PrefillScheduler
 from worker.protocol import PDProtocol, Seq, WorkerError
+from worker.rank import AUX_LEN, AUX_SLOTS, Progress, Rank
+from worker.tokenizer import PromptTokenizer, load_tokenizer
 
 __all__ = ["Completion", "EngineFactory", "SimWorker", "WorkerConfig", "WorkerError"]
 
@@ -42,8 +58,6 @@ logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode", "both"]
 EngineFactory = Callable[[], Awaitable[TransferEngine]]
-_AUX_LEN = 16
-_AUX_SLOTS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +76,9 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0
     compute_s_per_token: float = 0.0  # simulated prefill forward time per prompt token
     decode_s_per_token: float = 0.0  # simulated time per generated token after the first
+    tokenizer: str | None = None  # a Hugging Face tokenizer directory (None: bytes)
+    hash_seed: str | None = None  # vLLM block hash root seed (None: random per process)
+    kv_events: KVEventsConfig | None = None  # --kv-events-config
 
     def __post_init__(self) -> None:
         if self.dp_size < 1 or (self.dp_size > 1 and self.role != "prefill"):
@@ -81,17 +98,7 @@ class Completion:
     completion_tokens: int
     kv_bytes: int
     transfer_s: float
-
-
-@dataclass(slots=True)
-class _Rank:
-    """One DP rank: its pool and its side of the transfer."""
-
-    pool: KVPool
-    sender: KVSender | None = None
-    receiver: KVReceiver | None = None
-    scheduler: PrefillScheduler | None = None
-    aux_free: list[int] = field(default_factory=lambda: list(range(_AUX_SLOTS)))
+    cached_tokens: int = 0  # prompt tokens served from the (prefill's) prefix cache
 
 
 class SimWorker:
@@ -99,7 +106,10 @@ class SimWorker:
 
     def __init__(self, config: WorkerConfig, engine: EngineFactory | None) -> None:
         self.config = config
-        self.ranks = [_Rank(KVPool(config.shape)) for _ in range(config.dp_size)]
+        self.ranks = [Rank(KVPool(config.shape)) for _ in range(config.dp_size)]
+        self.tokenizer: PromptTokenizer = load_tokenizer(config.tokenizer)
+        self.metrics = WorkerMetrics(config.protocol, config.model, self.snapshots)
+        self._hasher: BlockHasher = block_hasher(config.protocol, config.hash_seed)
         self._engine_factory = engine
 
     @property
@@ -149,27 +159,79 @@ class SimWorker:
         cfg = self.config
         return cfg.engine_id if cfg.dp_size == 1 else f"{cfg.engine_id}_dp{dp_rank}"
 
+    @property
+    def event_endpoints(self) -> list[tuple[str, str | None]]:
+        """Each rank's bound KV event (live, replay) endpoints; empty when events are off."""
+        return [
+            (r.events.publisher.endpoint, r.events.publisher.replay_endpoint)
+            for r in self.ranks
+            if r.events is not None
+        ]
+
+    def snapshots(self) -> list[RankSnapshot]:
+        """Every rank's load and cache counters now (``worker.metrics``)."""
+        return [rank.snapshot(index) for index, rank in enumerate(self.ranks)]
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every rank's cached blocks (``AllBlocksCleared`` on each rank's feed)."""
+        for rank in self.ranks:
+            rank.pool.cache.clear()
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Count one request as being served (decode and ``both``: running until it ends)."""
+        stats = self.ranks[0].stats
+        stats.active += 1
+        try:
+            yield
+        finally:
+            stats.active -= 1
+
     @contextlib.asynccontextmanager
     async def run(self) -> AsyncIterator[None]:
-        if self.config.role == "both" or self._engine_factory is None:
+        """Open the KV event publishers and the transfer sides; close them on exit."""
+        events = self.config.kv_events
+        transfer = self.config.role != "both" and self._engine_factory is not None
+        if not transfer and (events is None or not events.enabled):
             yield
             return
         context = zmq.asyncio.Context()
         try:
             async with contextlib.AsyncExitStack() as stack:
-                for index, rank in enumerate(self.ranks):
-                    engine = await self._engine_factory()
-                    stack.push_async_callback(engine.close)
-                    await stack.enter_async_context(
-                        self._transfer_side(context, engine, index, rank)
-                    )
+                await self._open_events(stack, context)
+                if transfer:
+                    await self._open_transfer(stack, context)
                 yield
         finally:
             context.term()
 
+    async def _open_events(
+        self, stack: contextlib.AsyncExitStack, context: zmq.asyncio.Context
+    ) -> None:
+        config = self.config.kv_events
+        if config is None or not config.enabled:
+            return
+        for index, rank in enumerate(self.ranks):
+            events = await stack.enter_async_context(
+                open_rank_events(config, index, self.config.host, context)
+            )
+            rank.events = events
+            rank.pool.cache.events = events.emit
+            stack.callback(setattr, rank.pool.cache, "events", None)
+            stack.callback(setattr, rank, "events", None)
+
+    async def _open_transfer(
+        self, stack: contextlib.AsyncExitStack, context: zmq.asyncio.Context
+    ) -> None:
+        assert self._engine_factory is not None
+        for index, rank in enumerate(self.ranks):
+            engine = await self._engine_factory()
+            stack.push_async_callback(engine.close)
+            await stack.enter_async_context(self._transfer_side(context, engine, index, rank))
+
     @contextlib.asynccontextmanager
     async def _transfer_side(
-        self, context: zmq.asyncio.Context, engine: TransferEngine, index: int, rank: _Rank
+        self, context: zmq.asyncio.Context, engine: TransferEngine, index: int, rank: Rank
     ) -> AsyncIterator[None]:
         cfg = self.config
         if cfg.role == "prefill":
@@ -183,8 +245,8 @@ class SimWorker:
                 registry=cfg.registry,
                 namespace=cfg.namespace,
                 host=cfg.host,
-                aux_item_len=_AUX_LEN,
-                aux_slots=_AUX_SLOTS,
+                aux_item_len=AUX_LEN,
+                aux_slots=AUX_SLOTS,
                 bootstrap_timeout_s=cfg.transfer_timeout_s,
                 transfer_timeout_s=cfg.transfer_timeout_s,
             )
@@ -202,7 +264,7 @@ class SimWorker:
                     await scheduler.aclose()
         else:
             receiver_config = ReceiverConfig(
-                host=cfg.host, aux_item_len=_AUX_LEN, aux_slots=_AUX_SLOTS
+                host=cfg.host, aux_item_len=AUX_LEN, aux_slots=AUX_SLOTS
             )
             async with KVReceiver(context, engine, rank.pool.layout, receiver_config) as receiver:
                 rank.receiver = receiver
@@ -216,14 +278,18 @@ class SimWorker:
             raise WorkerError(400, "empty prompt")
         if len(seq.tokens) > limit:
             raise WorkerError(400, f"prompt of {len(seq.tokens)} tokens is longer than {limit}")
-        role = self.config.role
+        role, started = self.config.role, time.monotonic()
         if role == "both" or seq.local:
-            return await self._local(self.ranks[0], seq, max_new)
-        if role == "prefill":
-            return await self._prefill(self._prefill_rank(seq), seq)
-        return await self._decode(self.ranks[0], seq, max_new)
+            index, result = 0, await self._local(self.ranks[0], seq, max_new)
+        elif role == "prefill":
+            index = self._prefill_rank(seq)
+            result = await self._prefill(self.ranks[index], seq)
+        else:
+            index, result = 0, await self._decode(self.ranks[0], seq, max_new)
+        self.metrics.observe_ttft(index, time.monotonic() - started)
+        return result
 
-    def _prefill_rank(self, seq: Seq) -> _Rank:
+    def _prefill_rank(self, seq: Seq) -> int:
         dp_size, room = self.config.dp_size, seq.room
         if room is None:
             raise WorkerError(
@@ -242,10 +308,13 @@ class SimWorker:
                     f"but bootstrap_room % {dp_size} = {room % dp_size}",
                 )
             dp = room % dp_size
-        return self.ranks[dp or 0]
+        return dp or 0
+
+    def _lease(self, rank: Rank, seq: Seq) -> contextlib.AbstractContextManager[Progress]:
+        return rank.lease(seq.tokens, self._hasher(seq.tokens, self.config.shape.page_size))
 
     @contextlib.contextmanager
-    def _pages(self, rank: _Rank, seq: Seq) -> Iterator[list[int]]:
+    def _pages(self, rank: Rank, seq: Seq) -> Iterator[list[int]]:
         """Pages for ``seq`` on ``rank``, released afterwards (quarantined when unsafe)."""
         try:
             pages = rank.pool.allocate(len(seq.tokens))
@@ -264,51 +333,52 @@ class SimWorker:
             raise
         rank.pool.release(pages)
 
-    async def _local(self, rank: _Rank, seq: Seq, max_new: int) -> Completion:
-        with self._pages(rank, seq) as pages:
-            rank.pool.write(pages, seq.tokens)
+    async def _local(self, rank: Rank, seq: Seq, max_new: int) -> Completion:
+        with self._lease(rank, seq) as lease:
+            start = lease.cached_tokens
             if self.config.compute_s_per_token:
-                await asyncio.sleep(self.config.compute_s_per_token * len(seq.tokens))
-            return self._decode_tokens(rank.pool, seq, pages, max_new, 0, 0.0)
+                await asyncio.sleep(self.config.compute_s_per_token * (len(seq.tokens) - start))
+            rank.pool.write(lease.pages, seq.tokens, start)
+            lease.computed(len(seq.tokens))
+            done = self._decode_tokens(rank.pool, seq, lease.pages, max_new, 0, 0.0)
+            return dataclasses.replace(done, cached_tokens=start)
 
-    async def _prefill(self, rank: _Rank, seq: Seq) -> Completion:
+    async def _prefill(self, rank: Rank, seq: Seq) -> Completion:
         assert rank.scheduler is not None and seq.room is not None
-        aux = struct.pack("<QQ", len(seq.tokens), seq.room & ((1 << 64) - 1))
         if self.config.protocol == "vllm-mooncake":
-            return await self._prefill_and_hand_off(rank, rank.scheduler, seq, aux)
-        with self._pages(rank, seq) as pages:
-            job = PrefillJob(seq.room, seq.tokens, pages, aux)
+            return await self._prefill_and_hand_off(rank, rank.scheduler, seq)
+        with self._lease(rank, seq) as lease:
+            job = self._job(seq, lease)
             try:
                 transfer_s = await rank.scheduler.run(job)
             except TransferError as exc:
                 raise WorkerError(500, f"KV transfer failed: {exc}") from exc
-        return Completion("", len(seq.tokens), 0, 0, transfer_s)
+        return Completion("", len(seq.tokens), 0, 0, transfer_s, lease.cached_tokens)
+
+    def _job(self, seq: Seq, lease: Progress) -> PrefillJob:
+        assert seq.room is not None
+        cached = lease.cached_tokens
+        aux = struct.pack("<QQQ", len(seq.tokens), seq.room & ((1 << 64) - 1), cached)
+        return PrefillJob(seq.room, seq.tokens, lease.pages, aux, cached, lease.computed)
 
     async def _prefill_and_hand_off(
-        self, rank: _Rank, scheduler: PrefillScheduler, seq: Seq, aux: bytes
+        self, rank: Rank, scheduler: PrefillScheduler, seq: Seq
     ) -> Completion:
-        assert seq.room is not None
-        try:
-            pages = rank.pool.allocate(len(seq.tokens))
-        except PoolExhausted as exc:
-            raise WorkerError(503, str(exc)) from exc
-        job = PrefillJob(seq.room, seq.tokens, pages, aux)
-        try:
+        with contextlib.ExitStack() as stack:
+            lease = stack.enter_context(self._lease(rank, seq))
+            job = self._job(seq, lease)
             await scheduler.compute(job)
-        except BaseException:
-            rank.pool.release(pages)
-            raise
-        scheduler.hand_off(job, lambda: rank.pool.release(pages))
-        return Completion("", len(seq.tokens), 0, 0, 0.0)
+            scheduler.hand_off(job, stack.pop_all().close)
+        return Completion("", len(seq.tokens), 0, 0, 0.0, lease.cached_tokens)
 
-    async def _decode(self, rank: _Rank, seq: Seq, max_new: int) -> Completion:
+    async def _decode(self, rank: Rank, seq: Seq, max_new: int) -> Completion:
         if rank.receiver is None or seq.room is None or seq.bootstrap is None:
             raise WorkerError(
                 400, "a decode request needs bootstrap_host/port/room (vLLM: kv_transfer_params)"
             )
         if not rank.aux_free:
             raise WorkerError(503, "no free aux slot")
-        with self._pages(rank, seq) as pages:
+        with self._pages(rank, seq) as pages, rank.receiving():
             aux_index = rank.aux_free.pop()
             try:
                 got = await rank.receiver.request(
@@ -328,9 +398,12 @@ class SimWorker:
                 rank.aux_free.append(aux_index)
                 raise WorkerError(500, f"KV transfer failed: {exc}") from exc
             rank.aux_free.append(aux_index)
-            if struct.unpack("<Q", got.aux[:8])[0] != len(seq.tokens):
+            length, _, cached = struct.unpack("<QQQ", got.aux[:AUX_LEN])
+            if length != len(seq.tokens):
                 raise WorkerError(500, "aux from the prefill names another prompt length")
-            return self._decode_tokens(rank.pool, seq, pages, max_new, got.kv_bytes, got.elapsed_s)
+            rank.stats.received_tokens += length
+            done = self._decode_tokens(rank.pool, seq, pages, max_new, got.kv_bytes, got.elapsed_s)
+            return dataclasses.replace(done, cached_tokens=cached)
 
     def _decode_tokens(
         self,

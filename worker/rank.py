@@ -1,0 +1,127 @@
+"""One DP rank of a simulated engine: its KV pool and prefix cache, its side of the transfer, its
+KV event feed, and the request and token counters its load report is made of."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from transfer.receiver import KVReceiver
+from transfer.sender import KVSender
+from worker.block_hash import BlockKey
+from worker.kv import KVPool, PoolExhausted
+from worker.kv_events import RankEvents
+from worker.metrics import RankSnapshot
+from worker.prefill import PrefillScheduler
+from worker.prefix_cache import Lease
+from worker.protocol import WorkerError
+
+__all__ = ["AUX_LEN", "AUX_SLOTS", "Progress", "Rank", "RankStats"]
+
+AUX_LEN = 24  # prompt length, room, cached tokens (little-endian uint64 each)
+AUX_SLOTS = 256
+
+
+@dataclass(slots=True)
+class RankStats:
+    """Counters since start, and requests in flight, of one rank."""
+
+    active: int = 0  # requests being served (non-prefill roles), streaming included
+    receiving: int = 0  # decode requests waiting for their KV
+    pending_tokens: int = 0  # prompt tokens leased and still to compute
+    query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    hit_tokens: int = 0  # of those, served from it
+    computed_tokens: int = 0  # prompt tokens computed here
+    received_tokens: int = 0  # prompt tokens whose KV came from a prefill
+
+
+@dataclass(slots=True)
+class Rank:
+    """One DP rank: its pool, its side of the transfer, its event feed and its counters."""
+
+    pool: KVPool
+    sender: KVSender | None = None
+    receiver: KVReceiver | None = None
+    scheduler: PrefillScheduler | None = None
+    events: RankEvents | None = None
+    stats: RankStats = field(default_factory=RankStats)
+    aux_free: list[int] = field(default_factory=lambda: list(range(AUX_SLOTS)))
+
+    @contextlib.contextmanager
+    def lease(self, tokens: Sequence[int], keys: Sequence[BlockKey]) -> Iterator[Progress]:
+        """Pages for a prompt to compute, its cached prefix reused, released afterwards.
+
+        Counts the prompt's cache query, and its tokens to compute until they are computed.
+        Raises ``WorkerError`` 503 when the pool cannot hold the prompt.
+        """
+        try:
+            lease = self.pool.cache.acquire(tokens, keys)
+        except PoolExhausted as exc:
+            raise WorkerError(503, str(exc)) from exc
+        progress = Progress(self, lease, lease.cached_tokens)
+        self.stats.query_tokens += len(tokens)
+        self.stats.hit_tokens += lease.cached_tokens
+        self.stats.pending_tokens += len(tokens) - lease.cached_tokens
+        try:
+            yield progress
+        finally:
+            self.stats.pending_tokens -= len(tokens) - progress.done
+            self.pool.release(lease.pages)
+
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[None]:
+        """Count a decode request as waiting for its KV."""
+        self.stats.receiving += 1
+        try:
+            yield
+        finally:
+            self.stats.receiving -= 1
+
+    def snapshot(self, index: int) -> RankSnapshot:
+        """This rank's load and cache counters now (running: in the forward pass, or served
+        by a non-prefill role and not waiting for KV)."""
+        counts = self.scheduler.counts if self.scheduler is not None else {}
+        stats, cache = self.stats, self.pool.cache
+        return RankSnapshot(
+            rank=index,
+            running=counts.get("forward", 0) + max(stats.active - stats.receiving, 0),
+            waiting=counts.get("waiting", 0),
+            receiving=stats.receiving,
+            bootstrap=counts.get("bootstrap", 0),
+            inflight=counts.get("inflight", 0),
+            used_pages=cache.used_pages,
+            total_pages=cache.num_pages,
+            page_size=cache.page_size,
+            pool_bytes=len(self.pool.data),
+            waiting_tokens=stats.pending_tokens,
+            query_tokens=stats.query_tokens,
+            hit_tokens=stats.hit_tokens,
+            computed_tokens=stats.computed_tokens,
+            received_tokens=stats.received_tokens,
+        )
+
+
+@dataclass(slots=True)
+class Progress:
+    """A leased prompt's forward progress: ``computed(end)`` after each chunk counts the new
+    tokens and caches the full pages written so far."""
+
+    rank: Rank
+    lease: Lease
+    done: int  # positions [0, done) have KV
+
+    @property
+    def pages(self) -> list[int]:
+        return self.lease.pages
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.lease.cached_tokens
+
+    def computed(self, end: int) -> None:
+        stats = self.rank.stats
+        stats.computed_tokens += end - self.done
+        stats.pending_tokens -= end - self.done
+        self.done = end
+        self.rank.pool.cache.commit(self.lease, end)
