@@ -9,7 +9,8 @@ so this rendering is a contract:
 * completions: ``encode(prompt, add_special_tokens=True)``;
 * chat: ``chat_template`` rendered by ``jinja2.sandbox.ImmutableSandboxedEnvironment(
   trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])`` (Hugging Face
-  ``apply_chat_template``'s environment) with ``messages`` (the request's list, as sent),
+  ``apply_chat_template``'s environment) with ``messages`` (a content list's text parts joined
+  by newlines, as vLLM passes them),
   ``add_generation_prompt=True``, ``bos_token`` and ``eos_token`` (strings from the config, ""
   when absent) and a ``raise_exception(message)`` global, then
   ``encode(text, add_special_tokens=False)`` (the template writes its own special tokens).
@@ -73,6 +74,15 @@ class ByteTokenizer:
         return self.prompt(render_plain(messages))
 
 
+def _string_content(message: Any) -> Any:
+    """A message whose content is a list of parts, with its text parts joined by newlines (what
+    vLLM's chat front end gives a template that expects string content)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    parts = [p.get("text", "") for p in message["content"] if isinstance(p, dict)]
+    return {**message, "content": "\n".join(str(p) for p in parts)}
+
+
 def _raise(message: str) -> NoReturn:
     raise TokenizerError(message)
 
@@ -119,7 +129,9 @@ class HFTokenizer:
         """The chat template's text for ``messages`` with the generation prompt."""
         try:
             return self._template.render(
-                messages=list(messages), add_generation_prompt=True, **self._specials
+                messages=[_string_content(m) for m in messages],
+                add_generation_prompt=True,
+                **self._specials,
             )
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
