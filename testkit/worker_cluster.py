@@ -144,7 +144,9 @@ def pd_cluster(
             transfer_timeout_s=transfer_timeout_s,
             **(prefill_options or {}),
         )
-        decodes = _sides("decode", decode, network, [], transfer_timeout_s=transfer_timeout_s)
+        decodes = _sides(
+            "decode", decode, network, [], transfer_timeout_s=transfer_timeout_s, protocol=engine
+        )
         reference = SimWorker(WorkerConfig("both", shape=SHAPE), None)
         ports = stack.enter_context(
             run_servers(

