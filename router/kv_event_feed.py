@@ -231,6 +231,8 @@ class KVEventFeed:
                     stats.endpoint, replay_endpoint=stats.replay_endpoint, start_seq=0
                 ) as subscriber:
                     follow.opened(subscriber.stats)
+                    if stats.replay_endpoint is not None:
+                        await subscriber.catch_up()  # what the engine published before we came
                     async for item in subscriber:
                         self._on_batch(follow, item)
             except (KVEventError, zmq.ZMQError) as exc:

@@ -108,6 +108,19 @@ async def test_stored_removed_and_cleared_events_reach_the_index() -> None:
             assert stats["batches"] + stats["replayed"] >= 3 and stats["purges"] == 0
 
 
+async def test_a_router_joining_an_idle_engine_learns_what_it_already_holds() -> None:
+    """The engine stored blocks before the router came and then went quiet: no live batch will
+    reveal the gap, so the feed must ask the replay endpoint at once."""
+    async with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        await pub.publish([stored(HASHES, TOKENS)])
+        worker = prefill(kv_events=pub.endpoint, kv_events_replay=pub.replay_endpoint)
+        async with feeding([worker]) as (feed, index, _):
+            loc = (worker.id, 0)
+            await await_until(lambda: index.block_count(loc) == 3, TIMEOUT, "3 blocks replayed")
+            stats = feed.stats(loc)
+            assert stats is not None and stats["replayed"] == 1 and stats["purges"] == 0
+
+
 async def test_a_gap_in_the_live_stream_is_replayed() -> None:
     async with _Lossy("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", drop=set()) as pub:
         worker = prefill(kv_events=pub.endpoint, kv_events_replay=pub.replay_endpoint)

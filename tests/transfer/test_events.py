@@ -469,6 +469,25 @@ async def test_start_seq_catches_up_on_batches_published_before_connecting(
     assert all(g.replayed for g in seen[:5])
 
 
+async def test_catch_up_learns_an_idle_publishers_past_without_a_live_message(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """An engine that published and then went quiet: nothing live would ever reveal the gap."""
+    async with KVEventPublisher(LOCAL, replay_endpoint=LOCAL, context=ctx) as pub:
+        for i in range(5):
+            await pub.publish(batch_of(i))
+        async with KVEventSubscriber(
+            pub.endpoint, replay_endpoint=pub.replay_endpoint, start_seq=0, context=ctx
+        ) as sub:
+            assert await sub.catch_up() == 5
+            caught = await read(sub, 5)
+            assert [g.seq for g in caught] == [0, 1, 2, 3, 4] and all(g.replayed for g in caught)
+            live = await join(sub, lambda: pub.publish([AllBlocksCleared()]))
+    # no batch comes twice (the probes that beat the slow joiner may be replayed themselves)
+    assert [g.seq for g in caught + live] == list(range(len(caught) + len(live)))
+    assert sub.stats.lost == 0 and sub.stats.restarts == 0
+
+
 async def test_old_framing_and_old_encoding_from_a_fake_engine(
     ctx: zmq.asyncio.Context, fake: FakeEngine
 ) -> None:

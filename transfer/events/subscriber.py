@@ -54,7 +54,8 @@ class KVEventSubscriber(AsyncClosing):
     next expected one, the missing batches are requested from replay and yielded first;
     live duplicates of replayed batches are dropped. With ``start_seq``, everything from that
     seq on is replayed when the first live message arrives (this also covers ZMQ's slow
-    joiner); without it, the first live message sets the starting point.
+    joiner), or at once with :meth:`catch_up`; without it, the first live message sets the
+    starting point.
 
     A replay that has not ended within ``replay_timeout`` seconds, a malformed reply, a seq
     evicted from the publisher's buffer, or no replay endpoint at all makes the missing seqs
@@ -136,6 +137,32 @@ class KVEventSubscriber(AsyncClosing):
                 frames = await self._sub.recv_multipart()
             await self._on_live(frames)
         return self._pending.popleft()
+
+    async def catch_up(self) -> int:
+        """Queue every batch the publisher still buffers from ``start_seq`` on, before any live
+        message: a subscriber that joins a running engine learns what it published already (an
+        idle engine sends nothing live that would reveal the gap). Live copies of the replayed
+        batches are dropped on arrival; batches evicted from the replay buffer are counted
+        lost. Returns how many batches were queued.
+
+        Raises RuntimeError without a replay endpoint or ``start_seq``, ReplayTimeout or
+        KVEventDecodeError when the replay fails.
+        """
+        start = self._expected
+        if start is None or self._dealer is None:
+            raise RuntimeError("catch_up needs a replay endpoint and a start_seq")
+        before = len(self._pending)
+        for message in await self._fetch(start):
+            expected = self._expected
+            assert expected is not None
+            if message.seq < expected:
+                continue
+            if message.seq > expected:
+                self._lose(expected, message.seq - 1, "evicted from the replay buffer")
+            self._accept(message, replayed=True)
+        if self._expected is not None and self._expected > start:
+            self._dup_window = (start - 1, self._expected - 1)
+        return len(self._pending) - before
 
     async def replay(self, start_seq: int) -> list[ReceivedBatch]:
         """Every batch the publisher still buffers with seq >= ``start_seq``, in order.
