@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
 import pytest
+import zmq
 
 from registry.models import WorkerRecord, decode_worker, encode_worker, worker_id
 from router.kv_event_feed import KVEventFeed, rank_endpoint
@@ -154,19 +156,40 @@ async def test_an_unrecoverable_gap_purges_the_location() -> None:
             assert index.match(chain_keys(TOKENS, BLOCK), BLOCK) == {}
 
 
+@contextlib.asynccontextmanager
+async def _rebound(endpoints: tuple[str, str]) -> AsyncIterator[KVEventPublisher]:
+    """A publisher on ports the feed already follows. The feed keeps reconnecting to them, and a
+    loopback connect to a port nobody listens on can take it as its own source port for a
+    moment (these test ports are in the ephemeral range): retry the bind, bounded."""
+    for _ in range(100):
+        try:
+            pub = await KVEventPublisher(endpoints[0], replay_endpoint=endpoints[1]).__aenter__()
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            await asyncio.sleep(0.05)
+            continue
+        try:
+            yield pub
+        finally:
+            await pub.aclose()
+        return
+    raise AssertionError(f"could not rebind {endpoints}")
+
+
 async def test_a_restarted_publisher_purges_what_it_held() -> None:
     port, replay = free_port(), free_port()
     endpoints = (f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")
     worker = prefill(kv_events=endpoints[0], kv_events_replay=endpoints[1])
     async with feeding([worker]) as (feed, index, _):
         loc = (worker.id, 0)
-        async with KVEventPublisher(endpoints[0], replay_endpoint=endpoints[1]) as pub:
+        async with _rebound(endpoints) as pub:
             await publish_until(
                 pub, [stored(HASHES, TOKENS)], lambda: index.block_count(loc) == 3, "3 blocks"
             )
             for _ in range(3):  # the old stream is well past seq 0
                 await pub.publish([])
-        async with KVEventPublisher(endpoints[0], replay_endpoint=endpoints[1]) as pub:
+        async with _rebound(endpoints) as pub:
             await publish_until(
                 pub,
                 [stored([31], [7, 7, 7, 7])],
