@@ -297,11 +297,12 @@ def test_a_short_shared_header_does_not_pull_every_prompt_along() -> None:
     )
     a, b = prefills(2)
     header = "system: shared header\n"
-    first = RequestFeatures(text=header + "user: " + "x" * 100)
+    first_text = header + "user: " + "x" * 100
+    first = RequestFeatures(text=first_text)
     chosen = chooser.choose_prefill([a, b], first)
     chooser.record(chosen, first)
     with chosen.worker.load(0):  # the chosen one is busier now
         other = chooser.choose_prefill([a, b], RequestFeatures(text=header + "user: " + "y" * 100))
         assert other.worker is not chosen.worker and other.how == "load"
-        again = chooser.choose_prefill([a, b], RequestFeatures(text=first.text + " more"))
+        again = chooser.choose_prefill([a, b], RequestFeatures(text=first_text + " more"))
         assert again.worker is chosen.worker and again.how == "approximate"
