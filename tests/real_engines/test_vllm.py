@@ -35,6 +35,7 @@ from tests.real_engines.vllm_engines import (
     run_router,
     stop,
     wait_healthy,
+    warm_up,
 )
 
 pytestmark = pytest.mark.real_engine
@@ -49,8 +50,6 @@ STREAM = pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 SHORT = 16  # tokens per conformance answer
 LONG = 400  # tokens of a "long" answer (the decode makes ~300 tokens/s here: ~1.3 s)
 IDLE_TIMEOUT_S = 30.0
-WARM_UP_ATTEMPTS = 4  # ~1 fresh Mooncake pair in 4 stalls its first transfer for 30 s
-WARM_UP_TIMEOUT_S = 120.0
 KV_ARRIVAL_TIMEOUT_S = 10
 
 
@@ -163,19 +162,6 @@ class Cluster:
     @property
     def engines(self) -> tuple[Engine, Engine]:
         return self.prefill, self.decode
-
-
-def warm_up(router: Router) -> None:
-    """Send a small request until one succeeds: a fresh Mooncake pair's first TCP transfer
-    sometimes stalls for 30 s and the decode then answers 500 (engine behaviour, not ours)."""
-    answers = []
-    for _ in range(WARM_UP_ATTEMPTS):
-        body = request_body("completions", "warm up", stream=False, max_tokens=2)
-        answers.append(call(router.url, "completions", body, timeout=WARM_UP_TIMEOUT_S))
-        if answers[-1].status == 200:
-            return
-    summary = [(a.status, a.error, round(a.elapsed_s, 1)) for a in answers]
-    raise AssertionError(f"warm-up failed {WARM_UP_ATTEMPTS} times: {summary}\n{router.log_tail()}")
 
 
 @contextlib.contextmanager

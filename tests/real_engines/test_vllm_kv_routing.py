@@ -39,7 +39,7 @@ import zmq.asyncio
 
 from router.prompt_tokens import LocalTokenizer
 from router.schemas import Endpoint, parse_request
-from tests.real_engines.openai_client import SERVED_MODEL, Answer, call, request_body
+from tests.real_engines.openai_client import SERVED_MODEL, Answer, call
 from tests.real_engines.vllm_engines import (
     Engine,
     Role,
@@ -50,6 +50,7 @@ from tests.real_engines.vllm_engines import (
     run_router,
     start_engines,
     stop,
+    warm_up,
 )
 from transfer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
 
@@ -60,8 +61,6 @@ PREFILL_FLAGS = ("--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--
 DECODE_FLAGS = ("--block-size", str(BLOCK_SIZE))
 MAX_MODEL_LEN = 512
 REPLY_TOKENS = 8
-WARM_UP_ATTEMPTS = 4  # ~1 fresh Mooncake pair in 4 stalls its first transfer for 30 s
-WARM_UP_TIMEOUT_S = 120.0
 INDEX_SYNC_TIMEOUT_S = 30.0
 LEDGER_STOP_S = 10.0
 TOKEN_SOURCES = ("tokenizer", "render")
@@ -188,19 +187,6 @@ class Engines:
 
     def other(self, prefill: Engine) -> Engine:
         return self.prefills[1] if prefill is self.prefills[0] else self.prefills[0]
-
-
-def warm_up(router: Router) -> None:
-    """A small request until one succeeds: a fresh Mooncake pair's first transfer sometimes
-    stalls for 30 s and the decode then answers 500 (engine behaviour, not the router's)."""
-    answers = []
-    for _ in range(WARM_UP_ATTEMPTS):
-        body = request_body("completions", "warm up", stream=False, max_tokens=2)
-        answers.append(call(router.url, "completions", body, timeout=WARM_UP_TIMEOUT_S))
-        if answers[-1].status == 200:
-            return
-    summary = [(a.status, a.error, round(a.elapsed_s, 1)) for a in answers]
-    raise AssertionError(f"warm-up failed: {summary}\n{router.log_tail()}")
 
 
 def report_logs(request: pytest.FixtureRequest, log_dir: Path, lines: int = 40) -> None:

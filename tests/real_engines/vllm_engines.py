@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from testkit.polling import wait_until
 from testkit.servers import free_port, stop_process
+from tests.real_engines.openai_client import call, request_body
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM_DIR = Path(__file__).with_name("vllm_shim")
@@ -441,3 +442,20 @@ def wait_router_ready(router: Router) -> None:
                 f"router not ready after {ROUTER_START_TIMEOUT_S}s\n" + router.log_tail()
             )
         time.sleep(0.2)
+
+
+WARM_UP_ATTEMPTS = 4  # ~1 fresh Mooncake pair in 4 stalls its first transfer for 30 s
+WARM_UP_TIMEOUT_S = 120.0
+
+
+def warm_up(router: Router) -> None:
+    """Send a small request until one succeeds: a fresh Mooncake pair's first TCP transfer
+    sometimes stalls for 30 s and the decode then answers 500 (engine behaviour, not ours)."""
+    answers = []
+    for _ in range(WARM_UP_ATTEMPTS):
+        body = request_body("completions", "warm up", stream=False, max_tokens=2)
+        answers.append(call(router.url, "completions", body, timeout=WARM_UP_TIMEOUT_S))
+        if answers[-1].status == 200:
+            return
+    summary = [(a.status, a.error, round(a.elapsed_s, 1)) for a in answers]
+    raise AssertionError(f"warm-up failed {WARM_UP_ATTEMPTS} times: {summary}\n{router.log_tail()}")
