@@ -19,7 +19,7 @@ queueing show in TTFT, and the compute dominates the router's own costs (the who
 costs ~35 ms CPU per request on a 2-core machine). ``--pages`` is sized from each trace's
 working set so that a prefill holds about a third of the distinct prefix blocks (never fewer
 than ``concurrency`` longest prompts need): spreading a prefix over every prefill evicts. Every
-worker gets the same tokenizer (``testkit.tokenizer_dir``, when pd-worker has ``--tokenizer``),
+worker gets the same tokenizer (``testkit.tokenizer_dir``),
 in every run; only the precise ``cache_aware`` run gives it to the router too (pd-cluster
 ``--tokenizer``). Router settings pd-cluster has no flag for go through ``--router-arg``.
 
@@ -48,9 +48,7 @@ import asyncio
 import contextlib
 import math
 import random
-import re
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,9 +66,10 @@ from bench.cluster_ttft import REPO_ROOT, BenchError, Child, free_port, wait_hea
 from bench.cpu import descendants, tree_cpu_seconds
 from bench.loadgen import Percentiles, percentiles
 from bench.traces import Trace, TraceRequest, sample_text, standard_traces
+from testkit.tokenizer_dir import build_tokenizer_dir
 
 __all__ = [
-    "Capabilities",
+    "BenchSetup",
     "Cluster",
     "FRESH",
     "Outcome",
@@ -86,7 +85,7 @@ __all__ = [
     "bucket_delta",
     "check_targets",
     "cluster_argv",
-    "detect",
+    "prepare",
     "drive",
     "engine_cache_tokens",
     "failed",
@@ -172,53 +171,18 @@ class WorkloadConfig:
 
 
 @dataclass(frozen=True)
-class Capabilities:
-    """What the installed pieces support (the bench adapts and says what it skipped)."""
+class BenchSetup:
+    """The tokenizer every worker (and the precise router) uses, and the peer router's venv."""
 
-    cluster_flags: frozenset[str]
-    router_policies: frozenset[str]
     peer_python: Path | None
-    tokenizer_dir: Path | None
+    tokenizer_dir: Path
     chars_per_token: float
 
     def unavailable(self, spec: PolicySpec) -> str | None:
         """Why ``spec`` cannot run here, or None."""
-        if spec.router == "sglang-router":
-            return None if self.peer_python else "no .venv-peers: run scripts/setup-peers.sh"
-        missing = {spec.policy, spec.decode_policy} - self.router_policies
-        if missing:
-            return f"router has no policy {', '.join(sorted(missing))}"
-        if spec.precise and self.tokenizer_dir is None:
-            return "no tokenizer (testkit.tokenizer_dir or pd-worker --tokenizer missing)"
+        if spec.router == "sglang-router" and self.peer_python is None:
+            return "no .venv-peers: run scripts/setup-peers.sh"
         return None
-
-
-def _flags(module: str) -> frozenset[str]:
-    """The ``--flags`` that ``python -m module --help`` lists."""
-    out = subprocess.run(
-        [sys.executable, "-m", module, "--help"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    ).stdout
-    return frozenset(re.findall(r"--[a-z][a-z0-9-]*", out))
-
-
-def _router_policies() -> frozenset[str]:
-    from router.policies import POLICIES as ROUTER_POLICIES
-
-    return frozenset(ROUTER_POLICIES)
-
-
-def _tokenizer_dir(where: Path) -> Path | None:
-    try:
-        from testkit.tokenizer_dir import build_tokenizer_dir
-    except ImportError:
-        return None
-    built: Path = build_tokenizer_dir(where / "tokenizer")
-    return built
 
 
 def measure_chars_per_token(tokenizer_dir: Path) -> float:
@@ -230,17 +194,13 @@ def measure_chars_per_token(tokenizer_dir: Path) -> float:
     return len(text) / max(1, len(tokenizer.encode(text, add_special_tokens=False).ids))
 
 
-def detect(where: Path) -> Capabilities:
-    """Probe pd-cluster, pd-worker, the router's policies, the peer venv; build the tokenizer."""
-    worker_flags = _flags("worker")
-    tokenizer = _tokenizer_dir(where) if "--tokenizer" in worker_flags else None
-    return Capabilities(
-        cluster_flags=_flags("worker.cluster"),
-        router_policies=_router_policies(),
+def prepare(where: Path) -> BenchSetup:
+    """Build the tokenizer and find the peer venv."""
+    tokenizer = build_tokenizer_dir(where / "tokenizer")
+    return BenchSetup(
         peer_python=PEER_PYTHON if PEER_PYTHON.exists() else None,
         tokenizer_dir=tokenizer,
-        # without a tokenizer pd-worker counts one token per byte
-        chars_per_token=measure_chars_per_token(tokenizer) if tokenizer else 1.0,
+        chars_per_token=measure_chars_per_token(tokenizer),
     )
 
 
@@ -384,10 +344,10 @@ def router_pid(cluster_pid: int) -> int | None:
     return None
 
 
-def worker_args(cfg: WorkloadConfig, caps: Capabilities, pages: int) -> list[str]:
+def worker_args(cfg: WorkloadConfig, setup: BenchSetup, pages: int) -> list[str]:
     """pd-worker arguments for every worker: a light KV (the router's costs are the subject),
-    simulated compute, the pool size, and the tokenizer when pd-worker has one."""
-    args = [
+    simulated compute, the pool size, and the tokenizer."""
+    return [
         "--layers",
         "1",
         "--bytes-per-token",
@@ -402,43 +362,27 @@ def worker_args(cfg: WorkloadConfig, caps: Capabilities, pages: int) -> list[str
         repr(cfg.decode_s_per_token),
         "--log-level",
         "warning",
+        "--tokenizer",
+        str(setup.tokenizer_dir),
     ]
-    if caps.tokenizer_dir is not None:
-        args += ["--tokenizer", str(caps.tokenizer_dir)]
-    return args
-
-
-def _router_settings(caps: Capabilities, spec: PolicySpec) -> list[tuple[str, str, str]]:
-    """(router flag, value, environment variable) of what our router is configured with."""
-    settings = [
-        ("--health-interval", "0.5", "PDR_HEALTH__INTERVAL_S"),  # ready sooner after start
-        ("--log-level", "warning", "PDR_LOGGING__LEVEL"),
-    ]
-    if spec.router == "ours":
-        settings += [
-            ("--prefill-policy", spec.policy, "PDR_POLICY__PREFILL_POLICY"),
-            ("--decode-policy", spec.decode_policy, "PDR_POLICY__DECODE_POLICY"),
-        ]
-        if spec.precise and caps.tokenizer_dir is not None:
-            settings.append(("--tokenizer", str(caps.tokenizer_dir), "PDR_CACHE__TOKENIZER"))
-    return settings
 
 
 def cluster_argv(
-    cfg: WorkloadConfig, caps: Capabilities, spec: PolicySpec, pages: int, port: int
+    cfg: WorkloadConfig, setup: BenchSetup, spec: PolicySpec, pages: int, port: int
 ) -> list[str]:
-    """pd-cluster's command line. A router setting goes as pd-cluster's own flag, else through
-    ``--router-arg``, else (an older pd-cluster) as the router's ``PDR_`` environment variable."""
-    flags: list[str] = []
-    env: list[str] = []
-    for flag, value, variable in _router_settings(caps, spec):
-        if flag in caps.cluster_flags and flag != "--log-level":
-            flags += [flag, value]
-        elif "--router-arg" in caps.cluster_flags:
-            flags += [f"--router-arg={flag}", f"--router-arg={value}"]
-        else:
-            env.append(f"{variable}={value}")
-    argv = [
+    """pd-cluster's command line: our router's policies (and, precise, the tokenizer) as
+    pd-cluster's own flags, its other settings through ``--router-arg``."""
+    flags = [
+        "--router-arg=--health-interval",  # ready sooner after start
+        "--router-arg=0.5",
+        "--router-arg=--log-level",
+        "--router-arg=warning",
+    ]
+    if spec.router == "ours":
+        flags += ["--prefill-policy", spec.policy, "--decode-policy", spec.decode_policy]
+        if spec.precise:
+            flags += ["--tokenizer", str(setup.tokenizer_dir)]
+    return [
         sys.executable,
         "-m",
         "worker.cluster",
@@ -454,9 +398,8 @@ def cluster_argv(
         str(cfg.ready_timeout_s),
         *flags,
         "--",
-        *worker_args(cfg, caps, pages),
+        *worker_args(cfg, setup, pages),
     ]
-    return ["env", *env, *argv] if env else argv
 
 
 @dataclass(frozen=True)
@@ -480,10 +423,10 @@ def _layout(url: str) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], str
 
 @contextlib.contextmanager
 def started_cluster(
-    cfg: WorkloadConfig, caps: Capabilities, spec: PolicySpec, pages: int
+    cfg: WorkloadConfig, setup: BenchSetup, spec: PolicySpec, pages: int
 ) -> Iterator[Cluster]:
     """A fresh pd-cluster; stopped (its whole process tree) on the way out."""
-    child = Child(cluster_argv(cfg, caps, spec, pages, free_port()))
+    child = Child(cluster_argv(cfg, setup, spec, pages, free_port()))
     try:
         url = child.wait_ready_line(cfg.ready_timeout_s + 10.0)
         child.note_descendants()
@@ -749,12 +692,12 @@ def _measure(
 
 
 def run_one(
-    cfg: WorkloadConfig, caps: Capabilities, trace: Trace, spec: PolicySpec, pages: int
+    cfg: WorkloadConfig, setup: BenchSetup, trace: Trace, spec: PolicySpec, pages: int
 ) -> RunResult:
     """``trace`` through ``spec`` on a fresh cluster (a failed start is a failed row)."""
     base = RunResult(trace.name, spec.label, spec.router, spec.client, pages, trace.requests)
     try:
-        with started_cluster(cfg, caps, spec, pages) as cluster:
+        with started_cluster(cfg, setup, spec, pages) as cluster:
             if spec.router == "ours":
                 return _measure(cfg, trace, base, cluster, cluster.url, cluster.router_pid)
             with started_peer(cfg, spec, cluster) as peer:
@@ -882,10 +825,10 @@ def run_all(cfg: WorkloadConfig) -> Report:
     happens (SIGTERM raises ``KeyboardInterrupt`` here, so every ``finally`` runs)."""
     started = time.monotonic()
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="routing-workload-") as tmp:
-        caps = detect(Path(tmp))
+        setup = prepare(Path(tmp))
         all_traces = standard_traces(
             quick=cfg.quick,
-            chars_per_token=caps.chars_per_token,
+            chars_per_token=setup.chars_per_token,
             seed=cfg.seed,
             concurrency=cfg.concurrency,
         )
@@ -893,22 +836,21 @@ def run_all(cfg: WorkloadConfig) -> Report:
         infos = []
         runs: list[RunResult] = []
         for trace in traces:
-            pages = pages_for(trace, cfg, caps.chars_per_token)
+            pages = pages_for(trace, cfg, setup.chars_per_token)
             infos.append(TraceInfo(trace.name, trace.description, trace.requests, pages))
             for spec in specs:
-                reason = caps.unavailable(spec)
+                reason = setup.unavailable(spec)
                 if reason is None:
-                    result = run_one(cfg, caps, trace, spec, pages)
+                    result = run_one(cfg, setup, trace, spec, pages)
                 else:
                     base = RunResult(trace.name, spec.label, spec.router, spec.client, pages, 0)
                     result = replace(base, requests=trace.requests, not_run=f"skipped: {reason}")
                 runs.append(result)
                 _progress(len(runs), len(traces) * len(specs), result, time.monotonic() - started)
-        tokenizer = "pd-worker byte tokens" if caps.tokenizer_dir is None else "testkit tokenizer"
     return Report(
         cfg,
-        tokenizer,
-        caps.chars_per_token,
+        "testkit tokenizer",
+        setup.chars_per_token,
         tuple(infos),
         tuple(runs),
         check_targets(runs),

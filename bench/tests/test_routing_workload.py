@@ -18,7 +18,7 @@ from bench.loadgen import Percentiles
 from bench.routing_workload import (
     POLICIES,
     POOLED,
-    Capabilities,
+    BenchSetup,
     Cluster,
     Outcome,
     PolicySpec,
@@ -323,13 +323,7 @@ async def test_drive_starts_nothing_after_the_deadline() -> None:
 
 # --- command lines -----------------------------------------------------------------------------
 
-CAPS = Capabilities(
-    cluster_flags=frozenset({"--prefill-policy", "--decode-policy", "--tokenizer", "--router-arg"}),
-    router_policies=frozenset({"round_robin", "least_load", "cache_aware"}),
-    peer_python=Path("/peers/python"),
-    tokenizer_dir=Path("/tok"),
-    chars_per_token=2.5,
-)
+SETUP = BenchSetup(Path("/peers/python"), Path("/tok"), chars_per_token=2.5)
 
 
 def _spec(label: str) -> PolicySpec:
@@ -338,7 +332,7 @@ def _spec(label: str) -> PolicySpec:
 
 def test_every_worker_gets_the_tokenizer_only_precise_routing_gives_it_the_router() -> None:
     def split(label: str) -> tuple[list[str], list[str]]:
-        argv = cluster_argv(WorkloadConfig(), CAPS, _spec(label), 900, 8123)
+        argv = cluster_argv(WorkloadConfig(), SETUP, _spec(label), 900, 8123)
         cut = argv.index("--")
         return argv[:cut], argv[cut + 1 :]
 
@@ -354,12 +348,10 @@ def test_every_worker_gets_the_tokenizer_only_precise_routing_gives_it_the_route
     assert "--router-arg=--health-interval" in split("round_robin")[0]
 
 
-def test_an_older_cluster_gets_router_settings_through_the_environment() -> None:
-    old = Capabilities(frozenset(), CAPS.router_policies, None, None, 1.0)
-    argv = cluster_argv(WorkloadConfig(), old, _spec("least_load"), 900, 8123)
-    assert argv[0] == "env" and "PDR_POLICY__PREFILL_POLICY=least_load" in argv
-    assert old.unavailable(_spec("cache_aware")) is not None  # no tokenizer: no precise run
-    assert old.unavailable(_spec("sgl_cache_aware")) is not None  # no .venv-peers
+def test_peer_runs_are_skipped_without_the_peer_venv() -> None:
+    bare = BenchSetup(None, Path("/tok"), 1.0)
+    assert bare.unavailable(_spec("sgl_cache_aware")) is not None  # no .venv-peers
+    assert bare.unavailable(_spec("cache_aware")) is None
 
 
 def test_sglang_router_gets_each_prefill_with_its_bootstrap_port() -> None:
