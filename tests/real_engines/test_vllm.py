@@ -32,6 +32,7 @@ from tests.real_engines.vllm_engines import (
     metric,
     poll,
     queue_lengths,
+    report_logs,
     run_router,
     stop,
     wait_healthy,
@@ -91,18 +92,6 @@ def selected(session: pytest.Session, class_name: str) -> bool:
         getattr(getattr(item, "cls", None), "__name__", None) == class_name
         for item in session.items
     )
-
-
-def report_logs(request: pytest.FixtureRequest, log_dir: Path, lines: int = 30) -> None:
-    """Write the tails of every engine and router log to the terminal (uncaptured): the first
-    thing to read after a failure against real engines."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None:
-        return
-    reporter.write_line(f"\nvLLM engine and router logs: {log_dir}")
-    for log in sorted(log_dir.glob("*.log")):
-        tail = log.read_text(errors="replace").splitlines()[-lines:]
-        reporter.write_line(f"----- {log.name} -----\n" + "\n".join(tail))
 
 
 @pytest.fixture(scope="module")

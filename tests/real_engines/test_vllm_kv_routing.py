@@ -47,6 +47,7 @@ from tests.real_engines.vllm_engines import (
     launch,
     metric,
     poll,
+    report_logs,
     run_router,
     start_engines,
     stop,
@@ -189,17 +190,6 @@ class Engines:
         return self.prefills[1] if prefill is self.prefills[0] else self.prefills[0]
 
 
-def report_logs(request: pytest.FixtureRequest, log_dir: Path, lines: int = 40) -> None:
-    """Every engine and router log's tail on the terminal, after a failure."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None:
-        return
-    reporter.write_line(f"\nvLLM engine and router logs: {log_dir}")
-    for log in sorted(log_dir.glob("*.log")):
-        tail = log.read_text(errors="replace").splitlines()[-lines:]
-        reporter.write_line(f"----- {log.name} -----\n" + "\n".join(tail))
-
-
 def launch_prefill(model: Path, name: str, log_dir: Path) -> Engine:
     """A Mooncake prefill publishing its KV events, with prefix caching and 32-token blocks."""
     return launch(model, Role.MOONCAKE_PREFILL, name, log_dir, extra=PREFILL_FLAGS, kv_events=True)
@@ -239,7 +229,7 @@ def engines(
         for ledger in ledgers:
             ledger.close()
         if request.session.testsfailed > failed_before:
-            report_logs(request, log_dir)
+            report_logs(request, log_dir, lines=40)
         for engine in started:
             stop(engine)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from testkit.polling import wait_until
@@ -459,3 +460,15 @@ def warm_up(router: Router) -> None:
             return
     summary = [(a.status, a.error, round(a.elapsed_s, 1)) for a in answers]
     raise AssertionError(f"warm-up failed {WARM_UP_ATTEMPTS} times: {summary}\n{router.log_tail()}")
+
+
+def report_logs(request: pytest.FixtureRequest, log_dir: Path, lines: int = 30) -> None:
+    """Write the tails of every engine and router log to the terminal (uncaptured): the first
+    thing to read after a failure against real engines."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    reporter.write_line(f"\nvLLM engine and router logs: {log_dir}")
+    for log in sorted(log_dir.glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        reporter.write_line(f"----- {log.name} -----\n" + "\n".join(tail))
