@@ -39,6 +39,7 @@ import zmq.asyncio
 
 from router.prompt_tokens import LocalTokenizer
 from router.schemas import Endpoint, parse_request
+from testkit.polling import wait_until
 from tests.real_engines.openai_client import SERVED_MODEL, Answer, call
 from tests.real_engines.vllm_engines import (
     Engine,
@@ -309,6 +310,21 @@ def cache_counters(engine: Engine) -> tuple[float, float]:
     return metric(text, HITS), metric(text, QUERIES)
 
 
+def counters_once_moved(
+    engines: Engines, before: dict[str, tuple[float, float]], timeout: float = 10.0
+) -> dict[str, tuple[float, float]]:
+    """Every prefill's counters once some prefill's query count grew: an engine publishes its
+    scheduler stats to ``/metrics`` a moment after it answered."""
+    seen: dict[str, tuple[float, float]] = {}
+
+    def moved() -> bool:
+        seen.update({p.name: cache_counters(p) for p in engines.prefills})
+        return any(seen[name][1] > before[name][1] for name in before)
+
+    wait_until(moved, timeout, "a prefill's prefix-cache query counter to grow", interval=0.1)
+    return seen
+
+
 async def router_token_ids(model: Path, body: dict[str, Any]) -> list[int] | None:
     """The ids the router's local tokenizer computes for a chat body."""
     parsed = parse_request(Endpoint.CHAT, json.dumps(body).encode())
@@ -373,7 +389,7 @@ def routed_turn(kv: KVRouter, engines: Engines, conversation: Conversation, turn
     conversation.messages.append({"role": "user", "content": user_text(conversation.name, turn)})
     before = {p.name: cache_counters(p) for p in engines.prefills}
     got = call(kv.router.url, "chat", conversation.body())
-    after = {p.name: cache_counters(p) for p in engines.prefills}
+    after = counters_once_moved(engines, before)
     conversation.answered(got)
     return Turn(
         hits={name: after[name][0] - before[name][0] for name in after},
