@@ -52,6 +52,7 @@ SHORT = 16  # tokens per conformance answer
 LONG = 400  # tokens of a "long" answer (the decode makes ~300 tokens/s here: ~1.3 s)
 IDLE_TIMEOUT_S = 30.0
 KV_ARRIVAL_TIMEOUT_S = 10
+NIXL_KV_ARRIVAL_TIMEOUT_S = 120  # NIXL pulls take up to ~40 s here; a loaded CI machine, more
 
 
 def timeout(seconds: float) -> pytest.MarkDecorator:
@@ -155,14 +156,19 @@ class Cluster:
 
 @contextlib.contextmanager
 def pd_cluster(
-    fleet: Fleet, kind: str, prefill: tuple[str, Role], decode: tuple[str, Role]
+    fleet: Fleet,
+    kind: str,
+    prefill: tuple[str, Role],
+    decode: tuple[str, Role],
+    router_extra: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     """Start (or adopt already launched) engines, wait for them, put a warmed-up router in
     front; stop the pair afterwards, whatever the tests did to it."""
     engines = fleet.launch(*prefill), fleet.launch(*decode)
     try:
         wait_healthy(engines)
-        with run_router(kind, *engines, fleet.log_dir / f"router-{kind}.log") as router:
+        log = fleet.log_dir / f"router-{kind}.log"
+        with run_router(kind, *engines, log, router_extra) as router:
             warm_up(router)
             yield Cluster(*engines, router, kind)
     finally:
@@ -183,8 +189,14 @@ def mooncake(fleet: Fleet) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="class")
 def nixl(fleet: Fleet) -> Iterator[Cluster]:
+    # NIXL's pull takes 2-40 s per request on this CPU machine (vLLM pins both engines' NIXL
+    # workers to one core), past the router's 30 s production default for the KV's arrival.
     with pd_cluster(
-        fleet, "vllm-nixl", ("nixl-prefill", Role.NIXL), ("nixl-decode", Role.NIXL)
+        fleet,
+        "vllm-nixl",
+        ("nixl-prefill", Role.NIXL),
+        ("nixl-decode", Role.NIXL),
+        router_extra=("--kv-arrival-timeout", str(NIXL_KV_ARRIVAL_TIMEOUT_S)),
     ) as cluster:
         yield cluster
 
