@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -354,6 +355,35 @@ async def test_next_times_out_when_nothing_arrives(ctx: zmq.asyncio.Context) -> 
     ):
         with pytest.raises(TimeoutError):
             await sub.next(timeout=0.05)
+
+
+async def test_timeouts_racing_arrivals_lose_no_batch(ctx: zmq.asyncio.Context) -> None:
+    """A reader polling with short timeouts (a thread that must notice a stop flag) while the
+    publisher sends: a timeout that fires as a message arrives must not swallow it. Without
+    replay, a swallowed batch is lost for good (an idle engine sends nothing that reveals it)."""
+    count = 1000
+    async with (
+        KVEventPublisher(LOCAL, context=ctx) as pub,
+        KVEventSubscriber(pub.endpoint, context=ctx) as sub,
+    ):
+        await join(sub, lambda: pub.publish([AllBlocksCleared()]))
+        first = pub.next_seq
+
+        async def produce() -> None:
+            for i in range(count):
+                await pub.publish(batch_of(i))
+                await asyncio.sleep((i % 7) * 0.0001)
+
+        producer = asyncio.create_task(produce())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEADLINE * 4
+        got: list[int] = []
+        while len(got) < count and loop.time() < deadline:
+            with contextlib.suppress(TimeoutError):
+                got.append((await sub.next(timeout=(1 + len(got) % 5) * 0.0001)).seq)
+        await producer
+    assert sub.stats.lost == 0
+    assert got == list(range(first, first + count))
 
 
 async def test_publish_requires_an_open_publisher() -> None:

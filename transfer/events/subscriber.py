@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Self
+from typing import Self, cast
 
 import zmq
 import zmq.asyncio
@@ -126,15 +127,28 @@ class KVEventSubscriber(AsyncClosing):
 
         ``timeout`` bounds the wait for live messages (TimeoutError when it passes); a
         replay started meanwhile is bounded by ``replay_timeout`` on top. Cancelling is safe:
-        a batch being recovered is asked for again on the next gap.
+        the wait is a poll, so a timeout or a cancellation never takes a message off the
+        socket without returning it, and a batch being recovered is asked for again on the
+        next gap.
         """
-        if self._sub is None:
+        sub = self._sub
+        if sub is None:
             raise RuntimeError("subscriber is not open")
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while not self._pending:
-            async with asyncio.timeout_at(deadline):
-                frames = await self._sub.recv_multipart()
+            # Awaiting recv_multipart under a timeout would lose the message whose arrival
+            # races the timeout (the future resolves, then the task is cancelled). So wait
+            # with a poll, which takes nothing off the socket; once a message is there,
+            # recv_multipart returns an already resolved future and awaiting it does not
+            # suspend, so nothing can cancel the task in between.
+            if not self._readable(sub):
+                wait = None if deadline is None else max(0.0, deadline - loop.time())
+                if wait == 0.0 or not await sub.poll(
+                    None if wait is None else math.ceil(wait * 1000)
+                ):
+                    raise TimeoutError
+            frames = await sub.recv_multipart()
             await self._on_live(frames)
         return self._pending.popleft()
 
@@ -202,6 +216,10 @@ class KVEventSubscriber(AsyncClosing):
             self._accept(message, replayed=False)
         if self._gap is not None:
             raise self._gap
+
+    @staticmethod
+    def _readable(sock: zmq.asyncio.Socket) -> bool:
+        return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
     def _is_duplicate(self, seq: int) -> bool:
         window = self._dup_window
