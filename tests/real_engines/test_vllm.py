@@ -53,6 +53,7 @@ LONG = 400  # tokens of a "long" answer (the decode makes ~300 tokens/s here: ~1
 IDLE_TIMEOUT_S = 30.0
 KV_ARRIVAL_TIMEOUT_S = 10
 NIXL_KV_ARRIVAL_TIMEOUT_S = 120  # NIXL pulls take up to ~40 s here; a loaded CI machine, more
+NIXL_HEALTH_TIMEOUT_S = 60  # a NIXL decode's API server can stall ~30 s mid-pull here
 
 
 def timeout(seconds: float) -> pytest.MarkDecorator:
@@ -190,13 +191,18 @@ def mooncake(fleet: Fleet) -> Iterator[Cluster]:
 @pytest.fixture(scope="class")
 def nixl(fleet: Fleet) -> Iterator[Cluster]:
     # NIXL's pull takes 2-40 s per request on this CPU machine (vLLM pins both engines' NIXL
-    # workers to one core), past the router's 30 s production default for the KV's arrival.
+    # workers to one core), past the router's 30 s production default for the KV's arrival;
+    # meanwhile the decode's API server may not answer at all for ~30 s (seen in CI), which
+    # the default 2 s health probes take for a dead decode.
     with pd_cluster(
         fleet,
         "vllm-nixl",
         ("nixl-prefill", Role.NIXL),
         ("nixl-decode", Role.NIXL),
-        router_extra=("--kv-arrival-timeout", str(NIXL_KV_ARRIVAL_TIMEOUT_S)),
+        router_extra=(
+            *("--kv-arrival-timeout", str(NIXL_KV_ARRIVAL_TIMEOUT_S)),
+            *("--health-timeout", str(NIXL_HEALTH_TIMEOUT_S)),
+        ),
     ) as cluster:
         yield cluster
 
@@ -448,12 +454,14 @@ class TestMooncake:
 
     @timeout(90)
     def test_client_disconnect_aborts_the_decode(self, mooncake: Cluster) -> None:
-        """A client leaving mid-stream ends the request on both engines. The decode is frozen
-        while the client leaves: otherwise it would finish the answer (~1 s) before anyone
-        could tell an abort from a completion. (vLLM does not count client aborts in
+        """A client leaving mid-stream ends the request on both engines. The decode's
+        EngineCore is frozen while the client leaves: otherwise it would finish the answer
+        (~1 s) before anyone could tell an abort from a completion; its API server stays up to
+        notice the router hanging up and send the abort. (vLLM does not count client aborts in
         ``request_success_total{finished_reason="abort"}``: the generated-token count tells.)"""
         decode = mooncake.decode
         generated = counter(decode, "vllm:generation_tokens_total")
+        aborted_before = decode.log_text().count(" aborted.")
         body = request_body(
             "completions", PROMPTS[1], stream=True, max_tokens=LONG, ignore_eos=True
         )
@@ -461,13 +469,18 @@ class TestMooncake:
         with httpx.Client(timeout=30) as client, client.stream("POST", url, json=body) as response:
             assert response.status_code == 200
             next(line for line in response.iter_lines() if line.startswith("data:"))
-            decode.signal(signal.SIGSTOP)
+            decode.signal_engine_core(signal.SIGSTOP)
         try:
             poll(
                 lambda: decode_inflight(mooncake.router) == 0, 10, "the router to drop the request"
             )
+            poll(
+                lambda: decode.log_text().count(" aborted.") > aborted_before,
+                10,
+                "the decode's API server to abort the request",
+            )
         finally:
-            decode.signal(signal.SIGCONT)
+            decode.signal_engine_core(signal.SIGCONT)
         wait_idle(*mooncake.engines)
         assert counter(decode, "vllm:generation_tokens_total") - generated < LONG
 

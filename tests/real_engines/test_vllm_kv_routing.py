@@ -464,9 +464,10 @@ def test_turns_land_on_the_prefill_holding_their_history(
     directly; their later turns, interleaved, each go to the prefill caching their history,
     whose cache hits grow turn by turn."""
     first = Conversation(f"Alpha {kv_router.source}")
-    before = {p.name: cache_counters(p)[1] for p in engines.prefills}
+    before = {p.name: cache_counters(p) for p in engines.prefills}
     first.answered(call(kv_router.router.url, "chat", first_turn(first)))
-    asked = [p for p in engines.prefills if cache_counters(p)[1] > before[p.name]]
+    after = counters_once_moved(engines, before)
+    asked = [p for p in engines.prefills if after[p.name][1] > before[p.name][1]]
     assert len(asked) == 1, f"the first turn reached {[p.name for p in asked]}"
     first.home = asked[0]
     second = Conversation(f"Bravo {kv_router.source}")

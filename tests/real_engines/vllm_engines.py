@@ -113,6 +113,7 @@ def engine_argv(model: Path, role: Role, port: int, extra: Iterable[str] = ()) -
         "bfloat16",
         "--seed",
         "0",
+        "--enable-log-requests",  # "Request ... aborted." tells a test the abort was sent
     ]
     config = kv_transfer_config(role)
     if config is not None:
@@ -178,11 +179,34 @@ class Engine:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, sig)
 
+    def signal_engine_core(self, sig: int) -> None:
+        """Signal every process of the group but the API server (the EngineCore and its
+        helpers): the API server stays free to notice a client leaving and send the abort."""
+        for pid in process_group(self.process.pid):
+            if pid != self.process.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
     def metrics(self) -> str:
         """The Prometheus text of ``/metrics``."""
         response = httpx.get(f"{self.url}/metrics", timeout=10)
         response.raise_for_status()
         return response.text
+
+
+def process_group(pgid: int) -> list[int]:
+    """The pids of the processes in process group ``pgid`` (from /proc)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                members.append(int(stat.parent.name))
+    return members
 
 
 def launch(
