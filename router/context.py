@@ -57,6 +57,8 @@ class AppContext:
                 {
                     "dp_rank": rank,
                     "inflight": load,
+                    # prompt tokens this router's in-flight prefill legs there will compute
+                    "pending_prefill_tokens": worker.pending_tokens(rank),
                     "engine_id": worker.engine_ids[rank] if rank < len(worker.engine_ids) else None,
                     # confirmed blocks the KV index holds for this rank, and its event stream
                     "kv_blocks": self.index.block_count((worker.id, rank)),

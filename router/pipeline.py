@@ -167,7 +167,9 @@ class Pipeline:
                     return
                 plan = self._adapter.plan(request, route.prefill, route.rank, route.decode)
                 pair = (route.prefill, route.rank, route.decode)
-                await self._attempt(request, plan, headers, pair, responder, disconnected)
+                await self._attempt(
+                    request, plan, headers, pair, responder, disconnected, route.prefill_tokens
+                )
                 return
             except UpstreamUnavailable as exc:
                 if not exc.connect or responder.started or attempt == attempts:
@@ -217,11 +219,14 @@ class Pipeline:
         pair: tuple[Worker, int, Worker],
         responder: Responder,
         disconnected: asyncio.Future[Any],
+        prefill_tokens: int = 0,
     ) -> None:
         prefill, rank, decode = pair
         prefill_headers = {**headers, **plan.prefill_headers} if plan.prefill_headers else headers
         prefill_body = _encode(plan.prefill_body)
-        prefill_call = self._prefill(request, prefill, rank, prefill_body, prefill_headers)
+        prefill_call = self._prefill(
+            request, prefill, rank, prefill_body, prefill_headers, prefill_tokens
+        )
         clock = LegClock(self._settings.kv_arrival_timeout_s, watch_first_byte=request.stream)
         try:
             if plan.decode_body is None:
@@ -375,9 +380,10 @@ class Pipeline:
         rank: int,
         body: bytes,
         headers: dict[str, str],
+        tokens: int,
     ) -> bytes:
         upstream = self._pool.client(worker)
-        with worker.load(rank):
+        with worker.load(rank, tokens):
             try:
                 status, content = await self._post_whole(upstream, request, body, headers)
                 if status >= 400:

@@ -39,6 +39,8 @@ class Route:
     decode: Worker
     choice: PrefillChoice | None = None  # cache_aware's choice, with its prediction
     reason: str | None = None  # why the prefill leg is skipped
+    # prompt tokens the prefill is predicted to compute (pending at its rank meanwhile); 0 unknown
+    prefill_tokens: int = 0
 
 
 class RouteChooser:
@@ -114,7 +116,9 @@ class RouteChooser:
             prefills = [w for w in prefills if w.id not in failed] or prefills
         if self._cache_aware is not None:
             choice = self._cache_aware.choose_prefill(prefills, features or RequestFeatures())
-            route = Route(choice.worker, choice.rank, decode, choice)
+            prompt = 0 if features is None else features.prompt_tokens or 0
+            uncached = max(prompt - choice.cached_tokens, 0)
+            route = Route(choice.worker, choice.rank, decode, choice, prefill_tokens=uncached)
         else:
             prefill = self._prefill_policy.choose(prefills)
             rank = least_loaded_rank(prefill) if prefill.dp_size > 1 else 0

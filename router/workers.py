@@ -70,6 +70,8 @@ class Worker:
     rank_turn: int = 0  # this prefill's own round-robin cursor over tied DP ranks
     # requests this router ever sent to each DP rank (only grows): credits since a reading
     rank_dispatched: list[int] = field(default_factory=lambda: [0])
+    # prompt tokens this router's in-flight prefill legs are predicted to compute, per DP rank
+    rank_pending_tokens: list[int] = field(default_factory=lambda: [0])
     # each DP rank's last load report from its engine, None: unknown (never read, read failed)
     engine_load: list[LoadReading | None] = field(default_factory=lambda: [None])
     # the prefill's KV event stream (DP rank 0; rank r at port + r), None: not known
@@ -107,24 +109,35 @@ class Worker:
             self.dp_size = dp_size
             self.rank_inflight = [0] * dp_size
             self.rank_dispatched = [0] * dp_size
+            self.rank_pending_tokens = [0] * dp_size
             self.engine_load = [None] * dp_size
 
     @contextmanager
-    def load(self, rank: int = 0) -> Iterator[None]:
+    def load(self, rank: int = 0, tokens: int = 0) -> Iterator[None]:
         """Count one in-flight request (and DP rank) for as long as the block runs, and one more
-        request dispatched to the rank (credited to it until the engine's next load report)."""
+        request dispatched to the rank (credited to it until the engine's next load report);
+        ``tokens``: the prompt tokens it is predicted to compute there, pending meanwhile."""
         self.inflight += 1
         ranks = self.rank_inflight
+        pending = self.rank_pending_tokens
         rank_ok = rank < len(ranks)
         if rank_ok:
             ranks[rank] += 1
             self.rank_dispatched[rank] += 1
+            pending[rank] += tokens
         try:
             yield
         finally:
             self.inflight -= 1
             if rank_ok:
                 ranks[rank] -= 1
+                pending[rank] -= tokens  # the same list: a layout change replaced it
+
+    def pending_tokens(self, rank: int) -> int:
+        """Prompt tokens this router's in-flight prefill legs at ``rank`` are predicted to
+        compute (the prefill work queued there by this router)."""
+        pending = self.rank_pending_tokens
+        return pending[rank] if rank < len(pending) else 0
 
     def load_score(self, rank: int | None = None) -> float:
         """Work queued at this worker (or one DP rank), for load-aware choices.

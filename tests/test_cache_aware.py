@@ -19,7 +19,7 @@ from router.kv_index import KVBlockIndex, chain_keys
 from router.policies import build_policies, build_policy
 from router.policies.cache_aware import CacheAware
 from router.prefix_tree import ApproxPrefixTree
-from router.prompt_tokens import LocalTokenizer, RequestFeatures
+from router.prompt_tokens import LocalTokenizer, RequestFeatures, request_text
 from router.schemas import Endpoint, parse_request
 from router.settings import CacheAwareSettings, PolicySettings, WorkerSpec
 from router.workers import Role, Worker
@@ -84,6 +84,39 @@ def test_load_imbalance_overrides_the_cache() -> None:
     assert (choice.worker, choice.how, choice.cached_tokens) == (a, "load", 0)
     b.rank_inflight[0], a.rank_inflight[0] = 100, 70  # 30 apart: the cache wins again
     assert chooser.choose_prefill([a, b], features).worker is b
+
+
+def test_a_busy_home_loses_the_request_once_its_queue_costs_more_than_the_whole_prompt() -> None:
+    """The prefix holder wins while the prefill work this router queued there is cheaper than
+    computing the whole prompt elsewhere; past that, an idle rank takes the request."""
+    chooser = policy()
+    home, idle = prefills(2)
+    store(chooser, ("p0", 0), 3)  # 12 of the 16 prompt tokens cached at home: 4 to compute
+    features = RequestFeatures(text="x", tokens=TOKENS)
+    with home.load(0, tokens=11):  # 11 + 4 < 0 + 16
+        choice = chooser.choose_prefill([home, idle], features)
+        assert (choice.worker, choice.how, choice.cached_tokens) == (home, "precise", 12)
+    with home.load(0, tokens=13):  # 13 + 4 > 16
+        choice = chooser.choose_prefill([home, idle], features)
+        assert (choice.worker, choice.how, choice.cached_tokens) == (idle, "load", 0)
+    assert home.pending_tokens(0) == 0  # released with the legs
+    assert chooser.choose_prefill([home, idle], features).worker is home
+
+
+def test_without_cache_the_rank_with_the_least_queued_prefill_work_wins() -> None:
+    """Two legs in flight at each rank, but one rank's are long prompts: the request goes to
+    the rank with less prefill work queued, though the request counts are equal."""
+    chooser = policy()
+    a, b = prefills(2)
+    features = RequestFeatures(text="x", tokens=TOKENS)
+    with contextlib.ExitStack() as legs:
+        for tokens in (2000, 2000):
+            legs.enter_context(a.load(0, tokens=tokens))
+        for tokens in (50, 50):
+            legs.enter_context(b.load(0, tokens=tokens))
+        assert a.load_score(0) == b.load_score(0) == 2
+        for _ in range(3):
+            assert chooser.choose_prefill([a, b], features).worker is b
 
 
 def test_dp_ranks_are_separate_caches_and_predictions_follow_the_choice() -> None:
@@ -159,6 +192,38 @@ async def test_approximate_turns_of_a_conversation_stay_on_one_prefill(
     assert 'pdr_routed_requests_total{prefill_choice="approximate"} 4.0' in metrics
     assert 'pdr_routed_requests_total{prefill_choice="load"} 2.0' in metrics
     assert 'pdr_routing_decision_seconds_count{policy="cache_aware"} 6.0' in metrics
+
+
+async def test_a_prefill_leg_in_flight_counts_its_prompt_as_pending_work(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    """While a prefill leg runs, its rank carries the prompt's predicted uncached tokens (what
+    ``cache_aware`` weighs against a cached prefix); they are released when the leg ends."""
+    cluster = make_cluster("vllm-mooncake", prefill=1, policy={"prefill_policy": "cache_aware"})
+    (prefill,) = cluster.prefills
+    prefill.config.headers_delay = 1.0
+    body = conversation(3)
+    text = request_text(parse_request(Endpoint.CHAT, json.dumps(body).encode()))
+    expected = RequestFeatures(text=text).prompt_tokens
+    assert expected
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=10) as client:
+
+        async def pending() -> int:
+            workers = (await client.get("/admin/workers")).json()["workers"]
+            (info,) = [w for w in workers if w["role"] == "prefill"]
+            return int(info["live"]["ranks"][0]["pending_prefill_tokens"])
+
+        request = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        deadline = asyncio.get_running_loop().time() + 5
+        while (seen := await pending()) == 0 and not request.done():
+            assert asyncio.get_running_loop().time() < deadline, "no pending prefill work seen"
+            await asyncio.sleep(0.01)
+        assert seen == expected
+        assert (await request).status_code == 200
+        # the Mooncake decode may finish before the prefill's delayed answer: the leg's end counts
+        while await pending() != 0:
+            assert asyncio.get_running_loop().time() < deadline, "pending work never released"
+            await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm-mooncake"])

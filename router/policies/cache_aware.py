@@ -9,12 +9,18 @@ Two ways to know what a rank holds (PROTOCOLS.md 11.2):
 * approximate: an :class:`ApproxPrefixTree` of the request texts this router sent to each rank
   (SGLang router / SMG style); used otherwise.
 
-The longest cached prefix wins when it covers at least ``cache_threshold`` of the prompt (a
-shared template header alone must not pull every request to one rank); ties go to the lower
-load, then round-robin. Below the threshold the least loaded rank wins. When the load over
-the candidate ranks is imbalanced, ``(max - min) > balance_abs_threshold`` and
-``max > balance_rel_threshold * min`` (``Worker.load_score``), the least loaded rank wins
-instead (SMG semantics). Once the pipeline sends the prefill leg it calls ``record`` (predicted
+Each rank costs the prompt tokens it would have to compute: those this router's in-flight
+prefill legs there are predicted to compute (``Worker.pending_tokens``, the queue the request
+waits behind) plus the request's own uncached tokens there; the cheapest rank wins, ties go to
+the lower load, then round-robin. With nothing queued the longest cached prefix wins; a busy
+rank holding the prefix loses the request once its queue costs more than computing the whole
+prompt elsewhere (Dynamo's KV router weighs the same two terms). A cached prefix counts only
+when it covers at least ``cache_threshold`` of the prompt (a shared template header alone must
+not pull every request to one rank). When the prompt's size is unknown the longest cached
+prefix wins (or, below the threshold, the least loaded rank). When the load over the candidate
+ranks is imbalanced, ``(max - min) > balance_abs_threshold`` and
+``max > balance_rel_threshold * min`` (``Worker.load_score``, requests), the least loaded rank
+wins instead (SMG semantics). Once the pipeline sends the prefill leg it calls ``record`` (predicted
 index entries, or the text in the tree) so that the next turn of a conversation follows it even
 before the engine's events arrive. Like every policy it only chooses (no I/O): the pipeline
 computes the request's features first. As a plain ``Policy`` (the decode side) it is least-load.
@@ -87,13 +93,24 @@ class CacheAware:
         places = _all_locations(candidates)
         loads = [worker.load_score(rank) for worker, rank in places]
         mode, cached = self._cached(places, features)
-        how = mode
         top = max(cached)
-        if self._imbalanced(loads) or not self._worth_following(top, features):
+        following = self._worth_following(top, features)
+        prompt = features.prompt_tokens
+        if self._imbalanced(loads):
             best = self._least(range(len(places)), loads)
-            how = LOAD
-        else:
+        elif prompt:
+            # the prefill work the request would wait behind plus its own uncached part
+            costs = [
+                worker.pending_tokens(rank) + prompt - (cached[i] if following else 0)
+                for i, (worker, rank) in enumerate(places)
+            ]
+            lowest = min(costs)
+            best = self._least([i for i, cost in enumerate(costs) if cost == lowest], loads)
+        elif following:
             best = self._least([i for i, c in enumerate(cached) if c == top], loads)
+        else:
+            best = self._least(range(len(places)), loads)
+        how = mode if following and cached[best] > 0 else LOAD
         worker, rank = places[best]
         return PrefillChoice(worker, rank, how, cached[best], mode)
 
