@@ -13,7 +13,7 @@ by ``scripts/setup-peers.sh`` into ``.venv-peers``), put in front of the same cl
 pd-cluster's own router keeps serving the bootstrap registry the prefills registered with, and
 its ``GET /ready`` names each prefill's URL and bootstrap (namespace) port.
 
-The engines (``pd-worker``) simulate compute: ``--compute-s-per-token`` (default 100 us) for
+The engines (``pd-worker``) simulate compute: ``--compute-s-per-token`` (default 200 us) for
 each UNCACHED prompt token (a rank runs one forward at a time), so prefix-cache hits and
 queueing show in TTFT, and the compute dominates the router's own costs (the whole pipeline
 costs ~35 ms CPU per request on a 2-core machine). ``--pages`` is sized from each trace's
@@ -155,9 +155,11 @@ class WorkloadConfig:
     quick: bool = False
     prefills: int = 4
     decodes: int = 2
-    # a 2k-token uncached prefill: 200 ms. On a 2-core machine the whole pipeline (client,
-    # router, prefill, decode) costs ~35 ms CPU per request; the compute must dwarf that.
-    compute_s_per_token: float = 100e-6
+    # a 2k-token uncached prefill: 400 ms (a 70B-class model on a few GPUs prefills ~5k
+    # tokens/s). On a 2-core machine the whole simulated pipeline (client, router, prefill,
+    # decode) costs ~35 ms CPU per request, which the compute must dwarf: at 100 us/token a
+    # cache-hit multi-turn request computes ~48 ms and the fixed ~35 ms caps its gain.
+    compute_s_per_token: float = 200e-6
     decode_s_per_token: float = 1e-3
     page_size: int = 16
     concurrency: int = 8
