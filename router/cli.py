@@ -177,8 +177,8 @@ def _add_scheduling_flags(p: _Parser) -> None:
     p.add_argument(
         "--cache-threshold",
         type=float,
-        help="cache_aware: the cache decides only when a rank holds at least this fraction of "
-        "the prompt (0.3); below it the least loaded rank wins",
+        help="cache_aware: a cached prefix counts only when it covers at least this fraction of "
+        "the prompt (0.3); below it the rank with the least queued prefill work wins",
     )
     p.add_argument(
         "--balance-abs-threshold",

@@ -219,7 +219,7 @@ class Pipeline:
         pair: tuple[Worker, int, Worker],
         responder: Responder,
         disconnected: asyncio.Future[Any],
-        prefill_tokens: int = 0,
+        prefill_tokens: int,
     ) -> None:
         prefill, rank, decode = pair
         prefill_headers = {**headers, **plan.prefill_headers} if plan.prefill_headers else headers

@@ -116,8 +116,7 @@ class RouteChooser:
             prefills = [w for w in prefills if w.id not in failed] or prefills
         if self._cache_aware is not None:
             choice = self._cache_aware.choose_prefill(prefills, features or RequestFeatures())
-            prompt = 0 if features is None else features.prompt_tokens or 0
-            uncached = max(prompt - choice.cached_tokens, 0)
+            uncached = _uncached_tokens(choice, features) or 0
             route = Route(choice.worker, choice.rank, decode, choice, prefill_tokens=uncached)
         else:
             prefill = self._prefill_policy.choose(prefills)
@@ -131,11 +130,8 @@ class RouteChooser:
         """Whether the prompt tokens predicted uncached at the chosen prefill are too few to be
         worth a KV transfer (``pd_min_uncached_tokens``; 0 never)."""
         minimum = self._cache.pd_min_uncached_tokens
-        total = None if features is None else features.prompt_tokens
-        if minimum <= 0 or total is None:
-            return False
-        cached = route.choice.cached_tokens if route.choice is not None else 0
-        return total - cached < minimum
+        uncached = _uncached_tokens(route.choice, features)
+        return minimum > 0 and uncached is not None and uncached < minimum
 
     def saturated(self, prefills: list[Worker]) -> bool:
         """Whether every available prefill reports at least ``prefill_saturated_waiting``
@@ -148,3 +144,12 @@ class RouteChooser:
             if waiting is None or waiting < threshold:
                 return False
         return True
+
+
+def _uncached_tokens(choice: PrefillChoice | None, features: RequestFeatures | None) -> int | None:
+    """The prompt tokens predicted uncached at the chosen prefill (all of them without a
+    cache_aware choice); None when the prompt's size is unknown."""
+    total = None if features is None else features.prompt_tokens
+    if total is None:
+        return None
+    return max(total - (choice.cached_tokens if choice is not None else 0), 0)
