@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException
 from registry.admin import LiveView, admin_routes
 from registry.engine_api import RankTables, sglang_routes, vllm_routes
 from registry.service import RegistryService
-from router.api import health
+from router.api import health, status
+from router.api.explain import explain_routes
 from router.api.openai import HOT_ROUTES, handle_completion
 from router.context import open_context
 from router.errors import InvalidRequest, RouterError, error_body
@@ -84,6 +85,8 @@ def create_app(settings: RouterSettings) -> ASGIApp:
     api = FastAPI(title="pd-router", lifespan=lifespan, docs_url=None, redoc_url=None)
     api.include_router(health.router)
     api.include_router(admin_routes(settings.registry, _registry_of, _live_view_of))
+    api.include_router(explain_routes(settings.registry))
+    api.include_router(status.router)
     # The engines' bootstrap APIs at their own paths (/route, /register, /query, ...).
     tables = RankTables()
     api.include_router(sglang_routes(tables.sglang))

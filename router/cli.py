@@ -53,6 +53,11 @@ _FLAG_OF = {
     ("registry", "admin_token"): "--admin-token",
     ("registry", "advertise_host"): "--advertise-host",
     ("registry", "bootstrap_ports"): "--bootstrap-namespace",
+    ("observability", "recompute_min_ratio"): "--recompute-min-ratio",
+    ("observability", "suspect_window_s"): "--suspect-window",
+    ("tracing", "otlp_endpoint"): "--otlp-endpoint",
+    ("tracing", "service_name"): "--otel-service-name",
+    ("tracing", "sample_ratio"): "--trace-sample-ratio",
 }
 
 
@@ -140,7 +145,36 @@ def _build_parser() -> _Parser:
     )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     _add_scheduling_flags(p)
+    _add_observability_flags(p)
     return p
+
+
+def _add_observability_flags(p: _Parser) -> None:
+    """ "PD did not happen" detection and OpenTelemetry tracing."""
+    p.add_argument(
+        "--recompute-min-ratio",
+        type=float,
+        help="a decode that computed this share of the prompt itself counts as a PD recompute "
+        "(0.5)",
+    )
+    p.add_argument(
+        "--suspect-window",
+        type=float,
+        help="a P<->D pair stays suspect this long after its last recompute, s (300)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="export OpenTelemetry spans (route, prefill, decode) to this OTLP/HTTP collector "
+        "(needs pd-router[otel])",
+    )
+    p.add_argument("--otel-service-name", help="service.name of the spans (pd-router)")
+    p.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        help="share of traces the router starts that are sampled (1.0); a client's "
+        "traceparent decides for its own",
+    )
 
 
 def _add_scheduling_flags(p: _Parser) -> None:

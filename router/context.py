@@ -19,11 +19,16 @@ from router.kv_event_feed import KVEventFeed
 from router.kv_index import KVBlockIndex
 from router.metrics import RouterMetrics
 from router.namespace_ports import namespace_servers
+from router.pair_ledger import PairLedger
 from router.pipeline import Pipeline
 from router.policies import build_policies
 from router.prefix_tree import ApproxPrefixTree
 from router.prompt_tokens import Featurizer, open_token_source
+from router.recent_traffic import RecentTraffic
+from router.request_accounting import RequestAccounting
 from router.settings import RouterSettings
+from router.state_metrics import RouterStateCollector
+from router.tracing import Tracer, build_tracer
 from router.upstream import UpstreamPool
 
 __all__ = ["AppContext", "open_context"]
@@ -40,6 +45,10 @@ class AppContext:
     metrics: RouterMetrics
     index: KVBlockIndex
     feed: KVEventFeed
+    pairs: PairLedger
+    traffic: RecentTraffic
+    accounting: RequestAccounting
+    tracer: Tracer | None
 
     def live_view(self, worker_id: str) -> dict[str, Any] | None:
         """This router's live state of a worker, for the admin API."""
@@ -97,6 +106,15 @@ async def open_context(settings: RouterSettings, tables: RankTables) -> AsyncIte
     prefill_policy, decode_policy = build_policies(settings.policy, cache, index, tree)
     featurizer = Featurizer(open_token_source(cache), metrics.tokenize_seconds.observe)
     feed = KVEventFeed(lambda: pool.prefill, index, tree, cache)
+    observability = settings.observability
+    pairs = PairLedger(
+        observability.suspect_window_s, lambda: {w.id for w in (*pool.prefill, *pool.decode)}
+    )
+    traffic = RecentTraffic(observability.traffic_window_s, observability.traffic_bucket_s)
+    metrics.registry.register(
+        RouterStateCollector(pool, pairs, index, feed, lambda: discovery.status)
+    )
+    tracer = build_tracer(settings.tracing)
     pipeline = Pipeline(
         pool,
         adapter,
@@ -108,6 +126,8 @@ async def open_context(settings: RouterSettings, tables: RankTables) -> AsyncIte
         metrics,
         cache_settings=cache,
         featurizer=featurizer,
+        pairs=pairs,
+        observability=observability,
     )
     tables.bind(store)
     try:
@@ -115,9 +135,23 @@ async def open_context(settings: RouterSettings, tables: RankTables) -> AsyncIte
         background = _background(prober.run(), discovery.run(), load_monitor.run(), feed.run())
         async with namespace_servers(tables, settings), background:
             yield AppContext(
-                settings, pool, pipeline, prober, service, discovery, metrics, index, feed
+                settings,
+                pool,
+                pipeline,
+                prober,
+                service,
+                discovery,
+                metrics,
+                index,
+                feed,
+                pairs,
+                traffic,
+                RequestAccounting(metrics, traffic),
+                tracer,
             )
     finally:
+        if tracer is not None:
+            await tracer.aclose()
         tables.bind(None)
         await feed.aclose()
         await featurizer.aclose()

@@ -61,29 +61,47 @@ class NoWorkerAvailable(RouterError):
 
 
 class UpstreamError(RouterError):
+    """A leg failed. ``kind`` names how, for metrics (``pdr_upstream_errors_total``)."""
+
     status = 502
     error_type = "upstream_error"
 
-    def __init__(self, message: str, *, role: str, url: str) -> None:
+    def __init__(self, message: str, *, role: str, url: str, kind: str = "error") -> None:
         super().__init__(f"{role} worker {url}: {message}")
         self.role = role
         self.url = url
+        self.kind = kind
 
 
 class UpstreamUnavailable(UpstreamError):
-    def __init__(self, message: str, *, role: str, url: str, connect: bool) -> None:
-        super().__init__(message, role=role, url=url)
+    """No answer: ``connect`` (nothing was sent; retryable), else the connection broke or the
+    answer was unusable (``kind``: broken, kv_lost, invalid_answer)."""
+
+    def __init__(
+        self, message: str, *, role: str, url: str, connect: bool, kind: str | None = None
+    ) -> None:
+        super().__init__(
+            message, role=role, url=url, kind=kind or ("connect" if connect else "broken")
+        )
         self.connect = connect
 
 
 class UpstreamTimeout(UpstreamError):
+    """A deadline passed (``kind``: timeout, or kv_timeout for a KV that never arrived)."""
+
     status = 504
     error_type = "timeout"
+
+    def __init__(self, message: str, *, role: str, url: str, kind: str = "timeout") -> None:
+        super().__init__(message, role=role, url=url, kind=kind)
 
 
 class UpstreamStatusError(UpstreamError):
     def __init__(self, upstream_status: int, detail: str, *, role: str, url: str) -> None:
-        super().__init__(f"answered HTTP {upstream_status}: {detail}", role=role, url=url)
+        kind = "http_4xx" if upstream_status < 500 else "http_5xx"
+        super().__init__(
+            f"answered HTTP {upstream_status}: {detail}", role=role, url=url, kind=kind
+        )
         self.upstream_status = upstream_status
         if 400 <= upstream_status < 500:
             self.status = upstream_status

@@ -1,4 +1,11 @@
-"""The router's own Prometheus metrics, one registry per app (no process-global state)."""
+"""The router's own Prometheus metrics, one registry per app (no process-global state).
+
+Per-request instruments live here (``RouterMetrics``); gauges of live state (workers, engine
+loads, pairs, KV event feeds, the registry) are read at scrape time by
+``router.state_metrics.RouterStateCollector``, so workers that leave take their series with them.
+Label children are cached: a request's instruments cost a dict lookup each, not a
+``labels()`` call.
+"""
 
 from __future__ import annotations
 
@@ -17,38 +24,103 @@ _TOKENIZE_BUCKETS = (
     20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 100e-3, 250e-3,
     1.0, 5.0,
 )  # fmt: skip
+# Request stages: a few milliseconds (a loopback fake) to minutes (long generations).
+_STAGE_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+    20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+
+Labels = tuple[str, ...]
 
 
 class RouterMetrics:
-    """Counters and histograms the pipeline and policies update, served at ``GET /metrics``."""
+    """Counters and histograms the request path updates, served at ``GET /metrics``."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "pdr_requests",
+            "Completion requests finished, by endpoint, final status (499: the client went "
+            "away; a stream that failed after starting counts with the error's status) and "
+            "stream",
+            ["endpoint", "status", "stream"],
+            registry=registry,
+        )
+        self.request_seconds = Histogram(
+            "pdr_request_duration_seconds",
+            "Time from a completion request's arrival to the end of its response",
+            ["endpoint", "stream"],
+            buckets=_STAGE_BUCKETS,
+            registry=registry,
+        )
+        self.ttft_seconds = Histogram(
+            "pdr_ttft_seconds",
+            "Streams: time from the request's arrival to the first byte sent to the client",
+            ["endpoint"],
+            buckets=_STAGE_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_seconds = Histogram(
+            "pdr_prefill_duration_seconds",
+            "The prefill leg: request sent to the prefill until its whole answer",
+            buckets=_STAGE_BUCKETS,
+            registry=registry,
+        )
+        self.kv_wait_seconds = Histogram(
+            "pdr_kv_wait_seconds",
+            "From the prefill's answer to the decode's first byte (the KV transfer, as the "
+            "router sees it)",
+            buckets=_STAGE_BUCKETS,
+            registry=registry,
+        )
+        self.retries = Counter(
+            "pdr_retries",
+            "Attempts retried on another worker, by the role of the worker that failed",
+            ["role"],
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "pdr_upstream_errors",
+            "Failed legs by role and kind (connect, timeout, kv_timeout, kv_lost, http_4xx, "
+            "http_5xx, broken, invalid_answer)",
+            ["role", "kind"],
+            registry=registry,
+        )
         self.decision_seconds = Histogram(
             "pdr_routing_decision_seconds",
             "Time to choose a prefill (and DP rank) and a decode for one request",
             ["policy"],
             buckets=_DECISION_BUCKETS,
-            registry=self.registry,
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "pdr_routing_decisions",
+            "Requests routed, by prefill policy and outcome: how the prefill was chosen "
+            "(cache_aware: precise, approximate, load; else the policy's name) or "
+            "skipped_<reason> when the decode prefilled alone",
+            ["policy", "outcome"],
+            registry=registry,
         )
         self.tokenize_seconds = Histogram(
             "pdr_tokenize_seconds",
             "Time to get one request's prompt token ids (local tokenizer or render API)",
             buckets=_TOKENIZE_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
-        self.prefill_skipped = Counter(
-            "pdr_prefill_skipped",
-            "Requests sent to a decode alone (it prefills locally), by reason",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.routed = Counter(
-            "pdr_routed_requests",
-            "Requests routed, by how the prefill was chosen",
-            ["prefill_choice"],
-            registry=self.registry,
-        )
+        self._children: dict[tuple[int, Labels], Counter | Histogram] = {}
+
+    def _child(self, metric: Counter | Histogram, labels: Labels) -> Counter | Histogram:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def count(self, metric: Counter, *labels: str) -> None:
+        self._child(metric, labels).inc()  # type: ignore[union-attr]
+
+    def observe(self, metric: Histogram, value: float, *labels: str) -> None:
+        self._child(metric, labels).observe(value)  # type: ignore[union-attr]
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

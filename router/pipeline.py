@@ -20,12 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from router.adapters import LegPlan, PDAdapter
+from router.decode_usage import PromptUsage, prompt_usage, prompt_usage_in_sse
 from router.errors import (
     NoWorkerAvailable,
     UpstreamError,
@@ -36,14 +39,22 @@ from router.errors import (
 from router.interrupt import Interrupt, failure_of, reap
 from router.leg_clock import LegClock
 from router.metrics import RouterMetrics
+from router.pair_ledger import PairLedger
 from router.policies import Policy
 from router.prefill_answer import prefill_answer_body, prefill_answer_events
 from router.prompt_tokens import Featurizer
+from router.receipt import RoutingReceipt
 from router.relay import Responder
 from router.route_choice import Route, RouteChooser
 from router.sample_split import SampleSplit
 from router.schemas import ParsedRequest
-from router.settings import CacheAwareSettings, HealthSettings, UpstreamSettings
+from router.settings import (
+    CacheAwareSettings,
+    HealthSettings,
+    ObservabilitySettings,
+    UpstreamSettings,
+)
+from router.tracing import TraceSpan
 from router.upstream import UpstreamClient, UpstreamPool, UpstreamResponse, is_worker_fault
 from router.workers import Worker
 
@@ -93,7 +104,36 @@ def _prefill_json(answer: bytes, prefill: Worker) -> Any:
             role="prefill",
             url=prefill.url,
             connect=False,
+            kind="invalid_answer",
         ) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Legs:
+    """One PD attempt: the pair, the prefill tokens predicted, its receipt and trace."""
+
+    pair: tuple[Worker, int, Worker]
+    prefill_tokens: int
+    receipt: RoutingReceipt
+    trace: TraceSpan | None
+
+
+def _describe_route(span: TraceSpan, route: Route, attempt: int) -> None:
+    span.set("pdr.attempt", attempt)
+    span.set("pdr.decode", route.decode.url)
+    if route.prefill is not None:
+        span.set("pdr.prefill", route.prefill.url)
+        span.set("pdr.dp_rank", route.rank)
+    else:
+        span.set("pdr.prefill_skipped", route.reason or "")
+
+
+def _leg_span(trace: TraceSpan | None, name: str, worker: Worker) -> TraceSpan | None:
+    if trace is None:
+        return None
+    span = trace.child(name)
+    span.set("pdr.worker", worker.url)
+    return span
 
 
 class Pipeline:
@@ -112,18 +152,23 @@ class Pipeline:
         *,
         cache_settings: CacheAwareSettings | None = None,
         featurizer: Featurizer | None = None,
+        pairs: PairLedger | None = None,
+        observability: ObservabilitySettings | None = None,
     ) -> None:
         self._pool = pool
         self._adapter = adapter
-        self._chooser = RouteChooser(
+        self._metrics = metrics = metrics or RouterMetrics()
+        self.chooser = RouteChooser(
             pool,
             adapter.name,
             prefill_policy,
             decode_policy,
-            metrics or RouterMetrics(),
+            metrics,
             cache_settings or CacheAwareSettings(),
             featurizer or Featurizer(None),
         )
+        self._pairs = pairs or PairLedger()
+        self._recompute_ratio = (observability or ObservabilitySettings()).recompute_min_ratio
         self._settings = upstream_settings
         self._failure_threshold = health_settings.failure_threshold
         self._on_stale_layout = on_stale_layout
@@ -134,14 +179,22 @@ class Pipeline:
         headers: dict[str, str],
         responder: Responder,
         disconnected: asyncio.Future[Any],
+        receipt: RoutingReceipt | None = None,
+        trace: TraceSpan | None = None,
     ) -> None:
-        """Serve ``request``; raises RouterError for the caller to render, or ClientDisconnected."""
+        """Serve ``request``; raises RouterError for the caller to render, or ClientDisconnected.
+
+        ``receipt`` gets where the request went and how long each stage took (also sent as
+        ``x-pdr-*`` response headers); ``trace``: the request's span, when tracing is on."""
         self._adapter.check(request)
+        receipt = receipt if receipt is not None else RoutingReceipt()
         if request.n > 1 and self._adapter.splits_samples:
             split = SampleSplit(request, responder)
-            await split.run(lambda part, sink: self._serve(part, headers, sink, disconnected))
+            await split.run(
+                lambda part, sink: self._serve(part, headers, sink, disconnected, receipt, trace)
+            )
             return
-        await self._serve(request, headers, responder, disconnected)
+        await self._serve(request, headers, responder, disconnected, receipt, trace)
 
     async def _serve(
         self,
@@ -149,39 +202,102 @@ class Pipeline:
         headers: dict[str, str],
         responder: Responder,
         disconnected: asyncio.Future[Any],
+        receipt: RoutingReceipt,
+        trace: TraceSpan | None,
     ) -> None:
         attempts = self._settings.max_retries + 1
         failed: set[str] = set()
         last_error: UpstreamUnavailable | None = None
-        features = await self._chooser.features(request)
+        started = time.perf_counter()
+        span = trace.child("pdr.route") if trace is not None else None
+        features = await self.chooser.features(request)
         for attempt in range(1, attempts + 1):
             try:
-                route = self._chooser.route(failed, features, count=attempt == 1)
-            except NoWorkerAvailable:
+                route = self.chooser.route(failed, features, count=attempt == 1)
+            except NoWorkerAvailable as exc:
+                if span is not None:
+                    span.fail(exc)
+                    span.end()
                 if last_error is None:
                     raise
                 raise last_error from None  # retries used up every healthy worker
+            self._routed(receipt, route, attempt, time.perf_counter() - started, responder)
+            if span is not None:
+                _describe_route(span, route, attempt)
+                span.end()
             try:
                 if route.prefill is None:
-                    await self._direct(request, route, headers, responder, disconnected)
+                    await self._direct(request, route, headers, responder, disconnected, trace)
                     return
                 plan = self._adapter.plan(request, route.prefill, route.rank, route.decode)
+                receipt.transfer_ref = plan.transfer_ref or None
                 pair = (route.prefill, route.rank, route.decode)
-                await self._attempt(
-                    request, plan, headers, pair, responder, disconnected, route.prefill_tokens
-                )
+                legs = _Legs(pair, route.prefill_tokens, receipt, trace)
+                await self._attempt(request, plan, headers, legs, responder, disconnected)
+                self._pd_served(pair, receipt)
                 return
-            except UpstreamUnavailable as exc:
-                if not exc.connect or responder.started or attempt == attempts:
+            except UpstreamError as exc:
+                self._upstream_failed(route, exc)
+                if (
+                    not isinstance(exc, UpstreamUnavailable)
+                    or not exc.connect
+                    or responder.started
+                    or attempt == attempts
+                ):
                     raise
                 last_error = exc
                 culprit = route.prefill if exc.role == "prefill" else route.decode
                 failed.add((culprit or route.decode).id)
+                self._metrics.count(self._metrics.retries, exc.role)
                 logger.warning(
                     "attempt %d failed before any byte was sent, retrying: %s",
                     attempt,
                     exc.message,
                 )
+            started = time.perf_counter()
+            span = trace.child("pdr.route") if trace is not None else None
+
+    def _routed(
+        self,
+        receipt: RoutingReceipt,
+        route: Route,
+        attempt: int,
+        route_s: float,
+        responder: Responder,
+    ) -> None:
+        """Note the attempt's route in the receipt and the response's ``x-pdr-*`` headers."""
+        receipt.prefill = route.prefill.url if route.prefill is not None else None
+        receipt.dp_rank = route.rank
+        receipt.decode = route.decode.url
+        receipt.skipped = route.reason
+        receipt.outcome = self.chooser.outcome(route)
+        receipt.attempts = attempt
+        receipt.route_s = route_s
+        receipt.prefill_s = receipt.kv_wait_s = None
+        receipt.recomputed = False
+        responder.receipt_headers = receipt.headers()
+
+    def _upstream_failed(self, route: Route, exc: UpstreamError) -> None:
+        self._metrics.count(self._metrics.upstream_errors, exc.role, exc.kind)
+        if route.prefill is not None:
+            key = (route.prefill.id, route.decode.id)
+            self._pairs.failed(key, route.prefill.url, route.decode.url, exc.message)
+
+    def _pd_served(self, pair: tuple[Worker, int, Worker], receipt: RoutingReceipt) -> None:
+        prefill, _, decode = pair
+        key = (prefill.id, decode.id)
+        self._pairs.served(key, prefill.url, decode.url)
+        if receipt.recomputed:
+            self._pairs.recomputed(key, prefill.url, decode.url)
+            logger.warning(
+                "PD did not happen: decode %s recomputed the prompt instead of using the KV "
+                "from prefill %s (dp_rank %d); pair %s -> %s is suspect",
+                decode.url,
+                prefill.url,
+                receipt.dp_rank,
+                prefill.url,
+                decode.url,
+            )
 
     async def _direct(
         self,
@@ -190,12 +306,13 @@ class Pipeline:
         headers: dict[str, str],
         responder: Responder,
         disconnected: asyncio.Future[Any],
+        trace: TraceSpan | None,
     ) -> None:
         """The decode alone, with the client's body unchanged: it prefills locally (a vLLM
         request without kv_transfer_params). Same relay, errors and retries as a PD attempt."""
         clock = LegClock(self._settings.kv_arrival_timeout_s, watch_first_byte=False)
         call = self._decode(
-            request, route.decode, _encode(request.body), headers, responder, None, clock
+            request, route.decode, _encode(request.body), headers, responder, None, clock, trace
         )
         interrupt = Interrupt()
         try:
@@ -203,42 +320,32 @@ class Pipeline:
                 await interrupt.guard(call)
         finally:
             clock.close()
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "routed prefill=skipped (%s) decode=%s %s",
-                route.reason,
-                route.decode.url,
-                clock.summary(),
-            )
 
     async def _attempt(
         self,
         request: ParsedRequest,
         plan: LegPlan,
         headers: dict[str, str],
-        pair: tuple[Worker, int, Worker],
+        legs: _Legs,
         responder: Responder,
         disconnected: asyncio.Future[Any],
-        prefill_tokens: int,
     ) -> None:
-        prefill, rank, decode = pair
+        prefill, rank, decode = pair = legs.pair
         prefill_headers = {**headers, **plan.prefill_headers} if plan.prefill_headers else headers
         prefill_body = _encode(plan.prefill_body)
-        prefill_call = self._prefill(
-            request, prefill, rank, prefill_body, prefill_headers, prefill_tokens
-        )
+        prefill_call = self._prefill(request, legs, prefill_body, prefill_headers)
         clock = LegClock(self._settings.kv_arrival_timeout_s, watch_first_byte=request.stream)
         try:
             if plan.decode_body is None:
                 await self._sequential(
-                    request, pair, prefill_call, headers, responder, clock, disconnected
+                    request, legs, prefill_call, headers, responder, clock, disconnected
                 )
             else:
                 # SGLang sends the very same body to both legs: encode it once.
                 same = plan.decode_body is plan.prefill_body
                 decode_body = prefill_body if same else _encode(plan.decode_body)
                 decode_call = self._decode(
-                    request, decode, decode_body, headers, responder, prefill, clock
+                    request, decode, decode_body, headers, responder, legs, clock, legs.trace
                 )
                 await self._concurrent(
                     pair, prefill_call, decode_call, responder, clock, disconnected
@@ -247,20 +354,14 @@ class Pipeline:
             await self._answer_from_prefill(request, done.answer, responder)
         finally:
             clock.close()
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "routed prefill=%s dp_rank=%d decode=%s %s %s",
-                prefill.url,
-                rank,
-                decode.url,
-                plan.transfer_ref or "-",
-                clock.summary(),
-            )
+        if request.stream and clock.prefill_done is not None and clock.first_byte is not None:
+            # SGLang's decode may start before its prefill answers: the KV was there already
+            legs.receipt.kv_wait_s = max(clock.first_byte - clock.prefill_done, 0.0)
 
     async def _sequential(
         self,
         request: ParsedRequest,
-        pair: tuple[Worker, int, Worker],
+        legs: _Legs,
         prefill_call: Coroutine[Any, Any, bytes],
         headers: dict[str, str],
         responder: Responder,
@@ -268,7 +369,7 @@ class Pipeline:
         disconnected: asyncio.Future[Any],
     ) -> None:
         """Prefill first; then the decode, built from the prefill's answer."""
-        prefill, _, decode = pair
+        prefill, _, decode = legs.pair
         interrupt = Interrupt()  # guards one leg at a time
         with interrupt.on_done(disconnected, lambda _: ClientDisconnected()):
             answer = _prefill_json(await interrupt.guard(prefill_call), prefill)
@@ -277,7 +378,7 @@ class Pipeline:
             raise _PrefillCompleted(answer)
         body = self._adapter.decode_after_prefill(request, answer)
         decode_call = self._decode(
-            request, decode, _encode(body), headers, responder, prefill, clock
+            request, decode, _encode(body), headers, responder, legs, clock, legs.trace
         )
         with self._kv_watch(interrupt, prefill, decode, clock, disconnected):
             await interrupt.guard(decode_call)
@@ -323,6 +424,7 @@ class Pipeline:
             try:
                 await prefill_task
             except UpstreamError as exc:  # the client is served already
+                self._metrics.count(self._metrics.upstream_errors, exc.role, exc.kind)
                 logger.warning("prefill failed after the decode answered: %s", exc.message)
         finally:
             await reap(prefill_task)
@@ -347,6 +449,7 @@ class Pipeline:
                 role="prefill",
                 url=prefill.url,
                 connect=False,
+                kind="kv_lost",
             )
 
         def expired(deadline: asyncio.Future[float]) -> BaseException:
@@ -355,6 +458,7 @@ class Pipeline:
                 "the KV cache did not arrive",
                 role="decode",
                 url=decode.url,
+                kind="kv_timeout",
             )
 
         with (
@@ -374,25 +478,34 @@ class Pipeline:
             await responder.whole(200, _JSON, prefill_answer_body(answer))
 
     async def _prefill(
-        self,
-        request: ParsedRequest,
-        worker: Worker,
-        rank: int,
-        body: bytes,
-        headers: dict[str, str],
-        tokens: int,
+        self, request: ParsedRequest, legs: _Legs, body: bytes, headers: dict[str, str]
     ) -> bytes:
+        worker, rank, _ = legs.pair
         upstream = self._pool.client(worker)
-        with worker.load(rank, tokens):
+        span = _leg_span(legs.trace, "pdr.prefill", worker)
+        if span is not None:
+            span.set("pdr.dp_rank", rank)
+            headers = {**headers, **span.headers()}
+        started = time.perf_counter()
+        with worker.load(rank, legs.prefill_tokens):
             try:
                 status, content = await self._post_whole(upstream, request, body, headers)
+                if span is not None:
+                    span.set("http.response.status_code", status)
                 if status >= 400:
                     raise UpstreamStatusError(
                         status, _error_detail(content), role="prefill", url=worker.url
                     )
-            except UpstreamError as exc:
-                self._record(worker, exc)
+            except BaseException as exc:
+                if isinstance(exc, UpstreamError):
+                    self._record(worker, exc)
+                if span is not None:
+                    span.fail(exc)
+                    span.end()
                 raise
+        legs.receipt.prefill_s = time.perf_counter() - started
+        if span is not None:
+            span.end()
         self._record(worker, None)
         return content
 
@@ -423,23 +536,48 @@ class Pipeline:
         body: bytes,
         headers: dict[str, str],
         responder: Responder,
-        prefill: Worker | None,
+        legs: _Legs | None,
         clock: LegClock,
+        trace: TraceSpan | None,
     ) -> None:
+        """The decode leg (``legs``: the PD attempt it belongs to; None: it prefills alone)."""
         upstream = self._pool.client(worker)
+        prefill = legs.pair[0] if legs is not None else None
+        span = _leg_span(trace, "pdr.decode", worker)
+        if span is not None:
+            headers = {**headers, **span.headers()}
         with worker.load():
             try:
                 response = await upstream.open(request.endpoint.value, body, headers)
+                if span is not None:
+                    span.set("http.response.status_code", response.status)
                 if request.stream and response.status < 400:
-                    await self._relay(worker, response, responder, prefill, clock)
+                    tail = await self._relay(worker, response, responder, prefill, clock)
+                    if legs is not None:
+                        self._check_recompute(legs, prompt_usage_in_sse(tail))
                 else:
                     content = await response.read()
                     clock.decode_answered()
                     self._check_decode_status(response.status, content, worker, prefill)
+                    if legs is not None and response.status < 400:
+                        self._check_recompute(legs, prompt_usage(content))
                     await responder.whole(response.status, response.content_type, content)
-            except UpstreamError as exc:
-                self._record(worker, exc)
+            except BaseException as exc:
+                if isinstance(exc, UpstreamError):
+                    self._record(worker, exc)
+                if span is not None:
+                    span.fail(exc)
+                    span.end()
                 raise
+        if span is not None:
+            span.end()
+
+    def _check_recompute(self, legs: _Legs, usage: PromptUsage | None) -> None:
+        """Whether the decode's usage shows it computed the prompt itself (PD did nothing)."""
+        if usage is not None and usage.recomputed(
+            self._recompute_ratio, trust_cached=self._adapter.decode_reports_own_cache
+        ):
+            legs.receipt.recomputed = True
 
     async def _relay(
         self,
@@ -448,12 +586,14 @@ class Pipeline:
         responder: Responder,
         prefill: Worker | None,
         clock: LegClock,
-    ) -> None:
-        """Move decode's SSE bytes to the client as they come.
+    ) -> bytes:
+        """Move decode's SSE bytes to the client as they come; returns the last two chunks
+        (where the usage is, when the client asked for it).
 
         The client's response starts with the first body chunk, not with decode's headers: until
         then nothing has reached the client, so a failing prefill can still be retried.
         """
+        previous = b""
         try:
             chunks = response.chunks()
             chunk = await anext(chunks, b"")
@@ -464,11 +604,13 @@ class Pipeline:
                 if response.at_eof():  # the last chunk: send it with the end of the body
                     break
                 await responder.chunk(chunk)
+                previous = chunk
                 chunk = await anext(chunks, b"")
             await responder.finish(chunk)
         finally:
             await response.aclose()
         self._record(worker, None)
+        return previous + chunk
 
     def _check_decode_status(
         self, status: int, content: bytes, worker: Worker, prefill: Worker | None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from router.errors import RouterError, error_body, sse_error_event
 from router.types import Send
 
@@ -15,23 +17,42 @@ class Responder:
     """Wraps ASGI ``send`` for one request and knows how far the response got.
 
     ``started``: the status line went out, so errors can only be reported in-band.
-    ``complete``: the last body message went out.
+    ``complete``: the last body message went out. ``status``: the status sent (0: none yet);
+    ``started_at``: ``time.monotonic()`` when it was sent. ``receipt_headers`` go out with it.
     """
 
-    __slots__ = ("_at_boundary", "_extra_headers", "_send", "complete", "sse", "started")
+    __slots__ = (
+        "_at_boundary",
+        "_extra_headers",
+        "_send",
+        "complete",
+        "receipt_headers",
+        "sse",
+        "started",
+        "started_at",
+        "status",
+    )
 
     def __init__(self, send: Send, extra_headers: list[tuple[bytes, bytes]]) -> None:
         self._send = send
         self._extra_headers = extra_headers
+        self.receipt_headers: list[tuple[bytes, bytes]] = []
         self.started = False
         self.complete = False
         self.sse = False
+        self.status = 0
+        self.started_at = 0.0
         self._at_boundary = True
 
-    async def start(self, status: int, content_type: bytes, *, sse: bool) -> None:
+    def _started(self, status: int) -> None:
         self.started = True
+        self.status = status
+        self.started_at = time.monotonic()
+
+    async def start(self, status: int, content_type: bytes, *, sse: bool) -> None:
+        self._started(status)
         self.sse = sse
-        headers = [(b"content-type", content_type), *self._extra_headers]
+        headers = [(b"content-type", content_type), *self._extra_headers, *self.receipt_headers]
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def chunk(self, data: bytes) -> None:
@@ -45,12 +66,13 @@ class Responder:
 
     async def whole(self, status: int, content_type: bytes, body: bytes) -> None:
         """A complete buffered response with its length."""
-        self.started = True
+        self._started(status)
         self.complete = True
         headers = [
             (b"content-type", content_type),
             (b"content-length", str(len(body)).encode()),
             *self._extra_headers,
+            *self.receipt_headers,
         ]
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         await self._send({"type": "http.response.body", "body": body, "more_body": False})

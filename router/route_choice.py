@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from router.errors import NoWorkerAvailable
 from router.metrics import RouterMetrics
@@ -82,23 +83,69 @@ class RouteChooser:
         """Choose (timed), decide whether to skip the prefill leg, and count the outcome."""
         started = time.perf_counter()
         route = self._select(failed, features)
-        self._metrics.decision_seconds.labels(self._prefill_policy.name).observe(
-            time.perf_counter() - started
-        )
+        metrics = self._metrics
+        policy = self._prefill_policy.name
+        metrics.observe(metrics.decision_seconds, time.perf_counter() - started, policy)
         if route.reason is None and route.choice is not None and features is not None:
             assert self._cache_aware is not None
             self._cache_aware.record(route.choice, features)
         if count:  # once per request, not per retry
-            self._metrics.routed.labels(self._choice_label(route)).inc()
-            if route.reason is not None:
-                self._metrics.prefill_skipped.labels(route.reason).inc()
+            metrics.count(metrics.decisions, policy, self.outcome(route))
         return route
 
-    def _choice_label(self, route: Route) -> str:
-        """How the prefill was chosen: skipped, cache_aware's way, or the policy's name."""
+    def outcome(self, route: Route) -> str:
+        """How the prefill was chosen: skipped_<reason>, cache_aware's way, or the policy."""
         if route.reason is not None:
-            return SKIPPED
+            return f"{SKIPPED}_{route.reason}"
         return route.choice.how if route.choice is not None else self._prefill_policy.name
+
+    def explain(self, features: RequestFeatures | None) -> dict[str, Any]:
+        """The candidates with what the policies weigh, and the route this request would take
+        now. Sends nothing and records no prediction; like a request, it moves the policies'
+        round-robin cursors (ties, ``round_robin``)."""
+        prefills = self._pool.available_prefill()
+        decodes = self._pool.available_decode()
+        mode: str | None = None
+        candidates: list[dict[str, Any]]
+        if self._cache_aware is not None and prefills:
+            mode, candidates = self._cache_aware.scores(prefills, features or RequestFeatures())
+        else:
+            candidates = [
+                {
+                    "worker": worker.url,
+                    "dp_rank": rank,
+                    "load": worker.load_score(rank),
+                    "pending_prefill_tokens": worker.pending_tokens(rank),
+                    "predicted_cached_tokens": None,  # only cache_aware predicts
+                }
+                for worker in prefills
+                for rank in range(max(worker.dp_size, 1))
+            ]
+        explained: dict[str, Any] = {
+            "policy": {"prefill": self._prefill_policy.name, "decode": self._decode_policy.name},
+            "prompt_tokens": None if features is None else features.prompt_tokens,
+            "cache_mode": mode,
+            "prefill_candidates": candidates,
+            "decode_candidates": [
+                {"worker": w.url, "load": w.load_score(None), "inflight": w.inflight}
+                for w in decodes
+            ],
+        }
+        try:
+            route = self._select(set(), features)
+        except NoWorkerAvailable as exc:
+            explained["choice"] = None
+            explained["error"] = exc.message
+            return explained
+        explained["choice"] = {
+            "prefill": route.prefill.url if route.prefill is not None else None,
+            "dp_rank": route.rank if route.prefill is not None else None,
+            "decode": route.decode.url,
+            "outcome": self.outcome(route),
+            "predicted_cached_tokens": route.choice.cached_tokens if route.choice else None,
+            "predicted_uncached_tokens": _uncached_tokens(route.choice, features),
+        }
+        return explained
 
     def _select(self, failed: set[str], features: RequestFeatures | None) -> Route:
         prefills = self._pool.available_prefill()

@@ -82,6 +82,8 @@ class SampleSplit:
         finally:
             await asyncio.gather(*(reap(task) for task in tasks))
         failed = next((part for part in parts if part.status >= 400), None)
+        if not self._out.started:
+            self._out.receipt_headers = (failed or parts[0]).responder.receipt_headers
         if self._out.started:
             await self._end_stream(failed)
         elif failed is not None:
@@ -105,6 +107,7 @@ class SampleSplit:
                 out += self._event(event, part.index)
         if out:
             if not self._out.started:
+                self._out.receipt_headers = part.responder.receipt_headers
                 await self._out.start(200, _SSE, sse=True)
             await self._out.chunk(bytes(out))
 

@@ -18,9 +18,11 @@ __all__ = [
     "HealthSettings",
     "LoadSettings",
     "LoggingSettings",
+    "ObservabilitySettings",
     "PolicySettings",
     "RouterSettings",
     "ServerSettings",
+    "TracingSettings",
     "UpstreamSettings",
     "WorkerSpec",
 ]
@@ -155,6 +157,27 @@ class LoggingSettings(BaseModel):
         return value
 
 
+class ObservabilitySettings(BaseModel):
+    """The status page's recent traffic, and "PD did not happen" detection."""
+
+    # a decode that computed at least this share of the prompt itself recomputed it: the KV
+    # from the prefill was not used (vLLM ``prompt_tokens_details.created_cache_tokens``)
+    recompute_min_ratio: float = Field(default=0.5, gt=0.0, le=1.0)
+    # a P<->D pair stays suspect this long after its last recompute
+    suspect_window_s: PositiveFloat = 300.0
+    traffic_window_s: PositiveFloat = 600.0  # the status page's request rate, TTFT, errors
+    traffic_bucket_s: PositiveFloat = 5.0
+
+
+class TracingSettings(BaseModel):
+    """OpenTelemetry spans (needs the ``otel`` extra). The W3C ``traceparent`` and
+    ``tracestate`` headers reach both legs either way."""
+
+    otlp_endpoint: str | None = None  # OTLP/HTTP collector, e.g. http://127.0.0.1:4318
+    service_name: str = "pd-router"
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)  # for traces the router starts
+
+
 class RouterSettings(BaseSettings):
     """Root of the settings tree. CLI flags are passed as init values and win over env."""
 
@@ -173,3 +196,5 @@ class RouterSettings(BaseSettings):
     cache: CacheAwareSettings = CacheAwareSettings()
     registry: RegistrySettings = RegistrySettings()
     logging: LoggingSettings = LoggingSettings()
+    observability: ObservabilitySettings = ObservabilitySettings()
+    tracing: TracingSettings = TracingSettings()

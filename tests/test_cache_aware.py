@@ -189,8 +189,8 @@ async def test_approximate_turns_of_a_conversation_stay_on_one_prefill(
         assert sorted(served_by(cluster.prefills)) == [1, 5]  # new text: the idle one
         metrics = (await client.get("/metrics")).text
     # the first turn and the unrelated request found nothing cached: load chose
-    assert 'pdr_routed_requests_total{prefill_choice="approximate"} 4.0' in metrics
-    assert 'pdr_routed_requests_total{prefill_choice="load"} 2.0' in metrics
+    assert 'pdr_routing_decisions_total{outcome="approximate",policy="cache_aware"} 4.0' in metrics
+    assert 'pdr_routing_decisions_total{outcome="load",policy="cache_aware"} 2.0' in metrics
     assert 'pdr_routing_decision_seconds_count{policy="cache_aware"} 6.0' in metrics
 
 
@@ -313,8 +313,8 @@ async def test_precise_turns_follow_the_engines_kv_events(tmp_path: Path) -> Non
                     await _drive(client, tokenizer, fakes, pubs, [u for u, _ in addrs])
                     metrics = (await client.get("/metrics")).text
     # the first turn, before any event, found nothing cached: load chose
-    assert 'pdr_routed_requests_total{prefill_choice="load"} 1.0' in metrics
-    assert 'pdr_routed_requests_total{prefill_choice="precise"} 3.0' in metrics
+    assert 'pdr_routing_decisions_total{outcome="load",policy="cache_aware"} 1.0' in metrics
+    assert 'pdr_routing_decisions_total{outcome="precise",policy="cache_aware"} 3.0' in metrics
     assert "pdr_tokenize_seconds_count 4.0" in metrics
 
 

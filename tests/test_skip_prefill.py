@@ -59,9 +59,11 @@ async def test_few_uncached_tokens_go_to_the_decode_alone_unchanged(
         assert len(cluster.prefills[0].records) == 1  # worth a transfer: the PD path
         assert "kv_transfer_params" in cluster.decodes[0].records[-1].body
         metrics = (await client.get("/metrics")).text
-    assert 'pdr_prefill_skipped_total{reason="few_uncached_tokens"} 2.0' in metrics
-    assert 'pdr_routed_requests_total{prefill_choice="skipped"} 2.0' in metrics
-    assert 'pdr_routed_requests_total{prefill_choice="round_robin"} 1.0' in metrics
+    assert (
+        'pdr_routing_decisions_total{outcome="skipped_few_uncached_tokens",policy="round_robin"} 2.0'
+        in metrics
+    )
+    assert 'pdr_routing_decisions_total{outcome="round_robin",policy="round_robin"} 1.0' in metrics
 
 
 async def test_sglang_never_skips_the_prefill(make_cluster: FakeClusterFactory) -> None:
@@ -117,7 +119,10 @@ async def test_saturated_prefills_are_skipped() -> None:
                     metrics = (await client.get(f"http://127.0.0.1:{router_port}/metrics")).text
     assert response.status_code == 200, response.text
     assert [record.body for record in decode.records] == [LONG]
-    assert 'pdr_prefill_skipped_total{reason="prefills_saturated"} 1.0' in metrics
+    assert (
+        'pdr_routing_decisions_total{outcome="skipped_prefills_saturated",policy="round_robin"} 1.0'
+        in metrics
+    )
 
 
 def _chooser(saturated_at: int) -> RouteChooser:

@@ -32,6 +32,9 @@ class PDAdapter(Protocol):
     sequential: bool  # True: prefill must finish before decode starts
     needs_engine_ids: bool  # True: a prefill is routable only once its engine ids are known
     splits_samples: bool  # True: n > 1 goes out as n single-sequence requests
+    # True: the decode's usage.prompt_tokens_details.cached_tokens counts the KV it received
+    # (its own count); False: the engine reports the prefill's cache hits there instead
+    decode_reports_own_cache: bool
 
     def check(self, request: ParsedRequest) -> None:
         """Raise InvalidRequest if this protocol cannot serve the request."""

@@ -38,6 +38,7 @@ class SglangAdapter:
     sequential = False
     needs_engine_ids = False
     splits_samples = True
+    decode_reports_own_cache = False  # the decode reports the prefill's cached_tokens
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()

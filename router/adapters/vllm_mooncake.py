@@ -32,6 +32,8 @@ class VllmMooncakeAdapter:
     sequential = False
     needs_engine_ids = True
     splits_samples = False
+    # the router writes the decode's kv_transfer_params (no remote_prefill_cached_tokens)
+    decode_reports_own_cache = True
 
     def __init__(self, new_transfer_id: Callable[[], str] = _uuid_transfer_id) -> None:
         self._new_transfer_id = new_transfer_id

@@ -36,6 +36,8 @@ class VllmNixlAdapter:
     sequential = True
     needs_engine_ids = False
     splits_samples = False
+    # remote_prefill_cached_tokens (copied from the prefill's answer) overrides it
+    decode_reports_own_cache = False
 
     def check(self, request: ParsedRequest) -> None:
         check_single_sequence(request, self.name)

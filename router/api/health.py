@@ -35,7 +35,7 @@ async def health() -> Response:
 
 @router.get("/metrics")
 async def metrics(ctx: Context) -> Response:
-    """The router's Prometheus metrics (routing decisions, skipped prefills)."""
+    """The router's Prometheus metrics (requests, stages, routing, workers, pairs, feeds)."""
     return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -52,6 +52,16 @@ async def ready(ctx: Context) -> JSONResponse:
         "prefill": [_describe(w) for w in pool.prefill],
         "decode": [_describe(w) for w in pool.decode],
         "registry": {"url": registry.url, "ok": registry.ok, "error": registry.error},
+        # P<->D pairs whose decode recomputed the prompt lately: PD did not happen there
+        "suspect_pairs": [
+            {
+                "prefill": pair.prefill_url,
+                "decode": pair.decode_url,
+                "recomputes": pair.recomputes,
+                "requests": pair.requests,
+            }
+            for pair in ctx.pairs.suspects()
+        ],
     }
     return JSONResponse(body, status_code=200 if pool.ready() else 503)
 

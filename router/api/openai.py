@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 
 from router.context import AppContext
 from router.errors import BodyTooLarge, InvalidRequest, MethodNotAllowed, RouterError
 from router.logs import REQUEST_ID
 from router.pipeline import ClientDisconnected
+from router.receipt import RoutingReceipt
 from router.relay import Responder
 from router.schemas import Endpoint, parse_request
 from router.types import Receive, Scope, Send
@@ -23,6 +25,9 @@ __all__ = ["HOT_ROUTES", "handle_completion"]
 logger = logging.getLogger(__name__)
 
 HOT_ROUTES = {endpoint.value: endpoint for endpoint in Endpoint}
+_TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+_MAX_TRACE_HEADER = 512  # W3C: tracestate may be cut beyond 512 chars; longer ones are dropped
+_CLIENT_GONE = 499  # nginx's "client closed request": the status counted for a client that left
 
 
 class _ClientGone(Exception):
@@ -33,52 +38,72 @@ async def handle_completion(
     ctx: AppContext, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
 ) -> None:
     """Serve one completion request; never raises (errors are rendered to the client)."""
-    request_id, authorization, content_length = _read_headers(scope)
+    started = time.monotonic()
+    request_id, authorization, content_length, trace_context = _read_headers(scope)
     token = REQUEST_ID.set(request_id)
     responder = Responder(send, [(b"x-request-id", request_id.encode())])
-    try:
-        await _serve(
-            ctx, endpoint, scope, receive, responder, request_id, authorization, content_length
+    receipt = RoutingReceipt()
+    span = None
+    if ctx.tracer is not None:
+        span = ctx.tracer.request_span(
+            endpoint.value, trace_context.get("traceparent"), trace_context.get("tracestate")
         )
+    stream = False
+    status = 0
+    try:
+        raw = await _read_request(ctx, scope, receive, endpoint, content_length)
+        request = parse_request(endpoint, raw)
+        stream = request.stream
+        headers = {"content-type": "application/json", "x-request-id": request_id}
+        if authorization is not None:
+            headers["authorization"] = authorization
+        headers.update(trace_context)  # W3C trace context reaches both legs
+        disconnected = asyncio.ensure_future(receive())
+        try:
+            await ctx.pipeline.handle(request, headers, responder, disconnected, receipt, span)
+        finally:
+            disconnected.cancel()
+        status = responder.status or 500
     except (ClientDisconnected, _ClientGone):
+        status = _CLIENT_GONE
         logger.info("client disconnected; upstream requests cancelled")
     except RouterError as exc:
+        status = exc.status
         if exc.status >= 500:
             logger.warning("request failed: %s", exc.message)
         await responder.fail(exc)
     except Exception:  # noqa: BLE001 - the one catch-all: log it, answer 500, keep serving
+        status = 500
         logger.exception("unexpected error while routing a request")
         await responder.fail(RouterError("internal router error (logged)"))
     finally:
+        ctx.accounting.finish(
+            endpoint.value, stream, status, started, responder.started_at, receipt
+        )
+        if span is not None:
+            span.set("http.response.status_code", status)
+            if status >= 500:
+                span.fail(RouterError(f"status {status}"))
+            span.end()
         REQUEST_ID.reset(token)
 
 
-async def _serve(
+async def _read_request(
     ctx: AppContext,
-    endpoint: Endpoint,
     scope: Scope,
     receive: Receive,
-    responder: Responder,
-    request_id: str,
-    authorization: str | None,
+    endpoint: Endpoint,
     content_length: int | None,
-) -> None:
+) -> bytes:
     if scope["method"] != "POST":
         raise MethodNotAllowed(f"method {scope['method']} is not allowed on {endpoint.value}")
-    raw = await _read_body(receive, ctx.settings.server.max_body_bytes, content_length)
-    request = parse_request(endpoint, raw)
-    headers = {"content-type": "application/json", "x-request-id": request_id}
-    if authorization is not None:
-        headers["authorization"] = authorization
-    disconnected = asyncio.ensure_future(receive())
-    try:
-        await ctx.pipeline.handle(request, headers, responder, disconnected)
-    finally:
-        disconnected.cancel()
+    return await _read_body(receive, ctx.settings.server.max_body_bytes, content_length)
 
 
-def _read_headers(scope: Scope) -> tuple[str, str | None, int | None]:
+def _read_headers(scope: Scope) -> tuple[str, str | None, int | None, dict[str, str]]:
+    """The request id, authorization, content length and W3C trace context headers."""
     request_id = authorization = length = None
+    trace_context: dict[str, str] = {}
     for name, value in scope["headers"]:
         if name == b"x-request-id":
             request_id = value.decode("latin-1")
@@ -86,8 +111,10 @@ def _read_headers(scope: Scope) -> tuple[str, str | None, int | None]:
             authorization = value.decode("latin-1")
         elif name == b"content-length":
             length = value
+        elif name in _TRACE_HEADERS and len(value) <= _MAX_TRACE_HEADER:
+            trace_context[name.decode()] = value.decode("latin-1")
     content_length = int(length) if length is not None and length.isdigit() else None
-    return request_id or secrets.token_hex(16), authorization, content_length
+    return request_id or secrets.token_hex(16), authorization, content_length, trace_context
 
 
 async def _read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.kv_index import KVBlockIndex, Location
 from router.prefix_tree import ApproxPrefixTree
@@ -113,6 +114,30 @@ class CacheAware:
         how = mode if following and cached[best] > 0 else LOAD
         worker, rank = places[best]
         return PrefillChoice(worker, rank, how, cached[best], mode)
+
+    def scores(
+        self, candidates: Sequence[Worker], features: RequestFeatures
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """How the cache is judged, and per prefill and DP rank what ``choose_prefill`` weighs:
+        load, prefill tokens pending, predicted cached tokens and the cost in tokens (None
+        without a prompt size). Reads only (``POST /admin/explain``)."""
+        places = _all_locations(candidates)
+        mode, cached = self._cached(places, features)
+        following = self._worth_following(max(cached), features)
+        prompt = features.prompt_tokens
+        return mode, [
+            {
+                "worker": worker.url,
+                "dp_rank": rank,
+                "load": worker.load_score(rank),
+                "pending_prefill_tokens": worker.pending_tokens(rank),
+                "predicted_cached_tokens": cached[i],
+                "cost_tokens": None
+                if not prompt
+                else worker.pending_tokens(rank) + prompt - (cached[i] if following else 0),
+            }
+            for i, (worker, rank) in enumerate(places)
+        ]
 
     def record(self, choice: PrefillChoice, features: RequestFeatures) -> None:
         """The request goes to ``choice``: remember what its rank is about to hold, so the

@@ -1,0 +1,62 @@
+"""``POST /admin/explain``: where a completion would go, and why, without sending it.
+
+Takes a completion body (``messages``: chat, else completions), computes its prompt features as
+a request would (tokenizing it when the policy needs token ids) and returns the candidates with
+what the policies weigh (load, prefill tokens pending, predicted cached tokens, cost) and the
+route the router would choose now. Admin auth, like the rest of ``/admin``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from registry.admin import authorizer
+from registry.settings import RegistrySettings
+from router.api.health import get_context
+from router.errors import BodyTooLarge, InvalidRequest
+from router.schemas import Endpoint, parse_request
+
+__all__ = ["explain_routes"]
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(f"request body exceeds the {limit}-byte limit")
+    return bytes(body)
+
+
+def explain_routes(settings: RegistrySettings) -> APIRouter:
+    routes = APIRouter(prefix="/admin", dependencies=[Depends(authorizer(settings))])
+
+    @routes.post("/explain")
+    async def explain(request: Request) -> JSONResponse:
+        """The route a completion body would take now, with every candidate's scores."""
+        ctx = get_context(request)
+        raw = await _bounded_body(request, ctx.settings.server.max_body_bytes)
+        try:
+            data = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        chat = isinstance(data, dict) and "messages" in data
+        endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
+        parsed = parse_request(endpoint, raw)
+        chooser = ctx.pipeline.chooser
+        features = await chooser.features(parsed)
+        answer: dict[str, Any] = {
+            "endpoint": endpoint.value,
+            "engine": ctx.settings.engine.value,
+            **chooser.explain(features),
+        }
+        return JSONResponse(answer)
+
+    return routes

@@ -1,0 +1,100 @@
+"""Did the decode use the prefill's KV? Read from the ``usage`` the decode reports.
+
+Signals, by engine (PROTOCOLS.md 11; checked against vLLM 0.32 and SGLang 0.5 sources):
+
+* vLLM >= 0.32 with ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.
+  created_cache_tokens`` is the prompt tokens the engine computed itself (and cached). A decode
+  that received the KV computes (almost) none; one that recomputed the prompt computes it all.
+  This is the signal used whenever it is present.
+* ``prompt_tokens_details.cached_tokens`` (vLLM; SGLang ``meta_info.cached_tokens``) is the
+  decode's own count of prompt tokens it did not compute only where the engine does not
+  overwrite it with the prefill's cache hits: vLLM >= 0.32 does overwrite it when the decode's
+  ``kv_transfer_params`` carry ``remote_prefill_cached_tokens`` (NIXL copies them from the
+  prefill's answer), SGLang's decode always reports the prefill's. So it is trusted only where
+  the adapter says the decode reports its own (vLLM Mooncake: the router writes the decode's
+  ``kv_transfer_params`` itself).
+
+The router never asks for usage it was not asked for: a stream carries it only when the client
+set ``stream_options.include_usage``, so streams without it are not checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+__all__ = ["PromptUsage", "prompt_usage", "prompt_usage_in_sse"]
+
+_decode = msgspec.json.Decoder().decode
+
+
+@dataclass(frozen=True, slots=True)
+class PromptUsage:
+    prompt_tokens: int
+    cached_tokens: int | None  # prompt tokens the engine reports as not computed
+    created_cache_tokens: int | None  # prompt tokens the engine computed (vLLM >= 0.32)
+
+    def computed_locally(self, trust_cached: bool) -> int | None:
+        """Prompt tokens the decode computed itself, None when the answer does not say."""
+        if self.created_cache_tokens is not None:
+            return self.created_cache_tokens
+        if trust_cached and self.cached_tokens is not None:
+            return max(self.prompt_tokens - self.cached_tokens, 0)
+        return None
+
+    def recomputed(self, min_ratio: float, *, trust_cached: bool) -> bool:
+        """Whether the decode computed at least ``min_ratio`` of the prompt itself."""
+        computed = self.computed_locally(trust_cached)
+        if computed is None or self.prompt_tokens <= 0:
+            return False
+        return computed >= min_ratio * self.prompt_tokens and computed > 0
+
+
+def _from_object(data: Any) -> PromptUsage | None:
+    if not isinstance(data, dict):
+        return None
+    usage = data.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    if not isinstance(prompt, int):
+        return None
+    details = usage.get("prompt_tokens_details")
+    details = details if isinstance(details, dict) else {}
+    cached = details.get("cached_tokens")
+    meta = data.get("meta_info")
+    if cached is None and isinstance(meta, dict):
+        cached = meta.get("cached_tokens")
+    created = details.get("created_cache_tokens")
+    return PromptUsage(
+        prompt,
+        cached if isinstance(cached, int) else None,
+        created if isinstance(created, int) else None,
+    )
+
+
+def prompt_usage(body: bytes) -> PromptUsage | None:
+    """From a whole JSON answer; None when it carries no usable ``usage``."""
+    if b'"usage"' not in body:
+        return None
+    try:
+        return _from_object(_decode(body))
+    except msgspec.DecodeError:
+        return None
+
+
+def prompt_usage_in_sse(tail: bytes) -> PromptUsage | None:
+    """From the last events of a stream (the usage chunk comes just before ``[DONE]``)."""
+    if b'"usage"' not in tail:
+        return None
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            try:
+                found = _from_object(_decode(line[5:].strip()))
+            except msgspec.DecodeError:
+                continue
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,152 @@
+"""Scrape-time gauges and counters of the router's live state.
+
+Read from the pool, the P<->D pair ledger, the KV index and event feed and the registry status
+when Prometheus scrapes, never on the request path. A worker that leaves the pool takes its
+series with it (and its pairs: the ledger is pruned first), so label values stay bounded by the
+pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.discovery import RegistryStatus
+from router.kv_event_feed import KVEventFeed
+from router.kv_index import KVBlockIndex
+from router.pair_ledger import PairLedger
+from router.upstream import UpstreamPool
+from router.workers import Worker
+
+__all__ = ["RouterStateCollector"]
+
+_WORKER = ["role", "worker"]
+_RANK = ["role", "worker", "dp_rank"]
+_PAIR = ["prefill", "decode"]
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+class RouterStateCollector(Collector):
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        pairs: PairLedger,
+        index: KVBlockIndex,
+        feed: KVEventFeed,
+        registry_status: Callable[[], RegistryStatus],
+    ) -> None:
+        self._pool = pool
+        self._pairs = pairs
+        self._index = index
+        self._feed = feed
+        self._registry_status = registry_status
+
+    def collect(self) -> Iterator[Metric]:
+        workers = [*self._pool.prefill, *self._pool.decode]
+        yield from self._workers(workers)
+        yield from self._engines(workers)
+        yield from self._prefill_ranks(self._pool.prefill)
+        yield from self._pair_metrics()
+        registry = _gauge("pdr_registry_up", "1 when the worker registry answers, else 0", [])
+        registry.add_metric([], 1.0 if self._registry_status().ok else 0.0)
+        yield registry
+
+    def _workers(self, workers: list[Worker]) -> Iterator[Metric]:
+        healthy = _gauge("pdr_worker_healthy", "1 when the worker takes requests", _WORKER)
+        inflight = _gauge("pdr_worker_inflight", "Requests this router has in flight", _WORKER)
+        draining = _gauge("pdr_worker_draining", "1 while the worker drains", _WORKER)
+        for w in workers:
+            labels = [w.role.value, w.url]
+            healthy.add_metric(labels, 1.0 if w.healthy else 0.0)
+            inflight.add_metric(labels, float(w.inflight))
+            draining.add_metric(labels, 1.0 if w.draining else 0.0)
+        yield from (healthy, inflight, draining)
+
+    def _engines(self, workers: list[Worker]) -> Iterator[Metric]:
+        """Each DP rank's last fresh load report from its engine (vLLM or SGLang metrics)."""
+        running = _gauge(
+            "pdr_engine_requests_running", "Requests running, as the engine reported", _RANK
+        )
+        waiting = _gauge(
+            "pdr_engine_requests_waiting", "Requests waiting, as the engine reported", _RANK
+        )
+        usage = _gauge(
+            "pdr_engine_kv_cache_usage_ratio", "KV cache in use (0..1), as reported", _RANK
+        )
+        fresh = _gauge(
+            "pdr_engine_load_fresh", "1 when the rank's engine load reading is fresh", _RANK
+        )
+        now = time.monotonic()
+        for w in workers:
+            for rank, reading in enumerate(w.engine_load):
+                labels = [w.role.value, w.url, str(rank)]
+                ok = reading is not None and now < reading.fresh_until
+                fresh.add_metric(labels, 1.0 if ok else 0.0)
+                if reading is None or not ok:
+                    continue
+                running.add_metric(labels, reading.load.running)
+                waiting.add_metric(labels, reading.load.waiting)
+                if reading.load.kv_usage is not None:
+                    usage.add_metric(labels, reading.load.kv_usage)
+        yield from (running, waiting, usage, fresh)
+
+    def _prefill_ranks(self, prefills: list[Worker]) -> Iterator[Metric]:
+        labels = ["worker", "dp_rank"]
+        pending = _gauge(
+            "pdr_prefill_pending_tokens",
+            "Prompt tokens this router's in-flight prefill legs are predicted to compute",
+            labels,
+        )
+        blocks = _gauge(
+            "pdr_kv_index_blocks", "KV blocks the router's index holds for the rank", labels
+        )
+        counters = {
+            key: CounterMetricFamily(f"pdr_kv_events_{key}", doc, labels=labels)
+            for key, doc in (
+                ("batches", "KV event batches applied live"),
+                ("lost", "KV event batches the publisher sent that never arrived"),
+                ("replayed", "KV event batches recovered from the replay endpoint"),
+                ("restarts", "Times the KV event publisher started over"),
+            )
+        }
+        for w in prefills:
+            for rank in range(len(w.rank_inflight)):
+                values = [w.url, str(rank)]
+                pending.add_metric(values, float(w.pending_tokens(rank)))
+                blocks.add_metric(values, float(self._index.block_count((w.id, rank))))
+                stats = self._feed.stats((w.id, rank))
+                if stats is not None:
+                    for key, family in counters.items():
+                        family.add_metric(values, float(stats[key]))
+        yield from (pending, blocks, *counters.values())
+
+    def _pair_metrics(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "pdr_pd_requests", "PD requests per prefill and decode pair", labels=_PAIR
+        )
+        errors = CounterMetricFamily(
+            "pdr_pd_errors", "PD requests that failed, per pair", labels=_PAIR
+        )
+        recomputes = CounterMetricFamily(
+            "pdr_pd_recompute",
+            "PD requests whose decode computed the prompt itself (the KV transfer did nothing)",
+            labels=_PAIR,
+        )
+        suspect = _gauge(
+            "pdr_pd_pair_suspect", "1 when the pair recomputed within the suspect window", _PAIR
+        )
+        now = time.monotonic()
+        window = self._pairs.suspect_window_s
+        for stats in self._pairs.pairs():
+            labels = [stats.prefill_url, stats.decode_url]
+            requests.add_metric(labels, float(stats.requests))
+            errors.add_metric(labels, float(stats.errors))
+            recomputes.add_metric(labels, float(stats.recomputes))
+            suspect.add_metric(labels, 1.0 if stats.suspect(now, window) else 0.0)
+        yield from (requests, errors, recomputes, suspect)

@@ -1,0 +1,123 @@
+"""The status page's data: one JSON snapshot of the router's live state, built from its context.
+
+``GET /status/data`` serves it and ``router/status_page.html`` renders it. The keys are stable
+(the page and anyone scripting against it read them)::
+
+    {
+      "generated_at": 1700000000.0,          # time.time() when built; the page shows its age
+      "engine": "sglang",                    # the PD protocol (--engine)
+      "policy": {"prefill": "cache_aware", "decode": "least_load"},
+      "ready": true,                         # what GET /ready says (a prefill and a decode up)
+      "workers": {"prefill": [W, ...], "decode": [W, ...]},
+      "pairs": [...],                        # ctx.pairs.snapshot(): per P<->D pair counters
+      "traffic": {...},                      # ctx.traffic.snapshot(): rate, errors, TTFT buckets
+      "registry": {"url": "memory://", "ok": true, "error": null, "since": 1700000000.0},
+      "kv_events": [{"worker": url, "dp_rank": 0, **FeedStats.as_dict()}, ...]
+    }
+
+    W = {"id", "url", "role", "healthy", "draining", "inflight", "dp_size",
+         "ranks": [{"dp_rank", "inflight",
+                    "engine": {"running", "waiting", "kv_usage", "age_s"} | null,
+                    "pending_prefill_tokens", "kv_blocks"}]}        # the last two: prefill only
+
+``engine`` is null when the rank has no fresh load reading (never read, the read failed, or it
+is older than ``--load-stale-after``): the router treats such a rank's load as unknown, and so
+does the page. ``kv_events`` lists only the DP ranks whose KV event stream the router follows.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from router.context import AppContext
+from router.kv_event_feed import KVEventFeed
+from router.kv_index import KVBlockIndex
+from router.policies import CACHE_AWARE
+from router.settings import PolicySettings
+from router.workers import LoadReading, Role, Worker
+
+__all__ = ["policy_names", "status_snapshot"]
+
+
+def status_snapshot(ctx: AppContext) -> dict[str, Any]:
+    """Everything the status page shows, as plain JSON-ready values."""
+    now = time.monotonic()
+    pool = ctx.pool
+    registry = ctx.discovery.status
+    return {
+        "generated_at": time.time(),
+        "engine": ctx.settings.engine.value,
+        "policy": policy_names(ctx.settings.policy),
+        "ready": pool.ready(),
+        "workers": {
+            "prefill": [_worker(w, ctx.index, now) for w in pool.prefill],
+            "decode": [_worker(w, ctx.index, now) for w in pool.decode],
+        },
+        "pairs": ctx.pairs.snapshot(),
+        "traffic": ctx.traffic.snapshot(),
+        "registry": {
+            "url": registry.url,
+            "ok": registry.ok,
+            "error": registry.error,
+            "since": registry.since,
+        },
+        "kv_events": _kv_events(pool.prefill, ctx.feed),
+    }
+
+
+def policy_names(settings: PolicySettings) -> dict[str, str]:
+    """The (prefill, decode) policy names in effect, as ``build_policies`` resolves them."""
+    decode = settings.decode_policy or (
+        "least_load" if settings.policy == CACHE_AWARE else settings.policy
+    )
+    return {"prefill": settings.prefill_policy or settings.policy, "decode": decode}
+
+
+def _worker(worker: Worker, index: KVBlockIndex, now: float) -> dict[str, Any]:
+    return {
+        "id": worker.id,
+        "url": worker.url,
+        "role": worker.role.value,
+        "healthy": worker.healthy,
+        "draining": worker.draining,
+        "inflight": worker.inflight,
+        "dp_size": worker.dp_size,
+        "ranks": [_rank(worker, rank, index, now) for rank in range(len(worker.rank_inflight))],
+    }
+
+
+def _rank(worker: Worker, rank: int, index: KVBlockIndex, now: float) -> dict[str, Any]:
+    readings = worker.engine_load
+    view: dict[str, Any] = {
+        "dp_rank": rank,
+        "inflight": worker.rank_inflight[rank],
+        "engine": _engine(readings[rank] if rank < len(readings) else None, now),
+    }
+    if worker.role is Role.PREFILL:
+        view["pending_prefill_tokens"] = worker.pending_tokens(rank)
+        view["kv_blocks"] = index.block_count((worker.id, rank))
+    return view
+
+
+def _engine(reading: LoadReading | None, now: float) -> dict[str, Any] | None:
+    """The rank's engine-reported load, None when unknown (no reading, or a stale one)."""
+    if reading is None or now >= reading.fresh_until:
+        return None
+    load = reading.load
+    return {
+        "running": load.running,
+        "waiting": load.waiting,
+        "kv_usage": load.kv_usage,
+        "age_s": round(max(0.0, now - reading.at), 3),
+    }
+
+
+def _kv_events(prefills: list[Worker], feed: KVEventFeed) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for worker in prefills:
+        for rank in range(worker.dp_size):
+            stats = feed.stats((worker.id, rank))
+            if stats is not None:
+                rows.append({"worker": worker.url, "dp_rank": rank, **stats})
+    return rows
