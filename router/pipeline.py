@@ -273,7 +273,7 @@ class Pipeline:
         receipt.outcome = self.chooser.outcome(route)
         receipt.attempts = attempt
         receipt.route_s = route_s
-        receipt.prefill_s = receipt.kv_wait_s = None
+        receipt.prefill_s = receipt.kv_wait_s = receipt.decode_error = None
         receipt.recomputed = False
         responder.receipt_headers = receipt.headers()
 
@@ -286,6 +286,9 @@ class Pipeline:
     def _pd_served(self, pair: tuple[Worker, int, Worker], receipt: RoutingReceipt) -> None:
         prefill, _, decode = pair
         key = (prefill.id, decode.id)
+        if receipt.decode_error is not None:
+            self._pairs.failed(key, prefill.url, decode.url, receipt.decode_error)
+            return
         self._pairs.served(key, prefill.url, decode.url)
         if receipt.recomputed:
             self._pairs.recomputed(key, prefill.url, decode.url)
@@ -559,7 +562,9 @@ class Pipeline:
                     content = await response.read()
                     clock.decode_answered()
                     self._check_decode_status(response.status, content, worker, prefill)
-                    if legs is not None and response.status < 400:
+                    if response.status >= 400:  # relayed to the client as the engine's answer
+                        self._decode_refused(response.status, content, legs)
+                    elif legs is not None:
                         self._check_recompute(legs, prompt_usage(content))
                     await responder.whole(response.status, response.content_type, content)
             except BaseException as exc:
@@ -571,6 +576,13 @@ class Pipeline:
                 raise
         if span is not None:
             span.end()
+
+    def _decode_refused(self, status: int, content: bytes, legs: _Legs | None) -> None:
+        """A decode's error answer goes to the client as is; count it like a failed leg."""
+        kind = "http_4xx" if status < 500 else "http_5xx"
+        self._metrics.count(self._metrics.upstream_errors, "decode", kind)
+        if legs is not None:
+            legs.receipt.decode_error = f"decode answered HTTP {status}: {_error_detail(content)}"
 
     def _check_recompute(self, legs: _Legs, usage: PromptUsage | None) -> None:
         """Whether the decode's usage shows it computed the prompt itself (PD did nothing)."""

@@ -24,6 +24,7 @@ class RoutingReceipt:
     kv_wait_s: float | None = None  # prefill answered -> the decode's first byte
     transfer_ref: str | None = None  # the protocol's handle of the KV transfer (room, id)
     recomputed: bool = False  # the decode computed the prompt itself: PD did not happen
+    decode_error: str | None = None  # the decode's error answer, relayed to the client as is
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """``x-pdr-prefill`` (URL, or ``skipped:<reason>``), ``x-pdr-prefill-dp-rank``,

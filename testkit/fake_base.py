@@ -72,6 +72,13 @@ class FakeConfig:
     health_delay: float = 0.0  # /health answers after this many seconds
     health_delay_under_load: float = 0.0  # ... plus this many while completions are in flight
     sglang_n_hang: bool = True  # sglang decode: n > 1 waits for a KV that never comes (real)
+    # usage carries prompt_tokens_details as vLLM >= 0.32 with --enable-prompt-tokens-details:
+    # cached_tokens and created_cache_tokens (the prompt tokens the engine computed itself)
+    prompt_tokens_details: bool = False
+    # decode: uses no KV from the prefill and computes the prompt itself (PD silently did
+    # nothing: vLLM's kv_load_failure_policy=recompute, a connector that fell back), as its
+    # created_cache_tokens tells
+    recompute_prompt: bool = False
 
 
 @dataclass

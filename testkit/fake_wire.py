@@ -248,6 +248,8 @@ class Completion:
     prompt_tokens: int
     include_usage: bool
     admission: Admission
+    # usage.prompt_tokens_details (None: not reported)
+    prompt_details: dict[str, int] | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -259,13 +261,16 @@ class Completion:
     def tokens(self) -> int:
         return len(self.generation.token_ids)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = self.tokens * self.choices
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
         }
+        if self.prompt_details is not None:
+            usage["prompt_tokens_details"] = self.prompt_details
+        return usage
 
 
 def plan_completion(call: Call, admission: Admission, config: FakeConfig) -> Completion:
@@ -279,7 +284,15 @@ def plan_completion(call: Call, admission: Admission, config: FakeConfig) -> Com
         prompt_tokens=call.shape.prompt_tokens,
         include_usage=call.shape.include_usage,
         admission=admission,
+        prompt_details=_prompt_details(call.shape.prompt_tokens, config),
     )
+
+
+def _prompt_details(prompt_tokens: int, config: FakeConfig) -> dict[str, int] | None:
+    if not config.prompt_tokens_details:
+        return None
+    computed = prompt_tokens if config.recompute_prompt else 0
+    return {"cached_tokens": prompt_tokens - computed, "created_cache_tokens": computed}
 
 
 def _chunk_head(c: Completion) -> bytes:

@@ -38,10 +38,18 @@ def _usage(results: list[Completion]) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)},
+        "prompt_tokens_details": _prompt_details(results),
         "kv_bytes_received": sum(r.kv_bytes for r in results),
         "kv_transfer_s": max((r.transfer_s for r in results), default=0.0),
     }
+
+
+def _prompt_details(results: list[Completion]) -> dict[str, int]:
+    details = {"cached_tokens": sum(r.cached_tokens for r in results)}
+    computed = [r.computed_tokens for r in results if r.computed_tokens is not None]
+    if computed:  # vLLM >= 0.32 with --enable-prompt-tokens-details
+        details["created_cache_tokens"] = sum(computed)
+    return details
 
 
 def _choice(index: int, result: Completion, chat: bool) -> dict[str, Any]:

@@ -18,7 +18,9 @@ Each rank's pool is also a prefix cache (``worker.prefix_cache``, block keys fro
 (``compute_s_per_token`` applies to those); pages receiving KV from a prefill are never cached.
 With ``kv_events`` set, every rank publishes its cache changes (``worker.kv_events``). The
 prefill's cached token count travels to the decode in the aux slot, so the answer's
-``usage.prompt_tokens_details.cached_tokens`` is the prefill's cache hit. ``snapshots()`` and
+``usage.prompt_tokens_details.cached_tokens`` is the prefill's cache hit, and
+(vLLM protocols) ``created_cache_tokens`` the prompt tokens computed in this process, as vLLM 0.32
+reports them. ``snapshots()`` and
 ``metrics`` give the load and cache signals (``worker.metrics``, ``worker.loads``).
 """
 
@@ -99,6 +101,9 @@ class Completion:
     kv_bytes: int
     transfer_s: float
     cached_tokens: int = 0  # prompt tokens served from the (prefill's) prefix cache
+    # prompt tokens computed in this process (vLLM >= 0.32 reports them as
+    # ``created_cache_tokens``); None: not reported (SGLang)
+    computed_tokens: int | None = None
 
 
 class SimWorker:
@@ -287,7 +292,14 @@ class SimWorker:
         else:
             index, result = 0, await self._decode(self.ranks[0], seq, max_new)
         self.metrics.observe_ttft(index, time.monotonic() - started)
-        return result
+        if self.config.protocol == "sglang":
+            return result
+        # what vLLM >= 0.32 reports as created_cache_tokens: a decode that received the KV
+        # computed none of the prompt
+        computed = (
+            0 if role == "decode" and not seq.local else len(seq.tokens) - result.cached_tokens
+        )
+        return dataclasses.replace(result, computed_tokens=computed)
 
     def _prefill_rank(self, seq: Seq) -> int:
         dp_size, room = self.config.dp_size, seq.room

@@ -1,0 +1,261 @@
+"""The router's live status page: its JSON (``/status/data``), the self-contained HTML page
+(``/status``), and the page itself rendering a running ``pd-cluster`` in headless Chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from registry.engine_api import RankTables
+from router.context import open_context
+from router.settings import PolicySettings
+from router.status_view import policy_names, status_snapshot
+from router.workers import EngineLoad
+from testkit.chromium import Chromium, chromium_available
+from testkit.fake_cluster import FakeClusterFactory, settings_for
+from testkit.polling import wait_until
+from testkit.servers import free_port
+
+SNAPSHOT_KEYS = {
+    "generated_at",
+    "engine",
+    "policy",
+    "ready",
+    "workers",
+    "pairs",
+    "traffic",
+    "registry",
+    "kv_events",
+}
+WORKER_KEYS = {"id", "url", "role", "healthy", "draining", "inflight", "dp_size", "ranks"}
+DECODE_RANK_KEYS = {"dp_rank", "inflight", "engine"}
+PREFILL_RANK_KEYS = DECODE_RANK_KEYS | {"pending_prefill_tokens", "kv_blocks"}
+PROMPT = {"prompt": "the status page shows this", "max_tokens": 4}
+FAKE_COMPLETION = {"model": "fake-model", **PROMPT}  # testkit's fake engines
+SIM_COMPLETION = {"model": "sim-model", **PROMPT}  # pd-cluster's simulated workers
+
+
+def _requests_in_window(snapshot: dict[str, Any]) -> int:
+    return sum(bucket["requests"] for bucket in snapshot["traffic"]["buckets"])
+
+
+# --- /status/data and /status over HTTP --------------------------------------------------------
+
+
+def test_status_data_describes_the_cluster(make_cluster: FakeClusterFactory) -> None:
+    cluster = make_cluster("sglang", prefill=1, decode=2, dp_size=2)
+    with cluster.client() as client:
+        assert client.post("/v1/completions", json=FAKE_COMPLETION).status_code == 200
+        response = client.get("/status/data")
+    assert response.status_code == 200
+    assert response.headers["cache-control"] == "no-store"
+    data = response.json()
+    assert set(data) == SNAPSHOT_KEYS
+    assert data["engine"] == "sglang"
+    assert data["policy"] == {"prefill": "round_robin", "decode": "round_robin"}
+    assert data["ready"] is True
+    assert abs(data["generated_at"] - time.time()) < 30
+    prefill, decodes = data["workers"]["prefill"], data["workers"]["decode"]
+    assert [w["url"] for w in prefill] == cluster.prefill_urls
+    assert sorted(w["url"] for w in decodes) == sorted(cluster.decode_urls)
+    for worker in prefill + decodes:
+        assert set(worker) == WORKER_KEYS
+        assert worker["healthy"] is True and worker["draining"] is False
+    assert prefill[0]["role"] == "prefill" and prefill[0]["dp_size"] == 2
+    assert [set(rank) for rank in prefill[0]["ranks"]] == [PREFILL_RANK_KEYS] * 2
+    assert [rank["dp_rank"] for rank in prefill[0]["ranks"]] == [0, 1]
+    assert all(set(rank) == DECODE_RANK_KEYS for w in decodes for rank in w["ranks"])
+    assert data["registry"]["url"] == "memory://" and data["registry"]["ok"] is True
+    assert set(data["registry"]) == {"url", "ok", "error", "since"}
+    assert isinstance(data["pairs"], list) and isinstance(data["kv_events"], list)
+    assert data["traffic"]["bucket_s"] > 0
+    assert _requests_in_window(data) >= 1
+
+
+def test_status_page_is_self_contained_html(make_cluster: FakeClusterFactory) -> None:
+    cluster = make_cluster("sglang")
+    with cluster.client(follow_redirects=False) as client:
+        root = client.get("/")
+        page = client.get("/status")
+    assert root.status_code == 307 and root.headers["location"] == "/status"
+    assert page.status_code == 200
+    assert page.headers["content-type"] == "text/html; charset=utf-8"
+    assert page.headers["cache-control"] == "no-store"
+    html = page.text
+    assert "/status/data" in html and 'data-stat="requests"' in html
+    # nothing is loaded from elsewhere: no script/style/image sources, no links out
+    assert not re.search(r"<script[^>]*\ssrc\s*=", html, re.I)
+    assert not re.search(r"<link[^>]*\shref\s*=", html, re.I)
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html, re.I)
+    assert not re.search(r"@import|url\(", html, re.I)
+    # data only ever enters the DOM as text
+    assert "innerHTML" not in html and "insertAdjacentHTML" not in html
+
+
+# --- the snapshot from a live context ----------------------------------------------------------
+
+
+async def test_snapshot_shows_fresh_engine_readings_only() -> None:
+    prefill_url, decode_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    settings = settings_for("sglang", [(prefill_url, None)], [decode_url], load={"interval_s": 0})
+    async with open_context(settings, RankTables()) as ctx:
+        decode = ctx.pool.decode[0]
+        now = time.monotonic()
+        decode.record_engine_load(
+            [EngineLoad(3, 1, 0.25)], at=now - 1.0, stale_after=5.0, dispatched=[0]
+        )
+        shown = status_snapshot(ctx)["workers"]["decode"][0]["ranks"][0]["engine"]
+        assert shown["running"] == 3 and shown["waiting"] == 1 and shown["kv_usage"] == 0.25
+        assert 1.0 <= shown["age_s"] < 30.0
+        decode.record_engine_load(
+            [EngineLoad(3, 1, 0.25)], at=now - 10.0, stale_after=5.0, dispatched=[0]
+        )
+        stale = status_snapshot(ctx)["workers"]["decode"][0]["ranks"][0]["engine"]
+        assert stale is None  # an old reading is unknown, as the router treats it
+        assert json.loads(json.dumps(status_snapshot(ctx)))["engine"] == "sglang"
+
+
+def test_policy_names_as_the_router_resolves_them() -> None:
+    assert policy_names(PolicySettings(policy="cache_aware")) == {
+        "prefill": "cache_aware",
+        "decode": "least_load",
+    }
+    assert policy_names(PolicySettings(policy="round_robin", prefill_policy="least_load")) == {
+        "prefill": "least_load",
+        "decode": "round_robin",
+    }
+
+
+# --- the page in headless Chromium against a running pd-cluster -------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(
+        ["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True
+    ).stdout
+    return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
+
+
+class ClusterProcess:
+    """A ``pd-cluster`` process (2 prefills, 1 decode) on a free port, started and stopped."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "worker.cluster", "--prefill", "2", "--decode", "1"]
+                + ["--port", str(port), "--ready-timeout", "40"]
+                + ["--", "--pages", "256", "--bytes-per-token", "64"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.children: list[int] = []
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            assert self.proc.poll() is None, self.log_path.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{self.url}/ready", timeout=1).status_code == 200
+            return False
+
+        wait_until(ready, 45.0, "pd-cluster ready", interval=0.1)
+        self.children = _children(self.proc.pid)
+
+    def stop(self) -> None:
+        """SIGTERM (it stops its children), SIGKILL whatever is left; idempotent."""
+        proc = self.proc
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in self.children:  # each child is its own process group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def pd_cluster(tmp_path: Path) -> Iterator[ClusterProcess]:
+    cluster = ClusterProcess(tmp_path / "pd-cluster.log")
+    try:
+        cluster.wait_ready()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _rows_ready_js(workers: list[tuple[str, str]]) -> str:
+    """JS: every (role, url) has a ``[data-worker]`` row of that role whose health is true."""
+    return f"""(() => {{
+        const rows = [...document.querySelectorAll("tr[data-worker]")];
+        return {json.dumps(workers)}.every(([role, url]) => rows.some((row) =>
+            row.dataset.worker === url && row.dataset.role === role &&
+            row.querySelector("[data-healthy]").dataset.healthy === "true"));
+    }})()"""
+
+
+_REQUESTS_JS = (
+    'Number(document.querySelector(\'[data-stat="requests"]\').textContent.replace(/,/g, ""))'
+)
+
+
+async def _complete(client: httpx.AsyncClient, count: int) -> None:
+    """``count`` completions through the router, every other one a stream (they have a TTFT)."""
+    for index in range(count):
+        body = {**SIM_COMPLETION, "stream": index % 2 == 1}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            answer = await response.aread()
+            assert response.status_code == 200, answer
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not chromium_available(), reason="needs Chromium (scripts/setup.sh)")
+async def test_status_page_in_headless_chromium(pd_cluster: ClusterProcess, tmp_path: Path) -> None:
+    async with httpx.AsyncClient(base_url=pd_cluster.url, timeout=20) as client:
+        await _complete(client, 3)
+        ready = (await client.get("/ready")).json()
+        workers = [(role, w["url"]) for role in ("prefill", "decode") for w in ready[role]]
+        assert len(workers) == 3
+        async with Chromium(tmp_path) as browser:
+            await browser.navigate(f"{pd_cluster.url}/status")
+            await browser.wait_for("document.body.dataset.updated", 30, "the first render")
+            await browser.wait_for(_rows_ready_js(workers), 20, "every worker shown healthy")
+            await browser.wait_for(f"{_REQUESTS_JS} >= 3", 20, "the 3 requests shown")
+            before = await browser.evaluate(_REQUESTS_JS)
+            stamp = await browser.evaluate("document.body.dataset.updated")
+            await _complete(client, 1)  # the page picks it up without a reload
+            await browser.wait_for(f"{_REQUESTS_JS} >= {before + 1}", 20, "the new request")
+            assert await browser.evaluate("document.body.dataset.updated") != stamp
+            assert await browser.evaluate("document.body.dataset.state") == "live"
+            png = await browser.screenshot()
+            # the router goes away: the page says its data is stale and keeps showing it
+            await asyncio.to_thread(pd_cluster.stop)
+            await browser.wait_for("document.body.dataset.state === 'stale'", 20, "stale state")
+            assert "failed" in await browser.evaluate("document.getElementById('banner').innerText")
+            assert await browser.evaluate(f"{_REQUESTS_JS} >= {before + 1}")
+            assert await browser.wait_for(_rows_ready_js(workers), 1, "the last rows kept")
+    path = tmp_path / "status-page.png"
+    path.write_bytes(png)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    print(f"status page screenshot: {path}")
+    if copy_to := os.environ.get("PDR_STATUS_SCREENSHOT"):
+        shutil.copyfile(path, copy_to)
