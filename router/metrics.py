@@ -31,6 +31,11 @@ _STAGE_BUCKETS = (
 )  # fmt: skip
 
 Labels = tuple[str, ...]
+ROLES = ("prefill", "decode")
+UPSTREAM_ERROR_KINDS = (
+    "connect", "timeout", "kv_timeout", "kv_lost", "http_4xx", "http_5xx", "broken",
+    "invalid_answer",
+)  # fmt: skip
 
 
 class RouterMetrics:
@@ -108,6 +113,11 @@ class RouterMetrics:
             registry=registry,
         )
         self._children: dict[tuple[int, Labels], Counter | Histogram] = {}
+        # known label values start at 0: rate() sees the first failure, dashboards show 0
+        for role in ROLES:
+            self._child(self.retries, (role,))
+            for kind in UPSTREAM_ERROR_KINDS:
+                self._child(self.upstream_errors, (role, kind))
 
     def _child(self, metric: Counter | Histogram, labels: Labels) -> Counter | Histogram:
         key = (id(metric), labels)
