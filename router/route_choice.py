@@ -93,6 +93,10 @@ class RouteChooser:
             metrics.count(metrics.decisions, policy, self.outcome(route))
         return route
 
+    def policy_names(self) -> dict[str, str]:
+        """The prefill and decode policies in effect."""
+        return {"prefill": self._prefill_policy.name, "decode": self._decode_policy.name}
+
     def outcome(self, route: Route) -> str:
         """How the prefill was chosen: skipped_<reason>, cache_aware's way, or the policy."""
         if route.reason is not None:
@@ -122,7 +126,7 @@ class RouteChooser:
                 for rank in range(max(worker.dp_size, 1))
             ]
         explained: dict[str, Any] = {
-            "policy": {"prefill": self._prefill_policy.name, "decode": self._decode_policy.name},
+            "policy": self.policy_names(),
             "prompt_tokens": None if features is None else features.prompt_tokens,
             "cache_mode": mode,
             "prefill_candidates": candidates,

@@ -33,11 +33,9 @@ from typing import Any
 from router.context import AppContext
 from router.kv_event_feed import KVEventFeed
 from router.kv_index import KVBlockIndex
-from router.policies import CACHE_AWARE
-from router.settings import PolicySettings
 from router.workers import LoadReading, Role, Worker
 
-__all__ = ["policy_names", "status_snapshot"]
+__all__ = ["status_snapshot"]
 
 
 def status_snapshot(ctx: AppContext) -> dict[str, Any]:
@@ -48,7 +46,7 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
     return {
         "generated_at": time.time(),
         "engine": ctx.settings.engine.value,
-        "policy": policy_names(ctx.settings.policy),
+        "policy": ctx.pipeline.chooser.policy_names(),
         "ready": pool.ready(),
         "workers": {
             "prefill": [_worker(w, ctx.index, now) for w in pool.prefill],
@@ -64,14 +62,6 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
         },
         "kv_events": _kv_events(pool.prefill, ctx.feed),
     }
-
-
-def policy_names(settings: PolicySettings) -> dict[str, str]:
-    """The (prefill, decode) policy names in effect, as ``build_policies`` resolves them."""
-    decode = settings.decode_policy or (
-        "least_load" if settings.policy == CACHE_AWARE else settings.policy
-    )
-    return {"prefill": settings.prefill_policy or settings.policy, "decode": decode}
 
 
 def _worker(worker: Worker, index: KVBlockIndex, now: float) -> dict[str, Any]:

@@ -22,8 +22,7 @@ import pytest
 
 from registry.engine_api import RankTables
 from router.context import open_context
-from router.settings import PolicySettings
-from router.status_view import policy_names, status_snapshot
+from router.status_view import status_snapshot
 from router.workers import EngineLoad
 from testkit.chromium import Chromium, chromium_available
 from testkit.fake_cluster import FakeClusterFactory, settings_for
@@ -127,17 +126,6 @@ async def test_snapshot_shows_fresh_engine_readings_only() -> None:
         stale = status_snapshot(ctx)["workers"]["decode"][0]["ranks"][0]["engine"]
         assert stale is None  # an old reading is unknown, as the router treats it
         assert json.loads(json.dumps(status_snapshot(ctx)))["engine"] == "sglang"
-
-
-def test_policy_names_as_the_router_resolves_them() -> None:
-    assert policy_names(PolicySettings(policy="cache_aware")) == {
-        "prefill": "cache_aware",
-        "decode": "least_load",
-    }
-    assert policy_names(PolicySettings(policy="round_robin", prefill_policy="least_load")) == {
-        "prefill": "least_load",
-        "decode": "round_robin",
-    }
 
 
 # --- the page in headless Chromium against a running pd-cluster -------------------------------

@@ -26,6 +26,7 @@ class Answer:
     done: bool = False  # the stream ended with ``data: [DONE]``
     error: dict[str, Any] | None = None  # the OpenAI error object, from a body or an SSE event
     elapsed_s: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)  # the response's, lower-cased names
 
     @property
     def outcome(self) -> tuple[str, str | None]:
@@ -108,7 +109,7 @@ def call(
         httpx.Client(timeout=timeout) as client,
         client.stream("POST", base_url + endpoint_path(endpoint), json=body) as response,
     ):
-        answer = Answer(status=response.status_code)
+        answer = Answer(status=response.status_code, headers=dict(response.headers))
         is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
         if is_sse:
             read_stream(response, answer, on_event)

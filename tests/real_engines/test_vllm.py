@@ -241,6 +241,15 @@ def check_prompt_came_over_transfer(cluster: Cluster, prompt: str) -> None:
 
     assert grew("external_kv_transfer") == got.body["usage"]["prompt_tokens"]
     assert grew("local_compute") == 0
+    # the router says where it went, and does not claim the decode recomputed the prompt
+    details = got.body["usage"]["prompt_tokens_details"]
+    assert details["created_cache_tokens"] == 0, details
+    assert got.headers["x-pdr-prefill"] == cluster.prefill.url
+    assert got.headers["x-pdr-decode"] == cluster.decode.url
+    router_metrics = httpx.get(f"{cluster.router.url}/metrics", timeout=10).text
+    pair = {"prefill": cluster.prefill.url, "decode": cluster.decode.url}
+    assert metric(router_metrics, "pdr_pd_requests_total", **pair) >= 1
+    assert metric(router_metrics, "pdr_pd_recompute_total", **pair) == 0
 
 
 def wait_idle(*engines: Engine, timeout_s: float = IDLE_TIMEOUT_S) -> None:
@@ -402,7 +411,10 @@ class TestMooncake:
 
     @timeout(60)
     def test_decode_received_the_prompt_over_the_transfer(self, mooncake: Cluster) -> None:
-        check_prompt_came_over_transfer(mooncake, "A prompt no other test sends, about mooncakes")
+        # longer than a block (128 tokens on CPU): the decode's created_cache_tokens would count
+        # a recomputed full block
+        prompt = "A prompt no other test sends, about mooncakes and their orbits. " * 16
+        check_prompt_came_over_transfer(mooncake, prompt)
 
     @timeout(60)
     def test_engines_idle_after_requests(self, mooncake: Cluster) -> None:

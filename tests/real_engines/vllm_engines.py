@@ -114,6 +114,8 @@ def engine_argv(model: Path, role: Role, port: int, extra: Iterable[str] = ()) -
         "--seed",
         "0",
         "--enable-log-requests",  # "Request ... aborted." tells a test the abort was sent
+        # usage.prompt_tokens_details (created_cache_tokens: the router's recompute check)
+        "--enable-prompt-tokens-details",
     ]
     config = kv_transfer_config(role)
     if config is not None:
