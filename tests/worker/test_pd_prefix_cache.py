@@ -87,9 +87,23 @@ def test_the_streamed_usage_reports_cached_tokens(slow: CacheCluster) -> None:
     wait_until(slow.idle, 5.0, "rooms closed and pages unreferenced")
 
 
+def _created(answer: dict[str, Any]) -> int:
+    created: int = answer["usage"]["prompt_tokens_details"]["created_cache_tokens"]
+    return created
+
+
 def test_vllm_prefill_leg_reports_its_own_cached_tokens() -> None:
     with cache_cluster("vllm-mooncake") as cluster:
-        _ok(_post(cluster.router, {"prompt": PREFIX + " warm"}))
+        routed = _ok(_post(cluster.router, {"prompt": PREFIX + " warm"}))
+        assert _created(routed) == 0  # the decode computed nothing: PD happened
+        metrics = httpx.get(f"{cluster.router}/metrics", timeout=5).text
+        recomputes = [
+            s.value
+            for f in text_string_to_metric_families(metrics)
+            for s in f.samples
+            if s.name == "pdr_pd_recompute_total"
+        ]
+        assert recomputes == [0.0]
         prompt, transfer = PREFIX + " by hand", {"transfer_id": "xfer-1"}
         leg = _post(
             cluster.prefill_url,
@@ -100,6 +114,7 @@ def test_vllm_prefill_leg_reports_its_own_cached_tokens() -> None:
             },
         )
         assert _cached(_ok(leg)) == 1200
+        assert _created(_ok(leg)) == len(prompt) - 1200  # one token per byte
         decode = _post(
             cluster.decode_url,
             {
@@ -114,6 +129,7 @@ def test_vllm_prefill_leg_reports_its_own_cached_tokens() -> None:
         )
         answer = _ok(decode)
         assert _cached(answer) == 1200  # the prefill's hit, carried with the KV
+        assert _created(answer) == 0  # ... and it computed none of the prompt
         assert answer["usage"]["kv_bytes_received"] > 0
         reference = _ok(_post(cluster.reference, {"prompt": prompt}))
         assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
