@@ -2,10 +2,10 @@
 
 Signals, by engine (PROTOCOLS.md 11; checked against vLLM 0.32 and SGLang 0.5 sources):
 
-* vLLM >= 0.32 with ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.
-  created_cache_tokens`` is the prompt tokens the engine computed itself (and cached). A decode
-  that received the KV computes (almost) none; one that recomputed the prompt computes it all.
-  This is the signal used whenever it is present.
+* vLLM >= 0.32 with ``--enable-prompt-tokens-details``, chat answers only:
+  ``usage.prompt_tokens_details.created_cache_tokens`` is the prompt tokens the engine computed
+  itself (and cached). A decode that received the KV computes (almost) none; one that recomputed
+  the prompt computes it all. This is the signal used whenever it is present.
 * ``prompt_tokens_details.cached_tokens`` (vLLM; SGLang ``meta_info.cached_tokens``) is the
   decode's own count of prompt tokens it did not compute only where the engine does not
   overwrite it with the prefill's cache hits: vLLM >= 0.32 does overwrite it when the decode's

@@ -284,15 +284,19 @@ def plan_completion(call: Call, admission: Admission, config: FakeConfig) -> Com
         prompt_tokens=call.shape.prompt_tokens,
         include_usage=call.shape.include_usage,
         admission=admission,
-        prompt_details=_prompt_details(call.shape.prompt_tokens, config),
+        prompt_details=_prompt_details(call.shape.prompt_tokens, call.chat, config),
     )
 
 
-def _prompt_details(prompt_tokens: int, config: FakeConfig) -> dict[str, int] | None:
+def _prompt_details(prompt_tokens: int, chat: bool, config: FakeConfig) -> dict[str, int] | None:
+    """As vLLM 0.32 reports them: cached_tokens always, created_cache_tokens in chat answers."""
     if not config.prompt_tokens_details:
         return None
     computed = prompt_tokens if config.recompute_prompt else 0
-    return {"cached_tokens": prompt_tokens - computed, "created_cache_tokens": computed}
+    details = {"cached_tokens": prompt_tokens - computed}
+    if chat:
+        details["created_cache_tokens"] = computed
+    return details
 
 
 def _chunk_head(c: Completion) -> bytes:

@@ -15,9 +15,7 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +25,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from testkit.cluster_process import ClusterProcess
 from testkit.polling import wait_until
 from testkit.prometheus_server import PrometheusServer, ScrapeGroup
-from testkit.servers import free_port
 
 OBSERVABILITY = Path(__file__).resolve().parents[1] / "deploy" / "observability"
 DASHBOARD = OBSERVABILITY / "grafana-dashboard.json"
@@ -165,50 +163,19 @@ def test_alert_rules_are_complete() -> None:
 # --- a real Prometheus scraping a running pd-cluster -----------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(
-        ["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True
-    ).stdout
-    return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
-
-
 @contextlib.contextmanager
 def _pd_cluster(tmp_path: Path, engine: str) -> Iterator[str]:
     """``pd-cluster --prefill 2 --decode 1`` as a process; yields the router's URL once ready."""
-    port = free_port()
-    log_path = tmp_path / "pd-cluster.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cluster", "--prefill", "2", "--decode", "1"]
-            + ["--engine", engine, "--port", str(port), "--ready-timeout", str(CLUSTER_READY_S)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    children: list[int] = []
-
-    def ready() -> bool:
-        assert proc.poll() is None, log_path.read_text()
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-        return False
-
+    cluster = ClusterProcess(
+        tmp_path / "pd-cluster.log",
+        *("--prefill", "2", "--decode", "1", "--engine", engine),
+        *("--ready-timeout", str(CLUSTER_READY_S)),
+    )
     try:
-        wait_until(ready, CLUSTER_READY_S, "pd-cluster ready", interval=0.1)
-        children = _children(proc.pid)
-        yield url
+        cluster.wait_ready(CLUSTER_READY_S + 5)
+        yield cluster.url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for pid in children:  # each in its own session; normally gone already
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        cluster.stop()
 
 
 def _scrape_groups(router_url: str) -> list[ScrapeGroup]:

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.logs import RequestIdFilter
 from testkit.fake_cluster import FakeClusterFactory
-from testkit.fake_engine import FakeConfig
+from testkit.fake_engine import EngineProtocol, FakeConfig
 from testkit.polling import wait_until
 
 COMPLETION = {"model": "fake-model", "prompt": "hello there", "max_tokens": 4}
@@ -205,23 +205,37 @@ def test_debug_log_has_one_line_per_request_with_its_route(
     assert "status=200" in message and "attempts=1" in message and "prefill_leg=" in message
 
 
-@pytest.mark.parametrize("stream", [False, True])
+# vLLM 0.32: the Mooncake decode's cached_tokens is its own count (the router wrote its
+# kv_transfer_params); NIXL's is the prefill's hits, so only created_cache_tokens (chat) tells
+@pytest.mark.parametrize(
+    ("engine", "path", "stream"),
+    [
+        ("vllm-mooncake", "/v1/completions", False),
+        ("vllm-mooncake", "/v1/completions", True),
+        ("vllm-nixl", "/v1/chat/completions", False),
+        ("vllm-nixl", "/v1/chat/completions", True),
+    ],
+)
 def test_a_decode_that_recomputes_the_prompt_marks_its_pair_suspect(
-    make_cluster: FakeClusterFactory, caplog: pytest.LogCaptureFixture, stream: bool
+    make_cluster: FakeClusterFactory,
+    caplog: pytest.LogCaptureFixture,
+    engine: EngineProtocol,
+    path: str,
+    stream: bool,
 ) -> None:
     cluster = make_cluster(
-        "vllm-mooncake",
+        engine,
         decode=2,
         config=lambda: FakeConfig(kv_timeout=20.0, prompt_tokens_details=True),
     )
     cluster.decodes[1].config.recompute_prompt = True  # PD silently does nothing there
-    body: dict[str, Any] = {**COMPLETION, "stream": stream}
+    body: dict[str, Any] = {**(CHAT if "chat" in path else COMPLETION), "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
     caplog.set_level(logging.WARNING, logger="router.pipeline")
     with cluster.client() as client:
         for _ in range(4):  # round robin: two requests per decode
-            assert client.post("/v1/completions", json=body).status_code == 200
+            assert client.post(path, json=body).status_code == 200
         metrics = scrape(client)
         ready = client.get("/ready").json()
     prefill, good, bad = cluster.prefill_urls[0], *cluster.decode_urls
@@ -232,6 +246,21 @@ def test_a_decode_that_recomputes_the_prompt_marks_its_pair_suspect(
     assert [(p["prefill"], p["decode"]) for p in ready["suspect_pairs"]] == [(prefill, bad)]
     warnings = [r.getMessage() for r in caplog.records if "PD did not happen" in r.getMessage()]
     assert len(warnings) == 2 and all(prefill in w and bad in w for w in warnings)
+
+
+def test_nixl_cached_tokens_alone_do_not_claim_a_recompute(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    """A NIXL decode's cached_tokens are the prefill's cache hits (0 for a cold prompt): a
+    completions answer, which has no created_cache_tokens, proves nothing either way."""
+    cluster = make_cluster("vllm-nixl", config=lambda: FakeConfig(prompt_tokens_details=True))
+    cluster.decodes[0].config.recompute_prompt = True  # cached_tokens 0, as for a cold prompt
+    with cluster.client() as client:
+        assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+        metrics = scrape(client)
+    pair = {"prefill": cluster.prefill_urls[0], "decode": cluster.decode_urls[0]}
+    assert value(metrics, "pdr_pd_requests_total", **pair) == 1
+    assert value(metrics, "pdr_pd_recompute_total", **pair) == 0
 
 
 def test_a_stream_without_include_usage_is_not_given_usage(

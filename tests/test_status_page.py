@@ -4,14 +4,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +21,8 @@ from router.context import open_context
 from router.status_view import status_snapshot
 from router.workers import EngineLoad
 from testkit.chromium import Chromium, chromium_available
+from testkit.cluster_process import ClusterProcess
 from testkit.fake_cluster import FakeClusterFactory, settings_for
-from testkit.polling import wait_until
 from testkit.servers import free_port
 
 SNAPSHOT_KEYS = {
@@ -131,59 +127,13 @@ async def test_snapshot_shows_fresh_engine_readings_only() -> None:
 # --- the page in headless Chromium against a running pd-cluster -------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(
-        ["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True
-    ).stdout
-    return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
-
-
-class ClusterProcess:
-    """A ``pd-cluster`` process (2 prefills, 1 decode) on a free port, started and stopped."""
-
-    def __init__(self, log_path: Path) -> None:
-        self.log_path = log_path
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        with log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "worker.cluster", "--prefill", "2", "--decode", "1"]
-                + ["--port", str(port), "--ready-timeout", "40"]
-                + ["--", "--pages", "256", "--bytes-per-token", "64"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.children: list[int] = []
-
-    def wait_ready(self) -> None:
-        def ready() -> bool:
-            assert self.proc.poll() is None, self.log_path.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(f"{self.url}/ready", timeout=1).status_code == 200
-            return False
-
-        wait_until(ready, 45.0, "pd-cluster ready", interval=0.1)
-        self.children = _children(self.proc.pid)
-
-    def stop(self) -> None:
-        """SIGTERM (it stops its children), SIGKILL whatever is left; idempotent."""
-        proc = self.proc
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(15)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for pid in self.children:  # each child is its own process group
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-
-
 @pytest.fixture
 def pd_cluster(tmp_path: Path) -> Iterator[ClusterProcess]:
-    cluster = ClusterProcess(tmp_path / "pd-cluster.log")
+    cluster = ClusterProcess(
+        tmp_path / "pd-cluster.log",
+        *("--prefill", "2", "--decode", "1", "--ready-timeout", "40"),
+        *("--", "--pages", "256", "--bytes-per-token", "64"),
+    )
     try:
         cluster.wait_ready()
         yield cluster

@@ -31,23 +31,23 @@ from worker.sim import Completion, EngineFactory, SimWorker, WorkerConfig
 __all__ = ["EngineFactory", "SimWorker", "WorkerConfig", "WorkerError", "create_app"]
 
 
-def _usage(results: list[Completion]) -> dict[str, Any]:
+def _usage(results: list[Completion], chat: bool) -> dict[str, Any]:
     prompt = sum(r.prompt_tokens for r in results)
     completion = sum(r.completion_tokens for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": _prompt_details(results),
+        "prompt_tokens_details": _prompt_details(results, chat),
         "kv_bytes_received": sum(r.kv_bytes for r in results),
         "kv_transfer_s": max((r.transfer_s for r in results), default=0.0),
     }
 
 
-def _prompt_details(results: list[Completion]) -> dict[str, int]:
+def _prompt_details(results: list[Completion], chat: bool) -> dict[str, int]:
     details = {"cached_tokens": sum(r.cached_tokens for r in results)}
     computed = [r.computed_tokens for r in results if r.computed_tokens is not None]
-    if computed:  # vLLM >= 0.32 with --enable-prompt-tokens-details
+    if computed and chat:  # vLLM 0.32 --enable-prompt-tokens-details: chat answers only
         details["created_cache_tokens"] = sum(computed)
     return details
 
@@ -75,7 +75,7 @@ async def _chunks(
             yield _sse({**base, "choices": [choice]})
         end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
         yield _sse({**base, "choices": [{"index": index, "finish_reason": "length", **end}]})
-    yield _sse({**base, "choices": [], "usage": _usage(results)})
+    yield _sse({**base, "choices": [], "usage": _usage(results, chat)})
     yield b"data: [DONE]\n\n"
 
 
@@ -130,7 +130,7 @@ async def _answer(
             background=BackgroundTask(span.close),
         )
     choices = [_choice(i, r, chat) for i, r in enumerate(results)]
-    answer = {**base, "object": kind, "choices": choices, "usage": _usage(results)}
+    answer = {**base, "object": kind, "choices": choices, "usage": _usage(results, chat)}
     if "kv_transfer_params" in body:
         answer["kv_transfer_params"] = None  # vLLM >= 0.16's MooncakeConnector returns none
     return JSONResponse(answer)

@@ -18,9 +18,10 @@ Each rank's pool is also a prefix cache (``worker.prefix_cache``, block keys fro
 (``compute_s_per_token`` applies to those); pages receiving KV from a prefill are never cached.
 With ``kv_events`` set, every rank publishes its cache changes (``worker.kv_events``). The
 prefill's cached token count travels to the decode in the aux slot, so the answer's
-``usage.prompt_tokens_details.cached_tokens`` is the prefill's cache hit, and
-(vLLM protocols) ``created_cache_tokens`` the prompt tokens computed in this process, as vLLM 0.32
-reports them. ``snapshots()`` and
+``usage.prompt_tokens_details.cached_tokens`` is the prefill's cache hit (as SGLang and vLLM's
+NIXL decode report it; vLLM's Mooncake decode counts every received token), and
+(vLLM protocols, chat answers) ``created_cache_tokens`` the prompt tokens computed in this process,
+as vLLM 0.32 reports them. ``snapshots()`` and
 ``metrics`` give the load and cache signals (``worker.metrics``, ``worker.loads``).
 """
 
@@ -415,6 +416,10 @@ class SimWorker:
                 raise WorkerError(500, "aux from the prefill names another prompt length")
             rank.stats.received_tokens += length
             done = self._decode_tokens(rank.pool, seq, pages, max_new, got.kv_bytes, got.elapsed_s)
+            if self.config.protocol == "vllm-mooncake":
+                # vLLM's Mooncake decode counts what it did not compute: every received token
+                # (the router writes its kv_transfer_params: no remote_prefill_cached_tokens)
+                cached = length
             return dataclasses.replace(done, cached_tokens=cached)
 
     def _decode_tokens(

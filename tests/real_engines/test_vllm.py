@@ -241,14 +241,23 @@ def check_prompt_came_over_transfer(cluster: Cluster, prompt: str) -> None:
 
     assert grew("external_kv_transfer") == got.body["usage"]["prompt_tokens"]
     assert grew("local_compute") == 0
-    # the router says where it went, and does not claim the decode recomputed the prompt
+    # what the router's recompute check reads (--enable-prompt-tokens-details): a completions
+    # answer has cached_tokens only (Mooncake: the decode's own count, every token received;
+    # NIXL: the prefill's cache hits), a chat answer also created_cache_tokens (computed here)
     details = got.body["usage"]["prompt_tokens_details"]
-    assert details["created_cache_tokens"] == 0, details
+    if cluster.kind == "vllm-mooncake":
+        assert details["cached_tokens"] == got.body["usage"]["prompt_tokens"], details
+    chat = call(
+        cluster.router.url, "chat", request_body("chat", prompt, stream=False, max_tokens=4)
+    )
+    assert chat.status == 200, chat.body
+    assert chat.body["usage"]["prompt_tokens_details"]["created_cache_tokens"] == 0, chat.body
+    # the router says where each went, and does not claim the decode recomputed the prompt
     assert got.headers["x-pdr-prefill"] == cluster.prefill.url
     assert got.headers["x-pdr-decode"] == cluster.decode.url
     router_metrics = httpx.get(f"{cluster.router.url}/metrics", timeout=10).text
     pair = {"prefill": cluster.prefill.url, "decode": cluster.decode.url}
-    assert metric(router_metrics, "pdr_pd_requests_total", **pair) >= 1
+    assert metric(router_metrics, "pdr_pd_requests_total", **pair) >= 2
     assert metric(router_metrics, "pdr_pd_recompute_total", **pair) == 0
 
 
@@ -580,7 +589,8 @@ class TestNixl:
 
     @timeout(180)
     def test_decode_received_the_prompt_over_the_transfer(self, nixl: Cluster) -> None:
-        check_prompt_came_over_transfer(nixl, "A prompt no other test sends, about nixl")
+        prompt = "A prompt no other test sends, about nixl and its side channels. " * 16
+        check_prompt_came_over_transfer(nixl, prompt)  # longer than a 128-token block
 
     @timeout(120)
     def test_engines_idle_after_requests(self, nixl: Cluster) -> None:
