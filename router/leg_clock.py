@@ -23,11 +23,9 @@ class LegClock:
         "expired",
         "first_byte",
         "prefill_done",
-        "started",
     )
 
     def __init__(self, timeout_s: float, *, watch_first_byte: bool) -> None:
-        self.started = time.monotonic()
         self.prefill_done: float | None = None
         self.first_byte: float | None = None
         self._timeout_s = timeout_s
@@ -70,15 +68,3 @@ class LegClock:
         self._handle = None
         if not self.expired.done():
             self.expired.set_result(timeout_s)
-
-    def summary(self) -> str:
-        """``prefill=12.3ms first_byte=45.6ms total=78.9ms`` (``-`` for what did not happen)."""
-        now = time.monotonic()
-
-        def since_start(moment: float | None) -> str:
-            return "-" if moment is None else f"{(moment - self.started) * 1000:.1f}ms"
-
-        return (
-            f"prefill={since_start(self.prefill_done)} first_byte={since_start(self.first_byte)} "
-            f"total={since_start(now)}"
-        )

@@ -490,27 +490,33 @@ class Pipeline:
             span.set("pdr.dp_rank", rank)
             headers = {**headers, **span.headers()}
         started = time.perf_counter()
-        with worker.load(rank, legs.prefill_tokens):
-            try:
-                status, content = await self._post_whole(upstream, request, body, headers)
-                if span is not None:
-                    span.set("http.response.status_code", status)
-                if status >= 400:
-                    raise UpstreamStatusError(
-                        status, _error_detail(content), role="prefill", url=worker.url
-                    )
-            except BaseException as exc:
-                if isinstance(exc, UpstreamError):
-                    self._record(worker, exc)
-                if span is not None:
-                    span.fail(exc)
-                    span.end()
-                raise
+        with worker.load(rank, legs.prefill_tokens), self._leg(worker, span):
+            status, content = await self._post_whole(upstream, request, body, headers)
+            if span is not None:
+                span.set("http.response.status_code", status)
+            if status >= 400:
+                raise UpstreamStatusError(
+                    status, _error_detail(content), role="prefill", url=worker.url
+                )
         legs.receipt.prefill_s = time.perf_counter() - started
-        if span is not None:
-            span.end()
         self._record(worker, None)
         return content
+
+    @contextlib.contextmanager
+    def _leg(self, worker: Worker, span: TraceSpan | None) -> Iterator[None]:
+        """One leg's call: a failure counts against its worker (when it is the worker's fault)
+        and ends its span as failed; the span ends with the leg."""
+        try:
+            yield
+        except BaseException as exc:
+            if isinstance(exc, UpstreamError):
+                self._record(worker, exc)
+            if span is not None:
+                span.fail(exc)
+                span.end()
+            raise
+        if span is not None:
+            span.end()
 
     async def _post_whole(
         self,
@@ -549,33 +555,23 @@ class Pipeline:
         span = _leg_span(trace, "pdr.decode", worker)
         if span is not None:
             headers = {**headers, **span.headers()}
-        with worker.load():
-            try:
-                response = await upstream.open(request.endpoint.value, body, headers)
-                if span is not None:
-                    span.set("http.response.status_code", response.status)
-                if request.stream and response.status < 400:
-                    tail = await self._relay(worker, response, responder, prefill, clock)
-                    if legs is not None:
-                        self._check_recompute(legs, prompt_usage_in_sse(tail))
-                else:
-                    content = await response.read()
-                    clock.decode_answered()
-                    self._check_decode_status(response.status, content, worker, prefill)
-                    if response.status >= 400:  # relayed to the client as the engine's answer
-                        self._decode_refused(response.status, content, legs)
-                    elif legs is not None:
-                        self._check_recompute(legs, prompt_usage(content))
-                    await responder.whole(response.status, response.content_type, content)
-            except BaseException as exc:
-                if isinstance(exc, UpstreamError):
-                    self._record(worker, exc)
-                if span is not None:
-                    span.fail(exc)
-                    span.end()
-                raise
-        if span is not None:
-            span.end()
+        with worker.load(), self._leg(worker, span):
+            response = await upstream.open(request.endpoint.value, body, headers)
+            if span is not None:
+                span.set("http.response.status_code", response.status)
+            if request.stream and response.status < 400:
+                tail = await self._relay(worker, response, responder, prefill, clock)
+                if legs is not None:
+                    self._check_recompute(legs, prompt_usage_in_sse(tail))
+            else:
+                content = await response.read()
+                clock.decode_answered()
+                self._check_decode_status(response.status, content, worker, prefill)
+                if response.status >= 400:  # relayed to the client as the engine's answer
+                    self._decode_refused(response.status, content, legs)
+                elif legs is not None:
+                    self._check_recompute(legs, prompt_usage(content))
+                await responder.whole(response.status, response.content_type, content)
 
     def _decode_refused(self, status: int, content: bytes, legs: _Legs | None) -> None:
         """A decode's error answer goes to the client as is; count it like a failed leg."""
