@@ -10,9 +10,12 @@ their own deadlines, engine start included).
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -400,6 +403,22 @@ def is_openai_error(error: dict[str, Any] | None) -> bool:
     return isinstance(error, dict) and isinstance(error.get("message"), str)
 
 
+@contextlib.contextmanager
+def raw_post(base_url: str, path: str, body: dict[str, Any], request_id: str) -> Iterator[None]:
+    """POST ``body`` over a plain socket and read nothing; leaving the block closes the
+    connection, as a client that gives up does."""
+    url = httpx.URL(base_url)
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {url.host}:{url.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        f"X-Request-Id: {request_id}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((url.host, url.port or 80), timeout=10) as sock:
+        sock.sendall(head + payload)
+        yield
+
+
 # --- tests -------------------------------------------------------------------------------------
 
 
@@ -475,23 +494,29 @@ class TestMooncake:
 
     @timeout(90)
     def test_client_disconnect_aborts_the_decode(self, mooncake: Cluster) -> None:
-        """A client leaving mid-stream ends the request on both engines. The decode's
-        EngineCore is frozen while the client leaves: otherwise it would finish the answer
-        (~1 s) before anyone could tell an abort from a completion; its API server stays up to
-        notice the router hanging up and send the abort. (vLLM does not count client aborts in
-        ``request_success_total{finished_reason="abort"}``: the generated-token count tells.)"""
+        """A client leaving ends the request on both engines. The decode's EngineCore is
+        frozen before the request is sent (else it finishes the answer in ~1.3 s, before anyone
+        could tell an abort from a completion, however soon the client leaves); its API server
+        stays up to take the request, notice the router hanging up and send the abort. The
+        client leaves once the decode's API server has the request. (vLLM does not count client
+        aborts in ``request_success_total{finished_reason="abort"}``: the generated-token count
+        tells.)"""
         decode = mooncake.decode
         generated = counter(decode, "vllm:generation_tokens_total")
         aborted_before = decode.log_text().count(" aborted.")
+        request_id = f"disconnect-{uuid.uuid4().hex}"
         body = request_body(
             "completions", PROMPTS[1], stream=True, max_tokens=LONG, ignore_eos=True
         )
-        url = mooncake.router.url + endpoint_path("completions")
-        with httpx.Client(timeout=30) as client, client.stream("POST", url, json=body) as response:
-            assert response.status_code == 200
-            next(line for line in response.iter_lines() if line.startswith("data:"))
-            decode.signal_engine_core(signal.SIGSTOP)
+        decode.signal_engine_core(signal.SIGSTOP)
         try:
+            with raw_post(mooncake.router.url, endpoint_path("completions"), body, request_id):
+                poll(
+                    lambda: f"Added request cmpl-{request_id}" in decode.log_text(),
+                    30,
+                    "the decode's API server to take the request",
+                )
+            # the client has gone: the router cancels both legs
             poll(
                 lambda: decode_inflight(mooncake.router) == 0, 10, "the router to drop the request"
             )
