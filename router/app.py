@@ -18,17 +18,20 @@ from router.api.explain import explain_routes
 from router.api.openai import HOT_ROUTES, handle_completion
 from router.context import open_context
 from router.errors import InvalidRequest, RouterError, error_body
+from router.lifecycle import RouterLifecycle
 from router.settings import RouterSettings
-from router.types import ASGIApp, Receive, Scope, Send
+from router.types import Receive, Scope, Send
 
 __all__ = ["PDRouterApp", "create_app"]
 
 
 class PDRouterApp:
-    """ASGI entry: completions go straight to the raw handler, the rest to FastAPI."""
+    """ASGI entry: completions go straight to the raw handler, the rest to FastAPI.
+    ``lifecycle``: what the server's SIGTERM handler tells (graceful shutdown)."""
 
-    def __init__(self, api: FastAPI) -> None:
+    def __init__(self, api: FastAPI, lifecycle: RouterLifecycle) -> None:
         self.api = api
+        self.lifecycle = lifecycle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -74,14 +77,15 @@ def install_error_handlers(api: FastAPI) -> None:
     api.add_exception_handler(RequestValidationError, on_validation_error)
 
 
-def create_app(settings: RouterSettings) -> ASGIApp:
+def create_app(settings: RouterSettings) -> PDRouterApp:
     """The router's ASGI app; all state lives in the lifespan-owned context."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:
-        async with open_context(settings, tables) as ctx:
+        async with open_context(settings, tables, lifecycle) as ctx:
             yield {"ctx": ctx}
 
+    lifecycle = RouterLifecycle()
     api = FastAPI(title="pd-router", lifespan=lifespan, docs_url=None, redoc_url=None)
     api.include_router(health.router)
     api.include_router(admin_routes(settings.registry, _registry_of, _live_view_of))
@@ -92,4 +96,4 @@ def create_app(settings: RouterSettings) -> ASGIApp:
     api.include_router(sglang_routes(tables.sglang))
     api.include_router(vllm_routes(tables.vllm))
     install_error_handlers(api)
-    return PDRouterApp(api)
+    return PDRouterApp(api, lifecycle)

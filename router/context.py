@@ -17,6 +17,7 @@ from router.engine_load import EngineLoadMonitor
 from router.health import HealthProber
 from router.kv_event_feed import KVEventFeed
 from router.kv_index import KVBlockIndex
+from router.lifecycle import RouterLifecycle
 from router.metrics import RouterMetrics
 from router.namespace_ports import namespace_servers
 from router.pair_ledger import PairLedger
@@ -49,6 +50,7 @@ class AppContext:
     traffic: RecentTraffic
     accounting: RequestAccounting
     tracer: Tracer | None
+    lifecycle: RouterLifecycle
 
     def live_view(self, worker_id: str) -> dict[str, Any] | None:
         """This router's live state of a worker, for the admin API."""
@@ -90,7 +92,9 @@ async def _background(*coros: Any) -> AsyncIterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def open_context(settings: RouterSettings, tables: RankTables) -> AsyncIterator[AppContext]:
+async def open_context(
+    settings: RouterSettings, tables: RankTables, lifecycle: RouterLifecycle
+) -> AsyncIterator[AppContext]:
     """Build the context, start probing and registry sync, and tear all down on exit."""
     adapter = build_adapter(settings.engine)
     pool = UpstreamPool(needs_engine_ids=adapter.needs_engine_ids)
@@ -148,6 +152,7 @@ async def open_context(settings: RouterSettings, tables: RankTables) -> AsyncIte
                 traffic,
                 RequestAccounting(metrics, traffic),
                 tracer,
+                lifecycle,
             )
     finally:
         if tracer is not None:

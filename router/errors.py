@@ -60,6 +60,13 @@ class NoWorkerAvailable(RouterError):
     error_type = "service_unavailable"
 
 
+class ShuttingDown(RouterError):
+    """The router is shutting down and the grace period for requests in flight is over."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+
 class UpstreamError(RouterError):
     """A leg failed. ``kind`` names how, for metrics (``pdr_upstream_errors_total``)."""
 

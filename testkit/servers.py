@@ -204,11 +204,19 @@ async def arun_server(
 
 @contextlib.contextmanager
 def http_process(
-    argv: list[str], url: str, *, path: str = "/health", timeout: float = 20.0
+    argv: list[str],
+    url: str,
+    *,
+    path: str = "/health",
+    timeout: float = 20.0,
+    env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[str]]:
-    """Run ``argv`` (stdout+stderr captured as text) until ``url + path`` answers 200, then yield
-    it; afterwards SIGTERM it if still running and reap it (SIGKILL if it will not stop)."""
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """Run ``argv`` (stdout+stderr captured as text; ``env``: its environment) until
+    ``url + path`` answers 200, then yield it; afterwards SIGTERM it if still running and reap it
+    (SIGKILL if it will not stop)."""
+    process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     deadline = time.monotonic() + timeout
     try:
         while True:

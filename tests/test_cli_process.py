@@ -42,7 +42,6 @@ def test_router_process_routes_and_exits_on_sigterm() -> None:
             assert response.status_code == 200, response.text
             process.send_signal(signal.SIGTERM)
             output, _ = process.communicate(timeout=15)
-    # uvicorn shuts down gracefully, then re-raises the signal it caught
-    assert process.returncode in (0, -signal.SIGTERM), output
+    assert process.returncode == 0, output  # a graceful stop is a clean exit
     assert "Application shutdown complete" in output
     assert "Traceback" not in output

@@ -18,6 +18,7 @@ import pytest
 
 from registry.engine_api import RankTables
 from router.context import open_context
+from router.lifecycle import RouterLifecycle
 from router.status_view import status_snapshot
 from router.workers import EngineLoad
 from testkit.chromium import Chromium, chromium_available
@@ -107,7 +108,7 @@ def test_status_page_is_self_contained_html(make_cluster: FakeClusterFactory) ->
 async def test_snapshot_shows_fresh_engine_readings_only() -> None:
     prefill_url, decode_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     settings = settings_for("sglang", [(prefill_url, None)], [decode_url], load={"interval_s": 0})
-    async with open_context(settings, RankTables()) as ctx:
+    async with open_context(settings, RankTables(), RouterLifecycle()) as ctx:
         decode = ctx.pool.decode[0]
         now = time.monotonic()
         decode.record_engine_load(

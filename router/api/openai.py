@@ -12,12 +12,19 @@ import secrets
 import time
 
 from router.context import AppContext
-from router.errors import BodyTooLarge, InvalidRequest, MethodNotAllowed, RouterError
+from router.errors import (
+    BodyTooLarge,
+    InvalidRequest,
+    MethodNotAllowed,
+    RouterError,
+    ShuttingDown,
+)
 from router.logs import REQUEST_ID
 from router.pipeline import ClientDisconnected
 from router.receipt import RoutingReceipt
 from router.relay import Responder
 from router.schemas import Endpoint, parse_request
+from router.tracing import TraceSpan
 from router.types import Receive, Scope, Send
 
 __all__ = ["HOT_ROUTES", "handle_completion"]
@@ -43,21 +50,15 @@ async def handle_completion(
     token = REQUEST_ID.set(request_id)
     responder = Responder(send, [(b"x-request-id", request_id.encode())])
     receipt = RoutingReceipt()
-    span = None
-    if ctx.tracer is not None:
-        span = ctx.tracer.request_span(
-            endpoint.value, trace_context.get("traceparent"), trace_context.get("tracestate")
-        )
+    span = _request_span(ctx, endpoint, trace_context)
     stream = False
     status = 0
+    task = ctx.lifecycle.track()
     try:
         raw = await _read_request(ctx, scope, receive, endpoint, content_length)
         request = parse_request(endpoint, raw)
         stream = request.stream
-        headers = {"content-type": "application/json", "x-request-id": request_id}
-        if authorization is not None:
-            headers["authorization"] = authorization
-        headers.update(trace_context)  # W3C trace context reaches both legs
+        headers = _upstream_headers(request_id, authorization, trace_context)
         disconnected = asyncio.ensure_future(receive())
         try:
             await ctx.pipeline.handle(request, headers, responder, disconnected, receipt, span)
@@ -67,6 +68,13 @@ async def handle_completion(
     except (ClientDisconnected, _ClientGone):
         status = _CLIENT_GONE
         logger.info("client disconnected; upstream requests cancelled")
+    except asyncio.CancelledError:
+        if not ctx.lifecycle.stopping or task is None:
+            raise
+        task.uncancel()  # the router's own cut-off at the end of the shutdown grace period
+        stopped = ShuttingDown("the router is shutting down; the request was cut off")
+        status = stopped.status
+        await responder.fail(stopped)
     except RouterError as exc:
         status = exc.status
         if exc.status >= 500:
@@ -77,15 +85,43 @@ async def handle_completion(
         logger.exception("unexpected error while routing a request")
         await responder.fail(RouterError("internal router error (logged)"))
     finally:
+        ctx.lifecycle.untrack(task)
         ctx.accounting.finish(
             endpoint.value, stream, status, started, responder.started_at, receipt
         )
         if span is not None:
-            span.set("http.response.status_code", status)
-            if status >= 500:
-                span.fail(RouterError(f"status {status}"))
-            span.end()
+            _end_span(span, status)
         REQUEST_ID.reset(token)
+
+
+def _upstream_headers(
+    request_id: str, authorization: str | None, trace_context: dict[str, str]
+) -> dict[str, str]:
+    """What both legs get from the client: its request id, authorization and W3C trace
+    context."""
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    if authorization is not None:
+        headers["authorization"] = authorization
+    headers.update(trace_context)
+    return headers
+
+
+def _request_span(
+    ctx: AppContext, endpoint: Endpoint, trace_context: dict[str, str]
+) -> TraceSpan | None:
+    """The request's server span, when tracing is on."""
+    if ctx.tracer is None:
+        return None
+    return ctx.tracer.request_span(
+        endpoint.value, trace_context.get("traceparent"), trace_context.get("tracestate")
+    )
+
+
+def _end_span(span: TraceSpan, status: int) -> None:
+    span.set("http.response.status_code", status)
+    if status >= 500:
+        span.fail(RouterError(f"status {status}"))
+    span.end()
 
 
 async def _read_request(
