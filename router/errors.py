@@ -103,14 +103,26 @@ class UpstreamTimeout(UpstreamError):
         super().__init__(message, role=role, url=url, kind=kind)
 
 
+# what engines answer when they are full (SGLang's KV pool, vLLM's queue): not a fault
+CAPACITY_STATUSES = frozenset({429, 503})
+
+
 class UpstreamStatusError(UpstreamError):
+    """An error answer; ``kind`` capacity for 429/503 (the engine is full, try another)."""
+
     def __init__(self, upstream_status: int, detail: str, *, role: str, url: str) -> None:
-        kind = "http_4xx" if upstream_status < 500 else "http_5xx"
+        if upstream_status in CAPACITY_STATUSES:
+            kind = "capacity"
+        else:
+            kind = "http_4xx" if upstream_status < 500 else "http_5xx"
         super().__init__(
             f"answered HTTP {upstream_status}: {detail}", role=role, url=url, kind=kind
         )
         self.upstream_status = upstream_status
-        if 400 <= upstream_status < 500:
+        if upstream_status in CAPACITY_STATUSES:  # the client may retry later, as with us
+            self.status = upstream_status
+            self.error_type = "service_unavailable"
+        elif 400 <= upstream_status < 500:
             self.status = upstream_status
             self.error_type = "invalid_request_error"
 

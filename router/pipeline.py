@@ -2,7 +2,8 @@
 
 Failure rules (PROTOCOLS.md 3.3, 5.7): if the prefill leg fails, the decode leg is cancelled at
 once and the client gets the prefill's error; if the client goes away, both legs are cancelled.
-Only connect errors are retried, and only before any byte reached the client.
+Only connect errors and an engine saying it is full (429/503: not a fault) are retried, on other
+workers, and only before any byte reached the client.
 
 Choosing the workers (and whether to skip the prefill leg) is ``route_choice.RouteChooser``.
 
@@ -30,6 +31,7 @@ import msgspec
 from router.adapters import LegPlan, PDAdapter
 from router.decode_usage import PromptUsage, prompt_usage, prompt_usage_in_sse
 from router.errors import (
+    CAPACITY_STATUSES,
     NoWorkerAvailable,
     UpstreamError,
     UpstreamStatusError,
@@ -64,6 +66,7 @@ logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 _JSON = b"application/json"
+_USAGE = b'"usage"'
 
 
 class ClientDisconnected(Exception):
@@ -116,6 +119,12 @@ class _Legs:
     prefill_tokens: int
     receipt: RoutingReceipt
     trace: TraceSpan | None
+
+
+def _retryable(exc: UpstreamError) -> bool:
+    """Nothing was sent (connect), or the engine was full (capacity): another worker may serve
+    the request (before any byte reached the client)."""
+    return (isinstance(exc, UpstreamUnavailable) and exc.connect) or exc.kind == "capacity"
 
 
 def _describe_route(span: TraceSpan, route: Route, attempt: int) -> None:
@@ -207,7 +216,7 @@ class Pipeline:
     ) -> None:
         attempts = self._settings.max_retries + 1
         failed: set[str] = set()
-        last_error: UpstreamUnavailable | None = None
+        last_error: UpstreamError | None = None
         started = time.perf_counter()
         span = trace.child("pdr.route") if trace is not None else None
         features = await self.chooser.features(request)
@@ -238,12 +247,7 @@ class Pipeline:
                 return
             except UpstreamError as exc:
                 self._upstream_failed(route, exc)
-                if (
-                    not isinstance(exc, UpstreamUnavailable)
-                    or not exc.connect
-                    or responder.started
-                    or attempt == attempts
-                ):
+                if not _retryable(exc) or responder.started or attempt == attempts:
                     raise
                 last_error = exc
                 culprit = route.prefill if exc.role == "prefill" else route.decode
@@ -566,6 +570,10 @@ class Pipeline:
             else:
                 content = await response.read()
                 clock.decode_answered()
+                if response.status in CAPACITY_STATUSES:  # full: another decode may take it
+                    raise UpstreamStatusError(
+                        response.status, _error_detail(content), role="decode", url=worker.url
+                    )
                 self._check_decode_status(response.status, content, worker, prefill)
                 if response.status >= 400:  # relayed to the client as the engine's answer
                     self._decode_refused(response.status, content, legs)
@@ -595,13 +603,13 @@ class Pipeline:
         prefill: Worker | None,
         clock: LegClock,
     ) -> bytes:
-        """Move decode's SSE bytes to the client as they come; returns the last two chunks
-        (where the usage is, when the client asked for it).
+        """Move decode's SSE bytes to the client as they come; returns the last chunk that
+        mentions ``usage`` and the final one (where the usage is, when the client asked for it).
 
         The client's response starts with the first body chunk, not with decode's headers: until
         then nothing has reached the client, so a failing prefill can still be retried.
         """
-        previous = b""
+        usage = b""
         try:
             chunks = response.chunks()
             chunk = await anext(chunks, b"")
@@ -612,13 +620,14 @@ class Pipeline:
                 if response.at_eof():  # the last chunk: send it with the end of the body
                     break
                 await responder.chunk(chunk)
-                previous = chunk
+                if _USAGE in chunk:
+                    usage = chunk
                 chunk = await anext(chunks, b"")
             await responder.finish(chunk)
         finally:
             await response.aclose()
         self._record(worker, None)
-        return previous + chunk
+        return usage + chunk
 
     def _check_decode_status(
         self, status: int, content: bytes, worker: Worker, prefill: Worker | None

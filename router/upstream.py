@@ -98,5 +98,8 @@ def transport_error(
 
 
 def is_worker_fault(exc: UpstreamError) -> bool:
-    """Failures that count against a worker's health (transport errors, timeouts, 5xx)."""
+    """Failures that count against a worker's health (transport errors, timeouts, 5xx); an
+    engine saying it is full (429, 503) is busy, not broken."""
+    if exc.kind == "capacity":
+        return False
     return not isinstance(exc, UpstreamStatusError) or exc.upstream_status >= 500

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +14,8 @@ from typing import Generic, TypeVar
 import httpx
 
 __all__ = ["EngineLoad", "LoadReading", "Role", "Worker", "WorkerPool", "format_host"]
+
+logger = logging.getLogger(__name__)
 
 
 class Role(StrEnum):
@@ -236,7 +239,9 @@ class Worker:
         """A request failed at the transport or with 5xx; enough in a row mark it unhealthy."""
         self.consecutive_failures += 1
         if self.consecutive_failures >= threshold and self.healthy:
-            self.mark_down(f"{self.consecutive_failures} requests in a row failed")
+            reason = f"{self.consecutive_failures} requests in a row failed"
+            logger.warning("%s worker %s is now unhealthy: %s", self.role.value, self.url, reason)
+            self.mark_down(reason)
 
 
 C = TypeVar("C")
