@@ -34,7 +34,7 @@ Labels = tuple[str, ...]
 ROLES = ("prefill", "decode")
 UPSTREAM_ERROR_KINDS = (
     "connect", "timeout", "kv_timeout", "kv_lost", "http_4xx", "http_5xx", "capacity", "broken",
-    "invalid_answer",
+    "stale_connection", "worker_lost", "invalid_answer",
 )  # fmt: skip
 
 
@@ -87,7 +87,8 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             "pdr_upstream_errors",
             "Failed legs by role and kind (connect, timeout, kv_timeout, kv_lost, http_4xx, "
-            "http_5xx, capacity: 429/503 from a full engine, broken, invalid_answer)",
+            "http_5xx, capacity: 429/503 from a full engine, broken, stale_connection, "
+            "worker_lost, invalid_answer)",
             ["role", "kind"],
             registry=registry,
         )

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -67,6 +68,7 @@ _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 _JSON = b"application/json"
 _USAGE = b'"usage"'
+_RETRYABLE_KINDS = frozenset({"capacity", "stale_connection", "worker_lost"})
 
 
 class ClientDisconnected(Exception):
@@ -122,9 +124,24 @@ class _Legs:
 
 
 def _retryable(exc: UpstreamError) -> bool:
-    """Nothing was sent (connect), or the engine was full (capacity): another worker may serve
-    the request (before any byte reached the client)."""
-    return (isinstance(exc, UpstreamUnavailable) and exc.connect) or exc.kind == "capacity"
+    """Nothing was sent (connect), the engine had closed the pooled connection before any
+    answer (stale_connection), or it was full (capacity): another worker may serve the request
+    (before any byte reached the client)."""
+    if isinstance(exc, UpstreamUnavailable) and exc.connect:
+        return True
+    return exc.kind in _RETRYABLE_KINDS
+
+
+def _lost_during_prefill(worker: Worker, signal: asyncio.Future[str]) -> BaseException:
+    """The prefill was marked down while its leg waited: the request may go elsewhere, rather
+    than wait out the prefill timeout on an engine that may never answer."""
+    return UpstreamUnavailable(
+        f"{signal.result()} while its prefill leg ran",
+        role="prefill",
+        url=worker.url,
+        connect=False,
+        kind="worker_lost",
+    )
 
 
 def _describe_route(span: TraceSpan, route: Route, attempt: int) -> None:
@@ -495,7 +512,11 @@ class Pipeline:
             headers = {**headers, **span.headers()}
         started = time.perf_counter()
         with worker.load(rank, legs.prefill_tokens), self._leg(worker, span):
-            status, content = await self._post_whole(upstream, request, body, headers)
+            interrupt = Interrupt()  # a prefill marked down (frozen, gone) ends its leg now
+            with interrupt.on_done(worker.loss_signal(), partial(_lost_during_prefill, worker)):
+                call = self._post_whole(upstream, request, body, headers)
+                answer: tuple[int, bytes] = await interrupt.guard(call)
+            status, content = answer
             if span is not None:
                 span.set("http.response.status_code", status)
             if status >= 400:

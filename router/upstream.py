@@ -85,13 +85,28 @@ def build_upstream(worker: Worker, settings: UpstreamSettings) -> UpstreamClient
 
 
 def transport_error(
-    exc: Exception, worker: Worker, *, connect_failed: bool, timed_out: bool
+    exc: Exception,
+    worker: Worker,
+    *,
+    connect_failed: bool,
+    timed_out: bool,
+    stale: bool = False,
 ) -> UpstreamError:
-    """The router's error for a client library's transport failure, classified by the caller."""
+    """The router's error for a client library's transport failure, classified by the caller.
+    ``stale``: the connection was closed or reset before any answer came, as a pooled keep-alive
+    connection the engine had just closed is (retryable, not the worker's fault)."""
     role, url = worker.role.value, worker.url
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if connect_failed:
         return UpstreamUnavailable(f"cannot connect ({detail})", role=role, url=url, connect=True)
+    if stale:
+        return UpstreamUnavailable(
+            f"the connection closed before any answer ({detail})",
+            role=role,
+            url=url,
+            connect=False,
+            kind="stale_connection",
+        )
     if timed_out:
         return UpstreamTimeout(f"timed out ({detail})", role=role, url=url)
     return UpstreamUnavailable(f"connection failed ({detail})", role=role, url=url, connect=False)
@@ -100,6 +115,6 @@ def transport_error(
 def is_worker_fault(exc: UpstreamError) -> bool:
     """Failures that count against a worker's health (transport errors, timeouts, 5xx); an
     engine saying it is full (429, 503) is busy, not broken."""
-    if exc.kind == "capacity":
+    if exc.kind in ("capacity", "stale_connection"):
         return False
     return not isinstance(exc, UpstreamStatusError) or exc.upstream_status >= 500

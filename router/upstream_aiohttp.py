@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
@@ -14,9 +15,12 @@ from router.workers import Worker
 
 __all__ = ["AiohttpUpstream", "raise_aiohttp_error"]
 
+_RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 
-def raise_aiohttp_error(exc: Exception, worker: Worker) -> NoReturn:
-    """Translate an aiohttp failure into the router's tree."""
+
+def raise_aiohttp_error(exc: Exception, worker: Worker, *, before_answer: bool = False) -> NoReturn:
+    """Translate an aiohttp failure into the router's tree (``before_answer``: no response
+    header had come yet)."""
     raise transport_error(
         exc,
         worker,
@@ -24,7 +28,15 @@ def raise_aiohttp_error(exc: Exception, worker: Worker) -> NoReturn:
             exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError
         ),
         timed_out=isinstance(exc, asyncio.TimeoutError),
+        stale=before_answer and _reset(exc),
     ) from exc
+
+
+def _reset(exc: Exception) -> bool:
+    """The engine closed or reset the connection (a pooled one it had closed when idle)."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _RESET_ERRNOS
 
 
 class _AiohttpResponse:
@@ -106,7 +118,7 @@ class AiohttpUpstream:
         try:
             response = await self._client.post(self._url + path, data=body, headers=headers)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise_aiohttp_error(exc, self.worker)
+            raise_aiohttp_error(exc, self.worker, before_answer=True)
         return _AiohttpResponse(response, self.worker)
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
