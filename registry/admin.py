@@ -2,26 +2,47 @@
 
 Mountable in the router (with a live view of health, load and layout) or in the standalone
 registry. Auth: ``Authorization: Bearer <admin_token>`` when a token is configured; without one,
-only loopback clients may call it.
+only loopback clients may call it. Auth runs before a body is read, and a body is read only up to
+``max_body_bytes`` (413 beyond). A worker added here must have a valid http(s) URL whose host is
+not a link-local or unspecified address (400 naming why). Worker URLs are shown without their
+credentials. A store failure answers 503 (NotFound 404, Conflict 409), rendered as error JSON by
+the mounting app's HTTPException handler.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
 import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from registry.errors import NotFound
-from registry.models import NAMESPACE_PATTERN, WorkerRecord
+from registry.errors import Conflict, NotFound, RegistryError
+from registry.models import (
+    NAMESPACE_PATTERN,
+    WorkerRecord,
+    admin_address_problem,
+    check_worker_url,
+    redact_url,
+)
 from registry.service import RegistryService
 from registry.settings import RegistrySettings
 
-__all__ = ["LiveView", "NewWorker", "admin_routes", "authorizer"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "LiveView",
+    "NewWorker",
+    "admin_routes",
+    "authorizer",
+    "read_bounded_body",
+]
+
+# the standalone registry's bound (the router passes its --max-body-bytes): the router's default
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 # tcp://host:port (host: a name, an IPv4 address or a bracketed IPv6 literal)
 _TCP_ENDPOINT = r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}$"
@@ -49,9 +70,63 @@ class NewWorker(BaseModel):
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")) or len(value) <= len("https://"):
-            raise ValueError("must be an http(s):// URL of the worker")
-        return value.rstrip("/")
+        url = check_worker_url(value)
+        problem = admin_address_problem(url)
+        if problem is not None:
+            raise ValueError(f"refused worker URL {redact_url(url)!r}: {problem}")
+        return url
+
+
+_NEW_WORKER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": NewWorker.model_json_schema()}},
+    }
+}
+
+
+async def read_bounded_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it (or its Content-Length) passes
+    ``limit`` bytes: a client cannot make this process buffer more."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
+    return bytes(body)
+
+
+def _new_worker(raw: bytes) -> NewWorker:
+    try:
+        return NewWorker.model_validate_json(raw)
+    except ValidationError as exc:
+        reasons = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or 'body'}: {error['msg']}"
+            for error in exc.errors(include_url=False)
+        )
+        raise HTTPException(400, f"invalid request: {reasons}") from exc
+
+
+class _AdminRoute(APIRoute):
+    """Registry errors leave the admin API as HTTP errors (JSON), never as a 500 traceback."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except NotFound as exc:
+                raise HTTPException(404, str(exc)) from exc
+            except Conflict as exc:
+                raise HTTPException(409, str(exc)) from exc
+            except RegistryError as exc:  # RegistryUnavailable, a misconfigured store
+                raise HTTPException(503, f"registry store unavailable: {exc}") from exc
+
+        return guarded
 
 
 def _is_loopback(host: str | None) -> bool:
@@ -83,6 +158,7 @@ def authorizer(settings: RegistrySettings) -> Callable[[Request], None]:
 
 def _describe(record: WorkerRecord, view: LiveView | None) -> dict[str, Any]:
     info: dict[str, Any] = msgspec.to_builtins(record)
+    info["url"] = redact_url(record.url)
     live = view(record.id) if view is not None else None
     info["live"] = live  # None: this process does not route to it (standalone registry)
     return info
@@ -92,10 +168,17 @@ def admin_routes(
     settings: RegistrySettings,
     service_of: Callable[[Request], RegistryService],
     view_of: Callable[[Request], LiveView | None],
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> APIRouter:
     """The ``/admin`` routes. ``service_of`` / ``view_of`` read the mounting app's lifespan
-    context: the registry service, and (in a router) its live view of each worker."""
-    router = APIRouter(prefix="/admin", dependencies=[Depends(authorizer(settings))])
+    context: the registry service, and (in a router) its live view of each worker.
+
+    Auth is a router-level dependency and no route declares a body parameter, so FastAPI runs
+    auth before anything reads the body; bodies are then read with ``read_bounded_body``."""
+    router = APIRouter(
+        prefix="/admin", dependencies=[Depends(authorizer(settings))], route_class=_AdminRoute
+    )
     # Depends() as defaults: these names are local, so string annotations could not resolve them.
     service_dep, view_dep = Depends(service_of), Depends(view_of)
 
@@ -113,10 +196,12 @@ def admin_routes(
     ) -> dict[str, Any]:
         return {"workers": [_describe(r, view) for r in await service.list_workers()]}
 
-    @router.post("/workers", status_code=201)
+    @router.post("/workers", status_code=201, openapi_extra=_NEW_WORKER_BODY)
     async def add_worker(
-        body: NewWorker, service: RegistryService = service_dep, view: LiveView | None = view_dep
+        request: Request, service: RegistryService = service_dep, view: LiveView | None = view_dep
     ) -> dict[str, Any]:
+        """Add (or re-register) a worker; the body is a ``NewWorker``."""
+        body = _new_worker(await read_bounded_body(request, max_body_bytes))
         record = await service.add_worker(
             body.role,
             body.url,
@@ -134,10 +219,7 @@ def admin_routes(
     async def remove_worker(
         record: WorkerRecord = record_dep, service: RegistryService = service_dep
     ) -> Response:
-        try:
-            await service.remove_worker(record.id)
-        except NotFound as exc:
-            raise HTTPException(404, str(exc)) from exc
+        await service.remove_worker(record.id)  # NotFound (removed meanwhile): 404
         return Response(status_code=204)
 
     @router.post("/workers/{worker_id}/drain", status_code=202)
@@ -169,7 +251,7 @@ def _layout_of(record: WorkerRecord, view: LiveView | None) -> dict[str, Any]:
     live = (view(record.id) if view is not None else None) or {}
     return {
         "id": record.id,
-        "url": record.url,
+        "url": redact_url(record.url),
         "bootstrap_port": record.bootstrap_port,
         "epoch": record.epoch,
         "dp_size": live.get("dp_size"),

@@ -88,7 +88,14 @@ def create_app(settings: RouterSettings) -> PDRouterApp:
     lifecycle = RouterLifecycle()
     api = FastAPI(title="pd-router", lifespan=lifespan, docs_url=None, redoc_url=None)
     api.include_router(health.router)
-    api.include_router(admin_routes(settings.registry, _registry_of, _live_view_of))
+    api.include_router(
+        admin_routes(
+            settings.registry,
+            _registry_of,
+            _live_view_of,
+            max_body_bytes=settings.server.max_body_bytes,
+        )
+    )
     api.include_router(explain_routes(settings.registry))
     api.include_router(status.router)
     # The engines' bootstrap APIs at their own paths (/route, /register, /query, ...).

@@ -6,6 +6,11 @@ re-list every ``resync_s`` (or after a failure); while the store is down the poo
 known set and ``status`` says so. A worker marked draining gets no new requests; once this router
 has none in flight on it, it deletes the record. A removed worker keeps its client until its
 in-flight requests are done.
+
+One bad record (an unusable URL written by an older version or straight into the store) is
+logged once, naming its id and why, and skipped: it never stops discovery, so workers added
+later still join and removed ones still leave. An unexpected failure of a whole sync is logged
+and retried like an unreachable store. Worker URLs are logged without their credentials.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from registry.errors import RegistryError, RegistryUnavailable
-from registry.models import WorkerRecord, worker_id
+from registry.models import WorkerRecord, check_worker_url, redact_url, worker_id
 from registry.service import RegistryService
 from router.health import HealthProber
 from router.settings import RouterSettings
@@ -65,6 +70,7 @@ class Discovery:
         self._prober = prober
         self._resync_s = resync_s
         self._closing: set[asyncio.Task[None]] = set()
+        self._skipped: dict[str, str] = {}  # worker id -> why its record was skipped (logged)
         self.status = RegistryStatus(url=settings.registry.url)
 
     async def seed(self) -> None:
@@ -112,6 +118,10 @@ class Discovery:
             except RegistryUnavailable as exc:
                 self._set_status(False, str(exc))
                 await asyncio.sleep(self._settings.registry.resync_backoff_s)
+            except Exception as exc:  # noqa: BLE001 - discovery must outlive any one failure
+                logger.exception("registry sync failed; retrying")
+                self._set_status(False, f"sync failed: {exc!r}")
+                await asyncio.sleep(self._settings.registry.resync_backoff_s)
 
     async def aclose(self) -> None:
         for task in list(self._closing):
@@ -126,14 +136,28 @@ class Discovery:
         async with contextlib.aclosing(changes):
             records = {r.id: r for r in await self._service.list_workers()}
             for wid in [w.id for w in self._pool.all() if w.id not in records]:
-                self._apply(wid, None)
+                self._apply_one(wid, None)
+            for wid in [wid for wid in self._skipped if wid not in records]:
+                del self._skipped[wid]
             for wid, record in records.items():
-                self._apply(wid, record)
+                self._apply_one(wid, record)
             self._set_status(True, None)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._resync_s):
                     async for change in changes:
-                        self._apply(change.worker_id, change.record)
+                        self._apply_one(change.worker_id, change.record)
+
+    def _apply_one(self, wid: str, record: WorkerRecord | None) -> None:
+        """Apply one record; a record that cannot become a worker is logged (once) and skipped."""
+        try:
+            self._apply(wid, record)
+        except Exception as exc:  # noqa: BLE001 - one bad record must never stop discovery
+            reason = str(exc) or repr(exc)
+            if self._skipped.get(wid) != reason:
+                logger.warning("registry: skipping worker record %s: %s", wid, reason)
+            self._skipped[wid] = reason
+        else:
+            self._skipped.pop(wid, None)
 
     def _apply(self, wid: str, record: WorkerRecord | None) -> None:
         worker = self._pool.get(wid)
@@ -146,9 +170,10 @@ class Discovery:
             self._update(worker, record)
 
     def _add(self, record: WorkerRecord) -> None:
+        """Raises ValueError (naming why) for a record that cannot be a worker."""
         worker = Worker(
             Role(record.role),
-            record.url,
+            check_worker_url(record.url),
             record.bootstrap_port,
             id=record.id,
             epoch=record.epoch,
@@ -158,12 +183,17 @@ class Discovery:
         )
         self._place_bootstrap(worker, record.bootstrap_namespace)
         self._pool.add(worker, build_upstream(worker, self._settings.upstream))
-        logger.info("worker %s %s joined (source %s)", worker.role.value, worker.url, record.source)
+        logger.info(
+            "worker %s %s joined (source %s)",
+            worker.role.value,
+            redact_url(worker.url),
+            record.source,
+        )
         self._prober.refresh_soon(worker)
 
     def _update(self, worker: Worker, record: WorkerRecord) -> None:
         if record.draining and not worker.draining:
-            logger.info("worker %s %s is draining", worker.role.value, worker.url)
+            logger.info("worker %s %s is draining", worker.role.value, redact_url(worker.url))
             self._spawn(self._finish_drain(worker))
         worker.draining = record.draining
         # the KV event feed notices a changed endpoint and re-subscribes
@@ -172,7 +202,7 @@ class Discovery:
             logger.info(
                 "worker %s %s re-registered (epoch %d): dropping its cached layout",
                 worker.role.value,
-                worker.url,
+                redact_url(worker.url),
                 record.epoch,
             )
             worker.epoch, worker.bootstrap_port = record.epoch, record.bootstrap_port
@@ -202,7 +232,7 @@ class Discovery:
             logger.info(
                 "worker %s %s left; %d request(s) still in flight",
                 worker.role.value,
-                worker.url,
+                redact_url(worker.url),
                 worker.inflight,
             )
             self._spawn(self._close_when_idle(worker, client))
@@ -230,11 +260,13 @@ class Discovery:
     def _set_status(self, ok: bool, error: str | None) -> None:
         if ok != self.status.ok:
             if ok:
-                logger.info("registry %s is reachable; worker set synchronised", self.status.url)
+                logger.info(
+                    "registry %s is reachable; worker set synchronised", redact_url(self.status.url)
+                )
             else:
                 logger.warning(
                     "registry %s unreachable, serving the last known workers: %s",
-                    self.status.url,
+                    redact_url(self.status.url),
                     error,
                 )
             self.status.since = time.time()

@@ -107,7 +107,7 @@ def _prefill_json(answer: bytes, prefill: Worker) -> Any:
         raise UpstreamUnavailable(
             f"answered invalid JSON: {answer[:200]!r}",
             role="prefill",
-            url=prefill.url,
+            url=prefill.public_url,
             connect=False,
             kind="invalid_answer",
         ) from exc
@@ -138,7 +138,7 @@ def _lost_during_prefill(worker: Worker, signal: asyncio.Future[str]) -> BaseExc
     return UpstreamUnavailable(
         f"{signal.result()} while its prefill leg ran",
         role="prefill",
-        url=worker.url,
+        url=worker.public_url,
         connect=False,
         kind="worker_lost",
     )
@@ -146,9 +146,9 @@ def _lost_during_prefill(worker: Worker, signal: asyncio.Future[str]) -> BaseExc
 
 def _describe_route(span: TraceSpan, route: Route, attempt: int) -> None:
     span.set("pdr.attempt", attempt)
-    span.set("pdr.decode", route.decode.url)
+    span.set("pdr.decode", route.decode.public_url)
     if route.prefill is not None:
-        span.set("pdr.prefill", route.prefill.url)
+        span.set("pdr.prefill", route.prefill.public_url)
         span.set("pdr.dp_rank", route.rank)
     else:
         span.set("pdr.prefill_skipped", route.reason or "")
@@ -158,7 +158,7 @@ def _leg_span(trace: TraceSpan | None, name: str, worker: Worker) -> TraceSpan |
     if trace is None:
         return None
     span = trace.child(name)
-    span.set("pdr.worker", worker.url)
+    span.set("pdr.worker", worker.public_url)
     return span
 
 
@@ -287,9 +287,9 @@ class Pipeline:
         responder: Responder,
     ) -> None:
         """Note the attempt's route in the receipt and the response's ``x-pdr-*`` headers."""
-        receipt.prefill = route.prefill.url if route.prefill is not None else None
+        receipt.prefill = route.prefill.public_url if route.prefill is not None else None
         receipt.dp_rank = route.rank
-        receipt.decode = route.decode.url
+        receipt.decode = route.decode.public_url
         receipt.skipped = route.reason
         receipt.outcome = self.chooser.outcome(route)
         receipt.attempts = attempt
@@ -302,25 +302,25 @@ class Pipeline:
         self._metrics.count(self._metrics.upstream_errors, exc.role, exc.kind)
         if route.prefill is not None:
             key = (route.prefill.id, route.decode.id)
-            self._pairs.failed(key, route.prefill.url, route.decode.url, exc.message)
+            self._pairs.failed(key, route.prefill.public_url, route.decode.public_url, exc.message)
 
     def _pd_served(self, pair: tuple[Worker, int, Worker], receipt: RoutingReceipt) -> None:
         prefill, _, decode = pair
         key = (prefill.id, decode.id)
         if receipt.decode_error is not None:
-            self._pairs.failed(key, prefill.url, decode.url, receipt.decode_error)
+            self._pairs.failed(key, prefill.public_url, decode.public_url, receipt.decode_error)
             return
-        self._pairs.served(key, prefill.url, decode.url)
+        self._pairs.served(key, prefill.public_url, decode.public_url)
         if receipt.recomputed:
-            self._pairs.recomputed(key, prefill.url, decode.url)
+            self._pairs.recomputed(key, prefill.public_url, decode.public_url)
             logger.warning(
                 "PD did not happen: decode %s recomputed the prompt instead of using the KV "
                 "from prefill %s (dp_rank %d); pair %s -> %s is suspect",
-                decode.url,
-                prefill.url,
+                decode.public_url,
+                prefill.public_url,
                 receipt.dp_rank,
-                prefill.url,
-                decode.url,
+                prefill.public_url,
+                decode.public_url,
             )
 
     async def _direct(
@@ -471,17 +471,17 @@ class Pipeline:
             return UpstreamUnavailable(
                 f"{signal.result()} before the decode received this request's KV cache",
                 role="prefill",
-                url=prefill.url,
+                url=prefill.public_url,
                 connect=False,
                 kind="kv_lost",
             )
 
         def expired(deadline: asyncio.Future[float]) -> BaseException:
             return UpstreamTimeout(
-                f"no first byte {deadline.result():g}s after prefill {prefill.url} answered: "
-                "the KV cache did not arrive",
+                f"no first byte {deadline.result():g}s after prefill {prefill.public_url} "
+                "answered: the KV cache did not arrive",
                 role="decode",
-                url=decode.url,
+                url=decode.public_url,
                 kind="kv_timeout",
             )
 
@@ -521,7 +521,7 @@ class Pipeline:
                 span.set("http.response.status_code", status)
             if status >= 400:
                 raise UpstreamStatusError(
-                    status, _error_detail(content), role="prefill", url=worker.url
+                    status, _error_detail(content), role="prefill", url=worker.public_url
                 )
         legs.receipt.prefill_s = time.perf_counter() - started
         self._record(worker, None)
@@ -560,7 +560,7 @@ class Pipeline:
             raise UpstreamTimeout(
                 f"no complete answer within {self._settings.prefill_timeout_s:g}s",
                 role=worker.role.value,
-                url=worker.url,
+                url=worker.public_url,
             ) from exc
 
     async def _decode(
@@ -593,7 +593,10 @@ class Pipeline:
                 clock.decode_answered()
                 if response.status in CAPACITY_STATUSES:  # full: another decode may take it
                     raise UpstreamStatusError(
-                        response.status, _error_detail(content), role="decode", url=worker.url
+                        response.status,
+                        _error_detail(content),
+                        role="decode",
+                        url=worker.public_url,
                     )
                 self._check_decode_status(response.status, content, worker, prefill)
                 if response.status >= 400:  # relayed to the client as the engine's answer
@@ -664,8 +667,8 @@ class Pipeline:
         if prefill is not None and self._adapter.is_stale_layout(content):
             logger.warning(
                 "decode %s does not know prefill %s's engine id; re-querying",
-                worker.url,
-                prefill.url,
+                worker.public_url,
+                prefill.public_url,
             )
             self._on_stale_layout(prefill)
 

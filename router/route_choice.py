@@ -116,7 +116,7 @@ class RouteChooser:
         else:
             candidates = [
                 {
-                    "worker": worker.url,
+                    "worker": worker.public_url,
                     "dp_rank": rank,
                     "load": worker.load_score(rank),
                     "pending_prefill_tokens": worker.pending_tokens(rank),
@@ -131,7 +131,7 @@ class RouteChooser:
             "cache_mode": mode,
             "prefill_candidates": candidates,
             "decode_candidates": [
-                {"worker": w.url, "load": w.load_score(None), "inflight": w.inflight}
+                {"worker": w.public_url, "load": w.load_score(None), "inflight": w.inflight}
                 for w in decodes
             ],
         }
@@ -142,9 +142,9 @@ class RouteChooser:
             explained["error"] = exc.message
             return explained
         explained["choice"] = {
-            "prefill": route.prefill.url if route.prefill is not None else None,
+            "prefill": route.prefill.public_url if route.prefill is not None else None,
             "dp_rank": route.rank if route.prefill is not None else None,
-            "decode": route.decode.url,
+            "decode": route.decode.public_url,
             "outcome": self.outcome(route),
             "predicted_cached_tokens": route.choice.cached_tokens if route.choice else None,
             "predicted_uncached_tokens": _uncached_tokens(route.choice, features),

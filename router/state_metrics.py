@@ -62,7 +62,7 @@ class RouterStateCollector(Collector):
         inflight = _gauge("pdr_worker_inflight", "Requests this router has in flight", _WORKER)
         draining = _gauge("pdr_worker_draining", "1 while the worker drains", _WORKER)
         for w in workers:
-            labels = [w.role.value, w.url]
+            labels = [w.role.value, w.public_url]
             healthy.add_metric(labels, 1.0 if w.healthy else 0.0)
             inflight.add_metric(labels, float(w.inflight))
             draining.add_metric(labels, 1.0 if w.draining else 0.0)
@@ -85,7 +85,7 @@ class RouterStateCollector(Collector):
         now = time.monotonic()
         for w in workers:
             for rank, reading in enumerate(w.engine_load):
-                labels = [w.role.value, w.url, str(rank)]
+                labels = [w.role.value, w.public_url, str(rank)]
                 ok = reading is not None and now < reading.fresh_until
                 fresh.add_metric(labels, 1.0 if ok else 0.0)
                 if reading is None or not ok:
@@ -117,7 +117,7 @@ class RouterStateCollector(Collector):
         }
         for w in prefills:
             for rank in range(len(w.rank_inflight)):
-                values = [w.url, str(rank)]
+                values = [w.public_url, str(rank)]
                 pending.add_metric(values, float(w.pending_tokens(rank)))
                 blocks.add_metric(values, float(self._index.block_count((w.id, rank))))
                 stats = self._feed.stats((w.id, rank))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from registry.models import redact_url
 from router.context import AppContext
 from router.kv_event_feed import KVEventFeed
 from router.kv_index import KVBlockIndex
@@ -55,7 +56,7 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
         "pairs": ctx.pairs.snapshot(),
         "traffic": ctx.traffic.snapshot(),
         "registry": {
-            "url": registry.url,
+            "url": redact_url(registry.url),
             "ok": registry.ok,
             "error": registry.error,
             "since": registry.since,
@@ -67,7 +68,7 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
 def _worker(worker: Worker, index: KVBlockIndex, now: float) -> dict[str, Any]:
     return {
         "id": worker.id,
-        "url": worker.url,
+        "url": worker.public_url,
         "role": worker.role.value,
         "healthy": worker.healthy,
         "draining": worker.draining,
@@ -109,5 +110,5 @@ def _kv_events(prefills: list[Worker], feed: KVEventFeed) -> list[dict[str, Any]
         for rank in range(worker.dp_size):
             stats = feed.stats((worker.id, rank))
             if stats is not None:
-                rows.append({"worker": worker.url, "dp_rank": rank, **stats})
+                rows.append({"worker": worker.public_url, "dp_rank": rank, **stats})
     return rows

@@ -95,7 +95,7 @@ def transport_error(
     """The router's error for a client library's transport failure, classified by the caller.
     ``stale``: the connection was closed or reset before any answer came, as a pooled keep-alive
     connection the engine had just closed is (retryable, not the worker's fault)."""
-    role, url = worker.role.value, worker.url
+    role, url = worker.role.value, worker.public_url
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if connect_failed:
         return UpstreamUnavailable(f"cannot connect ({detail})", role=role, url=url, connect=True)

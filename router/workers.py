@@ -13,6 +13,8 @@ from typing import Generic, TypeVar
 
 import httpx
 
+from registry.models import redact_url
+
 __all__ = ["EngineLoad", "LoadReading", "Role", "Worker", "WorkerPool", "format_host"]
 
 logger = logging.getLogger(__name__)
@@ -86,10 +88,13 @@ class Worker:
     bootstrap_namespace: str | None = None
     bootstrap_host: str = ""
     bootstrap_path: str = ""
+    # the URL as shown (errors, headers, metrics, pages): any user:password@ hidden
+    public_url: str = ""
     # Resolved (with the reason) when this prefill is lost: requests waiting for its KV give up.
     _loss: asyncio.Future[str] | None = None
 
     def __post_init__(self) -> None:
+        self.public_url = redact_url(self.url)
         self.host = format_host(httpx.URL(self.url).host)
         self.bootstrap_host = self.bootstrap_host or self.host
         if not self.id:

@@ -14,25 +14,13 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from registry.admin import authorizer
+from registry.admin import authorizer, read_bounded_body
 from registry.settings import RegistrySettings
 from router.api.health import get_context
-from router.errors import BodyTooLarge, InvalidRequest
+from router.errors import InvalidRequest
 from router.schemas import Endpoint, parse_request
 
 __all__ = ["explain_routes"]
-
-
-async def _bounded_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BodyTooLarge(f"request body exceeds the {limit}-byte limit")
-    return bytes(body)
 
 
 def explain_routes(settings: RegistrySettings) -> APIRouter:
@@ -42,7 +30,7 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
     async def explain(request: Request) -> JSONResponse:
         """The route a completion body would take now, with every candidate's scores."""
         ctx = get_context(request)
-        raw = await _bounded_body(request, ctx.settings.server.max_body_bytes)
+        raw = await read_bounded_body(request, ctx.settings.server.max_body_bytes)
         try:
             data = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:

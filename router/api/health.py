@@ -9,6 +9,7 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from registry.models import redact_url
 from router.context import AppContext
 from router.errors import NoWorkerAvailable, UpstreamError, error_body
 from router.workers import Role, Worker
@@ -43,7 +44,8 @@ async def metrics(ctx: Context) -> Response:
 async def ready(ctx: Context) -> JSONResponse:
     """200 once at least one healthy prefill and one healthy decode worker exist, else 503.
 
-    The body lists every worker with its health, in-flight requests and DP layout.
+    The body lists every worker with its health, in-flight requests and DP layout; URLs are
+    shown without credentials (this route needs no auth).
     """
     pool = ctx.pool
     registry = ctx.discovery.status
@@ -51,12 +53,12 @@ async def ready(ctx: Context) -> JSONResponse:
         "status": "ready" if pool.ready() else "not_ready",
         "prefill": [_describe(w) for w in pool.prefill],
         "decode": [_describe(w) for w in pool.decode],
-        "registry": {"url": registry.url, "ok": registry.ok, "error": registry.error},
+        "registry": {"url": redact_url(registry.url), "ok": registry.ok, "error": registry.error},
         # P<->D pairs whose decode recomputed the prompt lately: PD did not happen there
         "suspect_pairs": [
             {
-                "prefill": pair.prefill_url,
-                "decode": pair.decode_url,
+                "prefill": redact_url(pair.prefill_url),
+                "decode": redact_url(pair.decode_url),
                 "recomputes": pair.recomputes,
                 "requests": pair.requests,
             }
@@ -69,7 +71,7 @@ async def ready(ctx: Context) -> JSONResponse:
 def _describe(worker: Worker) -> dict[str, Any]:
     info: dict[str, Any] = {
         "id": worker.id,
-        "url": worker.url,
+        "url": redact_url(worker.url),
         "healthy": worker.healthy,
         "inflight": worker.inflight,
         "draining": worker.draining,
