@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
+from router import create_app
+from testkit.fake_cluster import settings_for
 from testkit.fake_engine import FakeConfig, FakeEngine
 from testkit.polling import wait_until
-from testkit.servers import free_port, http_process, run_server
+from testkit.servers import free_port, http_process, make_server, run_server, serving
 
 STREAM = {"model": "fake-model", "prompt": "hello", "stream": True}
 
@@ -107,3 +109,22 @@ def test_streams_past_the_grace_period_end_with_an_error_event() -> None:
     assert "[DONE]" not in stream.events
     assert process.returncode == 0, output
     assert "grace period over: ending 1 request(s)" in output
+
+
+def test_ready_answers_503_once_shutdown_begins() -> None:
+    prefill = FakeEngine("prefill", "sglang", config=FakeConfig(check_kv=False))
+    decode = FakeEngine("decode", "sglang", config=FakeConfig(check_kv=False))
+    with run_server(prefill.app) as p_port, run_server(decode.app) as d_port:
+        app = create_app(
+            settings_for(
+                "sglang", [(f"http://127.0.0.1:{p_port}", None)], [f"http://127.0.0.1:{d_port}"]
+            )
+        )
+        server = make_server(app, host="127.0.0.1", port=0, lifespan="on")
+        with serving([server], 10) as (port,), httpx.Client(timeout=5) as client:
+            url = f"http://127.0.0.1:{port}/ready"
+            wait_until(lambda: client.get(url).status_code == 200, 10, "the router ready")
+            loop = server.servers[0].get_loop()
+            loop.call_soon_threadsafe(app.lifecycle.begin_shutdown, 60.0)
+            wait_until(lambda: client.get(url).status_code == 503, 5, "/ready to answer 503")
+            assert client.get(url).json()["status"] == "shutting_down"

@@ -42,15 +42,18 @@ async def metrics(ctx: Context) -> Response:
 
 @router.get("/ready")
 async def ready(ctx: Context) -> JSONResponse:
-    """200 once at least one healthy prefill and one healthy decode worker exist, else 503.
+    """200 once at least one healthy prefill and one healthy decode worker exist, else 503 (and
+    503 from the moment the router begins shutting down).
 
     The body lists every worker with its health, in-flight requests and DP layout; URLs are
     shown without credentials (this route needs no auth).
     """
     pool = ctx.pool
     registry = ctx.discovery.status
+    ready = pool.ready() and not ctx.lifecycle.shutting_down
+    status = "ready" if ready else "not_ready"
     body = {
-        "status": "ready" if pool.ready() else "not_ready",
+        "status": "shutting_down" if ctx.lifecycle.shutting_down else status,
         "prefill": [_describe(w) for w in pool.prefill],
         "decode": [_describe(w) for w in pool.decode],
         "registry": {"url": redact_url(registry.url), "ok": registry.ok, "error": registry.error},
@@ -65,7 +68,7 @@ async def ready(ctx: Context) -> JSONResponse:
             for pair in ctx.pairs.suspects()
         ],
     }
-    return JSONResponse(body, status_code=200 if pool.ready() else 503)
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 def _describe(worker: Worker) -> dict[str, Any]:
