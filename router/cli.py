@@ -21,6 +21,11 @@ _FLAG_OF = {
     ("server", "host"): "--host",
     ("server", "port"): "--port",
     ("server", "max_body_bytes"): "--max-body-bytes",
+    ("server", "graceful_shutdown_s"): "--shutdown-grace",
+    ("server", "max_n"): "--max-n",
+    ("server", "max_batch"): "--max-batch",
+    ("server", "max_sequences"): "--max-sequences",
+    ("server", "max_request_id_bytes"): "--max-request-id-bytes",
     ("upstream", "connect_timeout_s"): "--connect-timeout",
     ("upstream", "read_timeout_s"): "--read-timeout",
     ("upstream", "prefill_timeout_s"): "--prefill-timeout",
@@ -104,6 +109,24 @@ def _build_parser() -> _Parser:
         help="HTTP client for engine calls (default aiohttp)",
     )
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        help="on SIGTERM, seconds requests in flight get to finish before they are ended with "
+        "an error (30)",
+    )
+    p.add_argument("--max-n", type=int, help="largest accepted 'n' (128)")
+    p.add_argument(
+        "--max-batch", type=int, help="most prompts in one batched /v1/completions request (256)"
+    )
+    p.add_argument(
+        "--max-sequences", type=int, help="most sequences (n x prompts) in one request (1024)"
+    )
+    p.add_argument(
+        "--max-request-id-bytes",
+        type=int,
+        help="longest accepted X-Request-Id (256; printable ASCII only)",
+    )
     p.add_argument("--health-interval", type=float, help="seconds between health probes")
     p.add_argument("--health-timeout", type=float, help="health probe timeout, s")
     p.add_argument(

@@ -9,7 +9,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from registry.models import NAMESPACE_PATTERN
+from registry.models import NAMESPACE_PATTERN, check_worker_url
 from registry.settings import RegistrySettings
 
 __all__ = [
@@ -66,19 +66,26 @@ class WorkerSpec(BaseModel):
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        try:
-            url = httpx.URL(value)
-        except httpx.InvalidURL as exc:
-            raise ValueError(f"invalid worker URL {value!r}: {exc}") from exc
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError(f"worker URL must look like http://host:port, got {value!r}")
-        return value.rstrip("/")
+        return check_worker_url(value)
 
 
 class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    # Request bounds (400 beyond them; router.schemas.RequestLimits carries them). Each sample is
+    # a full sequence, and with SGLang a request and a bootstrap room of its own: 128 is OpenAI's
+    # own cap on chat ``n`` and covers best-of / self-consistency sampling.
+    max_n: int = Field(default=128, ge=1)
+    max_batch: int = Field(default=256, ge=1)  # prompts in one batched /v1/completions request
+    max_sequences: int = Field(default=1024, ge=1)  # n x batch
+    # the id goes into both legs' headers and every log line, and the engines echo it back in
+    # a header of their own (8190-byte header limit); longer ids, or any byte outside printable
+    # ASCII 0x21-0x7E, get 400
+    max_request_id_bytes: int = Field(default=256, ge=1, le=4096)
+    # arrays/objects, the body being level 1: chat content parts need ~6, nested tool schemas a
+    # few dozen; msgspec gives up near 1000 levels anyway
+    max_json_depth: int = Field(default=64, ge=1, le=512)
     graceful_shutdown_s: PositiveFloat = 30.0
 
 

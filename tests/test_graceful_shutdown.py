@@ -3,7 +3,6 @@ they end with a final SSE error event; the process exits 0 either way."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -68,9 +67,8 @@ def router_process(
             "--decode",
             f"http://127.0.0.1:{d_port}",
         ]
-        argv += ["--health-interval", "0.2"]
-        env = {**os.environ, "PDR_SERVER__GRACEFUL_SHUTDOWN_S": str(grace_s)}
-        with http_process(argv, url, path="/ready", timeout=15, env=env) as process:
+        argv += ["--health-interval", "0.2", "--shutdown-grace", str(grace_s)]
+        with http_process(argv, url, path="/ready", timeout=15) as process:
             yield url, process
 
 

@@ -18,7 +18,7 @@ from registry.admin import authorizer, read_bounded_body
 from registry.settings import RegistrySettings
 from router.api.health import get_context
 from router.errors import InvalidRequest
-from router.schemas import Endpoint, parse_request
+from router.schemas import Endpoint, RequestLimits, parse_request
 
 __all__ = ["explain_routes"]
 
@@ -33,11 +33,11 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
         raw = await read_bounded_body(request, ctx.settings.server.max_body_bytes)
         try:
             data = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
         chat = isinstance(data, dict) and "messages" in data
         endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
-        parsed = parse_request(endpoint, raw)
+        parsed = parse_request(endpoint, raw, RequestLimits.from_settings(ctx.settings.server))
         chooser = ctx.pipeline.chooser
         features = await chooser.features(parsed)
         answer: dict[str, Any] = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 
@@ -23,7 +24,7 @@ from router.logs import REQUEST_ID
 from router.pipeline import ClientDisconnected
 from router.receipt import RoutingReceipt
 from router.relay import Responder
-from router.schemas import Endpoint, parse_request
+from router.schemas import Endpoint, ParsedRequest, RequestLimits, parse_request
 from router.tracing import TraceSpan
 from router.types import Receive, Scope, Send
 
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 HOT_ROUTES = {endpoint.value: endpoint for endpoint in Endpoint}
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+_REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # printable ASCII: it goes into headers and logs
 _MAX_TRACE_HEADER = 512  # W3C: tracestate may be cut beyond 512 chars; longer ones are dropped
 _CLIENT_GONE = 499  # nginx's "client closed request": the status counted for a client that left
 
@@ -46,7 +48,9 @@ async def handle_completion(
 ) -> None:
     """Serve one completion request; never raises (errors are rendered to the client)."""
     started = time.monotonic()
-    request_id, authorization, content_length, trace_context = _read_headers(scope)
+    request_id, authorization, content_length, trace_context, bad_id = _read_headers(
+        scope, ctx.settings.server.max_request_id_bytes
+    )
     token = REQUEST_ID.set(request_id)
     responder = Responder(send, [(b"x-request-id", request_id.encode())])
     receipt = RoutingReceipt()
@@ -55,8 +59,7 @@ async def handle_completion(
     status = 0
     task = ctx.lifecycle.track()
     try:
-        raw = await _read_request(ctx, scope, receive, endpoint, content_length)
-        request = parse_request(endpoint, raw)
+        request = await _read_request(ctx, scope, receive, endpoint, content_length, bad_id)
         stream = request.stream
         headers = _upstream_headers(request_id, authorization, trace_context)
         disconnected = asyncio.ensure_future(receive())
@@ -130,19 +133,28 @@ async def _read_request(
     receive: Receive,
     endpoint: Endpoint,
     content_length: int | None,
-) -> bytes:
+    bad_id: InvalidRequest | None,
+) -> ParsedRequest:
     if scope["method"] != "POST":
         raise MethodNotAllowed(f"method {scope['method']} is not allowed on {endpoint.value}")
-    return await _read_body(receive, ctx.settings.server.max_body_bytes, content_length)
+    if bad_id is not None:
+        raise bad_id
+    raw = await _read_body(receive, ctx.settings.server.max_body_bytes, content_length)
+    return parse_request(endpoint, raw, RequestLimits.from_settings(ctx.settings.server))
 
 
-def _read_headers(scope: Scope) -> tuple[str, str | None, int | None, dict[str, str]]:
-    """The request id, authorization, content length and W3C trace context headers."""
-    request_id = authorization = length = None
+def _read_headers(
+    scope: Scope, max_id_bytes: int
+) -> tuple[str, str | None, int | None, dict[str, str], InvalidRequest | None]:
+    """The request id, authorization, content length, W3C trace context headers, and the 400
+    owed for a bad X-Request-Id (the request then gets a generated id: a bad one is never
+    echoed, forwarded or logged)."""
+    raw_id = b""
+    authorization = length = None
     trace_context: dict[str, str] = {}
     for name, value in scope["headers"]:
         if name == b"x-request-id":
-            request_id = value.decode("latin-1")
+            raw_id = value
         elif name == b"authorization":
             authorization = value.decode("latin-1")
         elif name == b"content-length":
@@ -150,7 +162,20 @@ def _read_headers(scope: Scope) -> tuple[str, str | None, int | None, dict[str, 
         elif name in _TRACE_HEADERS and len(value) <= _MAX_TRACE_HEADER:
             trace_context[name.decode()] = value.decode("latin-1")
     content_length = int(length) if length is not None and length.isdigit() else None
-    return request_id or secrets.token_hex(16), authorization, content_length, trace_context
+    bad_id = _check_request_id(raw_id, max_id_bytes)
+    request_id = raw_id.decode("ascii") if raw_id and bad_id is None else secrets.token_hex(16)
+    return request_id, authorization, content_length, trace_context, bad_id
+
+
+def _check_request_id(raw_id: bytes, max_id_bytes: int) -> InvalidRequest | None:
+    """None for an absent id or one of 1..max printable ASCII bytes: it goes into both legs'
+    headers (the engines echo it within an 8190-byte header limit) and every log line."""
+    if not raw_id or (len(raw_id) <= max_id_bytes and _REQUEST_ID.fullmatch(raw_id)):
+        return None
+    return InvalidRequest(
+        f"X-Request-Id must be at most {max_id_bytes} printable ASCII characters "
+        f"(0x21-0x7E); got {len(raw_id)} bytes"
+    )
 
 
 async def _read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
