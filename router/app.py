@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,7 +14,7 @@ from starlette.exceptions import HTTPException
 from registry.admin import LiveView, admin_routes
 from registry.engine_api import RankTables, sglang_routes, vllm_routes
 from registry.service import RegistryService
-from router.api import health, status
+from router.api import completions_doc, health, status
 from router.api.explain import explain_routes
 from router.api.openai import HOT_ROUTES, handle_completion
 from router.context import open_context
@@ -50,8 +51,10 @@ def _live_view_of(request: Request) -> LiveView:
     return health.get_context(request).live_view
 
 
-def _render(exc: RouterError) -> Response:
-    return Response(error_body(exc), status_code=exc.status, media_type="application/json")
+def _render(exc: RouterError, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(
+        error_body(exc), status_code=exc.status, media_type="application/json", headers=headers
+    )
 
 
 def install_error_handlers(api: FastAPI) -> None:
@@ -66,7 +69,9 @@ def install_error_handlers(api: FastAPI) -> None:
         error = RouterError(str(exc.detail))
         error.status = exc.status_code
         error.error_type = "invalid_request_error" if exc.status_code < 500 else error.error_type
-        return _render(error)
+        if exc.status_code == 503:
+            error.error_type = "service_unavailable"
+        return _render(error, exc.headers)  # e.g. 405's Allow
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -75,6 +80,26 @@ def install_error_handlers(api: FastAPI) -> None:
     api.add_exception_handler(RouterError, on_router_error)
     api.add_exception_handler(HTTPException, on_http_error)
     api.add_exception_handler(RequestValidationError, on_validation_error)
+
+
+def _document_400s(api: FastAPI) -> None:
+    """The schema says what the router answers: invalid bodies and parameters get 400 with an
+    OpenAI-style error JSON (``install_error_handlers``), not FastAPI's 422."""
+    build = api.openapi
+
+    def openapi() -> dict[str, Any]:
+        if api.openapi_schema is None:
+            schema = build()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    responses = operation.get("responses", {})
+                    validated = responses.pop("422", None) is not None
+                    if validated or "requestBody" in operation:
+                        responses.setdefault("400", completions_doc.ERROR_RESPONSES[400])
+            api.openapi_schema = schema
+        return api.openapi_schema
+
+    api.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(settings: RouterSettings) -> PDRouterApp:
@@ -98,6 +123,8 @@ def create_app(settings: RouterSettings) -> PDRouterApp:
     )
     api.include_router(explain_routes(settings.registry))
     api.include_router(status.router)
+    api.include_router(completions_doc.router)
+    _document_400s(api)
     # The engines' bootstrap APIs at their own paths (/route, /register, /query, ...).
     tables = RankTables()
     api.include_router(sglang_routes(tables.sglang))

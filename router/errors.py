@@ -33,6 +33,8 @@ __all__ = [
 class RouterError(Exception):
     status: int = 500
     error_type: str = "internal_server_error"
+    # response headers the error owes (405: Allow)
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -51,8 +53,11 @@ class BodyTooLarge(RouterError):
 
 
 class MethodNotAllowed(RouterError):
+    """A completion route called with another method than POST (RFC 9110: says which)."""
+
     status = 405
     error_type = "invalid_request_error"
+    headers = ((b"allow", b"POST"),)
 
 
 class NoWorkerAvailable(RouterError):

@@ -82,6 +82,8 @@ class Responder:
         if self.complete:
             return
         if not self.started:
+            if exc.headers:
+                self.receipt_headers = [*self.receipt_headers, *exc.headers]
             await self.whole(exc.status, _JSON, error_body(exc))
             return
         if self.sse:

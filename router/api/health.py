@@ -28,7 +28,11 @@ def get_context(request: Request) -> AppContext:
 Context = Annotated[AppContext, Depends(get_context)]
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    response_class=Response,
+    responses={200: {"description": "Alive (an empty body)", "content": {}}},
+)
 async def health() -> Response:
     """The router process is alive (says nothing about workers)."""
     return Response(status_code=200)
