@@ -346,20 +346,37 @@ class PrefillDeath:
     unpulled: Background
 
 
+def long_stream_frozen_mid_way(router: Router, decode: Engine) -> Background:
+    """A long stream, its decode frozen (whole group) once the stream sent its first event.
+
+    The whole answer takes ~1.3 s here, so on a loaded machine it can be generated (and be in
+    the sockets on its way) before the freeze takes hold: a stream that still ends within a
+    moment of the freeze is not mid-way, and the scenario starts over (at most 3 times)."""
+    long_body = request_body(
+        "completions", PROMPTS[1], stream=True, max_tokens=LONG, ignore_eos=True
+    )
+    for _ in range(3):
+        first_event = threading.Event()
+
+        def stream_it(on_event: Callable[[], None] = first_event.set) -> Answer:
+            return call(router.url, "completions", long_body, 60, on_event)
+
+        stream = Background("mid-stream", stream_it)
+        assert first_event.wait(60), "the long stream sent no event"
+        decode.signal(signal.SIGSTOP)
+        stream.join(1.0)  # a frozen decode sends nothing more: a running stream stays running
+        if stream.running:
+            return stream
+        decode.signal(signal.SIGCONT)
+    raise AssertionError("the long stream ended before its decode was frozen, 3 times")
+
+
 def kill_prefill_with_requests_in_flight(cluster: Cluster, router: Router) -> PrefillDeath:
     """SIGSTOP the decode while a long stream is running, send a second request, wait until the
     prefill has answered it, SIGKILL the prefill, SIGCONT the decode. Freezing the decode makes
     the order deterministic: the long stream is mid-way, the second KV unpulled."""
     prefill, decode = cluster.engines
-    first_event = threading.Event()
-    long_body = request_body(
-        "completions", PROMPTS[1], stream=True, max_tokens=LONG, ignore_eos=True
-    )
-    mid_stream = Background(
-        "mid-stream", lambda: call(router.url, "completions", long_body, 60, first_event.set)
-    )
-    assert first_event.wait(60), "the long stream sent no event"
-    decode.signal(signal.SIGSTOP)
+    mid_stream = long_stream_frozen_mid_way(router, decode)
     try:
         answered = counter(prefill, "vllm:request_success_total")
         body = request_body("completions", PROMPTS[2], stream=False, max_tokens=SHORT)
