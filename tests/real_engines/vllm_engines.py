@@ -44,6 +44,9 @@ ENGINE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "MC_FORCE_TCP": "1",  # Mooncake over TCP: no RDMA here
+    # rendering a chat template runs off the API server's loop with a 30 s limit: a NIXL engine's
+    # API server on two shared cores stalls that long (REAL_ENGINES.md), so allow more
+    "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": "180",
 }
 
 
