@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from testkit.etcd_server import EtcdMissing, EtcdServer
 from testkit.fake_cluster import FakeClusterFactory, fake_cluster_factory
 
 
@@ -21,3 +22,15 @@ def make_cluster() -> Iterator[FakeClusterFactory]:
 # The real-engine suite needs its own engine environments: only ``scripts/test-real-engines``
 # (which sets PDR_REAL_ENGINES=1) collects it.
 collect_ignore_glob = [] if os.environ.get("PDR_REAL_ENGINES") == "1" else ["real_engines/*"]
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdServer]:
+    server = EtcdServer()
+    try:
+        server.start()
+    except EtcdMissing as exc:  # fail, never skip: a skipped etcd test hides breakage
+        server.close()
+        pytest.fail(str(exc), pytrace=False)
+    yield server
+    server.close()

@@ -24,7 +24,7 @@ from registry.backends import open_store
 from registry.models import WorkerRecord, encode_worker, worker_key
 from registry.settings import RegistrySettings
 from router import create_app
-from testkit.etcd_server import EtcdMissing, EtcdServer
+from testkit.etcd_server import EtcdServer
 from testkit.fake_cluster import FakeClusterFactory, settings_for
 from testkit.fake_engine import FakeEngine
 from testkit.polling import wait_until
@@ -34,18 +34,6 @@ from tests.test_protocols import COMPLETION
 TOKEN = {"authorization": "Bearer s3cret"}
 HUGE = 300 * 1024 * 1024  # the 300 MB body, declared but never sent
 SECRET = "hunter2"
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdServer]:
-    server = EtcdServer()
-    try:
-        server.start()
-    except EtcdMissing as exc:  # fail, never skip: a skipped etcd test hides breakage
-        server.close()
-        pytest.fail(str(exc), pytrace=False)
-    yield server
-    server.close()
 
 
 def _store_url(etcd: EtcdServer) -> str:

@@ -27,6 +27,24 @@ def _register_vllm(port: int, engine_id: str, tp_size: int) -> None:
         assert response.status_code == 200, response.text
 
 
+def _register_sglang(port: int) -> None:
+    """Two DP ranks of a TP-2 SGLang prefill, as its ranks PUT them."""
+    for rank in range(2):
+        response = httpx.put(
+            f"http://127.0.0.1:{port}/route",
+            timeout=5,
+            json={
+                "role": "Prefill",
+                "tp_size": 2,
+                "dp_size": 2,
+                "rank_ip": "127.0.0.1",
+                "rank_port": 41000 + rank,
+                "engine_rank": rank,
+            },
+        )
+        assert response.status_code == 200, response.text
+
+
 def test_vllm_prefill_registering_with_the_router(make_cluster: FakeClusterFactory) -> None:
     port = free_port()
     cluster = make_cluster(
@@ -66,20 +84,7 @@ def test_sglang_prefill_registering_with_the_router(make_cluster: FakeClusterFac
         prefill_namespace="p1",
         registry={"bootstrap_ports": {"p1": port}, "advertise_host": "127.0.0.1"},
     )
-    for rank in range(2):
-        response = httpx.put(
-            f"http://127.0.0.1:{port}/route",
-            timeout=5,
-            json={
-                "role": "Prefill",
-                "tp_size": 2,
-                "dp_size": 2,
-                "rank_ip": "127.0.0.1",
-                "rank_port": 41000 + rank,
-                "engine_rank": rank,
-            },
-        )
-        assert response.status_code == 200, response.text
+    _register_sglang(port)
     cluster.wait_ready()
     assert cluster.ready_body()["prefill"][0]["dp_size"] == 2
     with cluster.client() as client:

@@ -5,48 +5,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 
-import httpx
 import pytest
 
-from testkit.etcd_server import EtcdMissing, EtcdServer
+from testkit.etcd_server import EtcdServer
 from testkit.fake_cluster import FakeClusterFactory
 from testkit.fake_engine import EngineProtocol, FakeConfig
 from testkit.servers import free_port
 from tests.test_protocols import COMPLETION
-from tests.test_registry_bootstrap import _register_vllm
+from tests.test_registry_bootstrap import _register_sglang, _register_vllm
 
 OUTAGE_S = 3.0  # 15 probe intervals of 0.2 s: far past any probe threshold
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdServer]:
-    server = EtcdServer()
-    try:
-        server.start()
-    except EtcdMissing as exc:  # fail, never skip: a skipped etcd test hides breakage
-        server.close()
-        pytest.fail(str(exc), pytrace=False)
-    yield server
-    server.close()
-
-
-def _register_sglang(port: int) -> None:
-    for rank in range(2):
-        response = httpx.put(
-            f"http://127.0.0.1:{port}/route",
-            timeout=5,
-            json={
-                "role": "Prefill",
-                "tp_size": 2,
-                "dp_size": 2,
-                "rank_ip": "127.0.0.1",
-                "rank_port": 41000 + rank,
-                "engine_rank": rank,
-            },
-        )
-        assert response.status_code == 200, response.text
 
 
 @pytest.mark.etcd
