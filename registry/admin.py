@@ -20,7 +20,9 @@ import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.requests import ClientDisconnect
 
+from registry.error_schema import error_doc
 from registry.errors import Conflict, NotFound, RegistryError
 from registry.models import (
     NAMESPACE_PATTERN,
@@ -33,6 +35,7 @@ from registry.service import RegistryService
 from registry.settings import RegistrySettings
 
 __all__ = [
+    "ADMIN_RESPONSES",
     "DEFAULT_MAX_BODY_BYTES",
     "LiveView",
     "NewWorker",
@@ -84,18 +87,37 @@ _NEW_WORKER_BODY = {
     }
 }
 
+# every /admin route (and the standalone registry's /store): auth, and a failing store
+ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: error_doc("Missing or wrong admin bearer token (a token is configured)"),
+    403: error_doc("Not a loopback client, and no admin token is configured"),
+    503: error_doc("The registry store is unavailable"),
+}
+_BODY_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: error_doc("Invalid body"),
+    413: error_doc("Body over the size limit"),
+}
+_UNKNOWN_WORKER: dict[int | str, dict[str, Any]] = {404: error_doc("No such worker")}
+
 
 async def read_bounded_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it (or its Content-Length) passes
-    ``limit`` bytes: a client cannot make this process buffer more."""
+    ``limit`` bytes: a client cannot make this process buffer more.
+
+    A client gone before the end of its body (it closed the connection, or the server's body read
+    timeout answered 408 and closed it) ends the request with a 400 that nobody reads, rendered
+    like any other refusal, instead of a ``ClientDisconnect`` traceback in the server's log."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise HTTPException(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
+    except ClientDisconnect as exc:
+        raise HTTPException(400, "the client disconnected before the end of its body") from exc
     return bytes(body)
 
 
@@ -177,7 +199,10 @@ def admin_routes(
     Auth is a router-level dependency and no route declares a body parameter, so FastAPI runs
     auth before anything reads the body; bodies are then read with ``read_bounded_body``."""
     router = APIRouter(
-        prefix="/admin", dependencies=[Depends(authorizer(settings))], route_class=_AdminRoute
+        prefix="/admin",
+        dependencies=[Depends(authorizer(settings))],
+        route_class=_AdminRoute,
+        responses=ADMIN_RESPONSES,
     )
     # Depends() as defaults: these names are local, so string annotations could not resolve them.
     service_dep, view_dep = Depends(service_of), Depends(view_of)
@@ -196,7 +221,9 @@ def admin_routes(
     ) -> dict[str, Any]:
         return {"workers": [_describe(r, view) for r in await service.list_workers()]}
 
-    @router.post("/workers", status_code=201, openapi_extra=_NEW_WORKER_BODY)
+    @router.post(
+        "/workers", status_code=201, openapi_extra=_NEW_WORKER_BODY, responses=_BODY_RESPONSES
+    )
     async def add_worker(
         request: Request, service: RegistryService = service_dep, view: LiveView | None = view_dep
     ) -> dict[str, Any]:
@@ -215,14 +242,14 @@ def admin_routes(
         )
         return _describe(record, view)
 
-    @router.delete("/workers/{worker_id}", status_code=204)
+    @router.delete("/workers/{worker_id}", status_code=204, responses=_UNKNOWN_WORKER)
     async def remove_worker(
         record: WorkerRecord = record_dep, service: RegistryService = service_dep
     ) -> Response:
         await service.remove_worker(record.id)  # NotFound (removed meanwhile): 404
         return Response(status_code=204)
 
-    @router.post("/workers/{worker_id}/drain", status_code=202)
+    @router.post("/workers/{worker_id}/drain", status_code=202, responses=_UNKNOWN_WORKER)
     async def drain_worker(
         record: WorkerRecord = record_dep,
         service: RegistryService = service_dep,
@@ -230,7 +257,7 @@ def admin_routes(
     ) -> dict[str, Any]:
         return _describe(await service.drain(record.id), view)
 
-    @router.post("/workers/{worker_id}/heartbeat")
+    @router.post("/workers/{worker_id}/heartbeat", responses=_UNKNOWN_WORKER)
     async def heartbeat(worker_id: str, service: RegistryService = service_dep) -> dict[str, Any]:
         """Renew a self-registered worker's lease; 404 once it expired (register again)."""
         if not await service.heartbeat(worker_id):

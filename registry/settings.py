@@ -1,10 +1,19 @@
-"""Registry settings: which store, how long entries live, who may call the admin API."""
+"""Registry settings: which store, how long entries live, who may call the admin API, and how the
+engines' bootstrap listeners protect themselves (source allow-list, registration checks)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, SecretStr
+from ipaddress import IPv4Network, IPv6Network
 
-__all__ = ["RegistrySettings"]
+from pydantic import BaseModel, Field, IPvAnyNetwork, SecretStr, model_validator
+
+__all__ = ["DEFAULT_BOOTSTRAP_ALLOW", "RegistrySettings"]
+
+# loopback only: the operator names the private ranges their engines live in
+DEFAULT_BOOTSTRAP_ALLOW: tuple[IPv4Network | IPv6Network, ...] = (
+    IPv4Network("127.0.0.0/8"),
+    IPv6Network("::1/128"),
+)
 
 
 class RegistrySettings(BaseModel):
@@ -19,6 +28,25 @@ class RegistrySettings(BaseModel):
     # (one per prefill instance whose engines register here: vLLM >= 0.32 and SGLang decoders
     # can only be pointed at host:port)
     bootstrap_ports: dict[str, int] = Field(default_factory=dict)
+    # the router's shared bootstrap port: namespace "default" on the plain paths and every
+    # namespace under /bootstrap/{ns}/...; None: none (the client port never serves them)
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    # where the bootstrap listeners bind (None: the server's --host)
+    bootstrap_host: str | None = None
+    # source networks allowed on the engine bootstrap APIs (others: 403 before the body is read)
+    bootstrap_allow: tuple[IPvAnyNetwork, ...] = DEFAULT_BOOTSTRAP_ALLOW
+    # a registered rank's address must accept a TCP connection within the timeout (else 400)
+    bootstrap_check_reachable: bool = True
+    bootstrap_connect_timeout_s: float = Field(default=1.0, gt=0, le=30)
     # the host decoders use to reach this process's bootstrap APIs (default: the listen host, or
     # this machine's name when listening on a wildcard address)
     advertise_host: str | None = None
+
+    @model_validator(mode="after")
+    def _distinct_bootstrap_ports(self) -> RegistrySettings:
+        ports = list(self.bootstrap_ports.values())
+        if self.bootstrap_port is not None:
+            ports.append(self.bootstrap_port)
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"bootstrap ports must be distinct, got {sorted(ports)}")
+        return self

@@ -17,8 +17,10 @@ dead server from a quiet one; and, when the store's watch raises ``RegistryUnava
 ``{"kind": "error", "message"}`` line. The stream ends when the store's watch ends (store closed).
 
 A missing key's 404 carries ``X-Store-Missing: 1``, which tells it from a server without these
-routes. ``RegistryUnavailable`` from any other call is a 503. Auth is the mounting app's: the
-standalone registry mounts these routes behind the admin API's.
+routes. ``RegistryUnavailable`` from any other call is a 503. A ``PUT`` body is read up to
+``max_body_bytes`` (413 beyond). Auth is the mounting app's: the standalone registry mounts these
+routes behind the admin API's, so the OpenAPI schema documents its 401 and 403 (``ADMIN_RESPONSES``)
+with the 503, and a ``ttl`` not above 0 as the 422 error JSON the registry renders.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
+from registry.admin import ADMIN_RESPONSES, DEFAULT_MAX_BODY_BYTES, read_bounded_body
 from registry.backends.base import RegistryStore, WatchEvent
+from registry.error_schema import error_doc
 from registry.errors import RegistryUnavailable
 
 __all__ = ["KEEPALIVE_S", "MISSING_HEADER", "store_routes"]
@@ -42,6 +46,33 @@ KEEPALIVE_S = 5.0
 MISSING_HEADER = "X-Store-Missing"  # tells a missing key from a server without these routes
 
 _Item = WatchEvent | RegistryUnavailable | None  # None: the store's watch ended
+
+# what the OpenAPI schema says besides ADMIN_RESPONSES (auth, 503). A key holding a line break
+# matches no route (starlette's ``path`` convertor is ``.*``): a 404 error JSON.
+_Responses = dict[int | str, dict[str, Any]]
+_INVALID_PARAMETER: _Responses = {422: error_doc("Invalid parameter")}
+_NO_ROUTE: _Responses = {404: error_doc("No route for the key: it holds a line break")}
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_GET_VALUE_RESPONSES: _Responses = {
+    200: {"description": "The raw value", "content": {"application/octet-stream": _BINARY}},
+    404: {
+        "description": f"No such key ({MISSING_HEADER}: 1, no body); without that header, an "
+        "error JSON: no route for the key (it holds a line break)",
+        "headers": {MISSING_HEADER: {"schema": {"type": "string", "enum": ["1"]}}},
+    },
+}
+_PUT_VALUE_RESPONSES: _Responses = {
+    **_NO_ROUTE,
+    422: error_doc("Invalid parameter (a ttl not above 0)"),
+    413: error_doc("Body over the size limit"),
+}
+_PUT_VALUE_BODY = {"requestBody": {"content": {"application/octet-stream": _BINARY}}}
+_WATCH_RESPONSES: _Responses = {
+    200: {
+        "description": "JSON lines: ready, then put/delete events, keepalives, a last error",
+        "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+    }
+}
 
 
 @contextlib.contextmanager
@@ -102,10 +133,13 @@ async def _watch_lines(
 
 
 def store_routes(
-    store_of: Callable[[Request], RegistryStore], *, keepalive_s: float = KEEPALIVE_S
+    store_of: Callable[[Request], RegistryStore],
+    *,
+    keepalive_s: float = KEEPALIVE_S,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> APIRouter:
     """The ``/store`` routes over the store ``store_of`` reads from the mounting app's context."""
-    router = APIRouter(prefix="/store")
+    router = APIRouter(prefix="/store", responses={**ADMIN_RESPONSES, **_INVALID_PARAMETER})
 
     def store(request: Request) -> RegistryStore:  # typed, so any callable (a lambda) will do
         return store_of(request)
@@ -113,7 +147,7 @@ def store_routes(
     # Depends() as a default: this name is local, so a string annotation could not resolve it.
     store_dep = Depends(store)
 
-    @router.get("/keys/{key:path}")
+    @router.get("/keys/{key:path}", response_class=Response, responses=_GET_VALUE_RESPONSES)
     async def get_value(key: str, store: RegistryStore = store_dep) -> Response:
         with _unavailable_is_503():
             value = await store.get(key)
@@ -121,24 +155,30 @@ def store_routes(
             return Response(status_code=404, headers={MISSING_HEADER: "1"})
         return Response(value, media_type="application/octet-stream")
 
-    @router.put("/keys/{key:path}", status_code=204)
+    @router.put(
+        "/keys/{key:path}",
+        status_code=204,
+        response_class=Response,
+        responses=_PUT_VALUE_RESPONSES,
+        openapi_extra=_PUT_VALUE_BODY,
+    )
     async def put_value(
         key: str,
         request: Request,
         ttl: Annotated[float | None, Query(gt=0)] = None,
         store: RegistryStore = store_dep,
     ) -> Response:
-        value = await request.body()
+        value = await read_bounded_body(request, max_body_bytes)
         with _unavailable_is_503():
             await store.put(key, value, ttl=ttl)
         return Response(status_code=204)
 
-    @router.post("/refresh/{key:path}")
+    @router.post("/refresh/{key:path}", responses=_NO_ROUTE)
     async def refresh(key: str, store: RegistryStore = store_dep) -> dict[str, bool]:
         with _unavailable_is_503():
             return {"alive": await store.refresh(key)}
 
-    @router.delete("/keys/{key:path}")
+    @router.delete("/keys/{key:path}", responses=_NO_ROUTE)
     async def delete(key: str, store: RegistryStore = store_dep) -> dict[str, bool]:
         with _unavailable_is_503():
             return {"deleted": await store.delete(key)}
@@ -149,7 +189,7 @@ def store_routes(
             values = await store.list(prefix)
         return {key: base64.b64encode(value).decode() for key, value in values.items()}
 
-    @router.get("/watch")
+    @router.get("/watch", response_class=Response, responses=_WATCH_RESPONSES)
     async def watch(prefix: str = "", store: RegistryStore = store_dep) -> Response:
         return StreamingResponse(
             _watch_lines(store, prefix, keepalive_s),

@@ -12,7 +12,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from registry.admin import LiveView, admin_routes
-from registry.engine_api import RankTables, sglang_routes, vllm_routes
+from registry.engine_api import RankTables
+from registry.http_allow import error_headers
 from registry.service import RegistryService
 from router.api import completions_doc, health, status
 from router.api.explain import explain_routes
@@ -71,7 +72,7 @@ def install_error_handlers(api: FastAPI) -> None:
         error.error_type = "invalid_request_error" if exc.status_code < 500 else error.error_type
         if exc.status_code == 503:
             error.error_type = "service_unavailable"
-        return _render(error, exc.headers)  # e.g. 405's Allow
+        return _render(error, error_headers(request, exc))  # e.g. 405's Allow
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -125,9 +126,8 @@ def create_app(settings: RouterSettings) -> PDRouterApp:
     api.include_router(status.router)
     api.include_router(completions_doc.router)
     _document_400s(api)
-    # The engines' bootstrap APIs at their own paths (/route, /register, /query, ...).
+    # The engines' bootstrap APIs are served on listeners of their own, never on this port
+    # (router/bootstrap_listeners.py, started with the context); the tables back them.
     tables = RankTables()
-    api.include_router(sglang_routes(tables.sglang))
-    api.include_router(vllm_routes(tables.vllm))
     install_error_handlers(api)
     return PDRouterApp(api, lifecycle)

@@ -26,17 +26,31 @@ _FLAG_OF = {
     ("server", "max_batch"): "--max-batch",
     ("server", "max_sequences"): "--max-sequences",
     ("server", "max_request_id_bytes"): "--max-request-id-bytes",
+    ("server", "max_header_bytes"): "--max-header-bytes",
+    ("server", "header_timeout_s"): "--header-timeout",
+    ("server", "body_timeout_s"): "--body-timeout",
+    ("server", "max_connections"): "--max-connections",
     ("upstream", "connect_timeout_s"): "--connect-timeout",
     ("upstream", "read_timeout_s"): "--read-timeout",
     ("upstream", "prefill_timeout_s"): "--prefill-timeout",
     ("upstream", "kv_arrival_timeout_s"): "--kv-arrival-timeout",
     ("upstream", "max_retries"): "--max-retries",
     ("upstream", "client"): "--upstream-client",
+    ("admission", "max_concurrent_requests"): "--max-concurrent-requests",
+    ("admission", "max_queued_requests"): "--max-queued-requests",
+    ("admission", "queue_timeout_s"): "--queue-timeout",
+    ("admission", "max_inflight_per_worker"): "--max-inflight-per-worker",
+    ("admission", "max_inflight_per_prefill"): "--max-inflight-per-prefill",
+    ("admission", "max_inflight_per_decode"): "--max-inflight-per-decode",
+    ("admission", "capacity_backoff_s"): "--capacity-backoff",
     ("health", "interval_s"): "--health-interval",
     ("health", "timeout_s"): "--health-timeout",
     ("health", "failure_threshold"): "--health-failure-threshold",
     ("health", "unhealthy_threshold"): "--health-unhealthy-threshold",
     ("health", "healthy_threshold"): "--health-healthy-threshold",
+    ("breaker", "open_s"): "--breaker-open",
+    ("breaker", "max_open_s"): "--breaker-max-open",
+    ("breaker", "pair_failure_threshold"): "--pair-failure-threshold",
     ("logging", "level"): "--log-level",
     ("load", "interval_s"): "--load-interval",
     ("load", "timeout_s"): "--load-timeout",
@@ -58,6 +72,10 @@ _FLAG_OF = {
     ("registry", "admin_token"): "--admin-token",
     ("registry", "advertise_host"): "--advertise-host",
     ("registry", "bootstrap_ports"): "--bootstrap-namespace",
+    ("registry", "bootstrap_port"): "--bootstrap-port",
+    ("registry", "bootstrap_host"): "--bootstrap-host",
+    ("registry", "bootstrap_allow"): "--bootstrap-allow",
+    ("registry", "bootstrap_connect_timeout_s"): "--bootstrap-connect-timeout",
     ("observability", "recompute_min_ratio"): "--recompute-min-ratio",
     ("observability", "suspect_window_s"): "--suspect-window",
     ("tracing", "otlp_endpoint"): "--otlp-endpoint",
@@ -110,6 +128,26 @@ def _build_parser() -> _Parser:
     )
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
     p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        help="largest request line + headers; beyond it 431 (65536)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        help="seconds a request's headers may take from their first byte; then 408 (10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        help="seconds a request body may go without data; then 408 (30)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        help="open client connections; more are answered 503 (default: from the fd limit)",
+    )
+    p.add_argument(
         "--shutdown-grace",
         type=float,
         help="on SIGTERM, seconds requests in flight get to finish before they are ended with "
@@ -132,7 +170,23 @@ def _build_parser() -> _Parser:
     p.add_argument(
         "--health-failure-threshold",
         type=int,
-        help="consecutive failed requests that mark a worker unhealthy",
+        help="consecutive failed requests (5xx, timeouts, connection errors) that open a "
+        "worker's circuit breaker: it gets no traffic until a trial request succeeds (3)",
+    )
+    p.add_argument(
+        "--breaker-open",
+        type=float,
+        help="seconds an open circuit breaker waits before one trial request; doubled after "
+        "each failed trial (5)",
+    )
+    p.add_argument(
+        "--breaker-max-open", type=float, help="cap on a circuit breaker's back-off, s (60)"
+    )
+    p.add_argument(
+        "--pair-failure-threshold",
+        type=int,
+        help="consecutive failed KV transfers that open a prefill->decode pair's circuit "
+        "breaker: the pair is avoided while another exists (3; 0: no pair breakers)",
     )
     p.add_argument(
         "--health-unhealthy-threshold",
@@ -162,6 +216,33 @@ def _build_parser() -> _Parser:
         help="serve namespace NAME's engine bootstrap APIs on an extra PORT; repeat",
     )
     p.add_argument(
+        "--bootstrap-port",
+        type=int,
+        help="serve the engine bootstrap APIs (namespace default on the plain paths, any "
+        "other under /bootstrap/NS/...) on this PORT (default: none; never the client port)",
+    )
+    p.add_argument(
+        "--bootstrap-host", help="address the bootstrap ports listen on (default: --host)"
+    )
+    p.add_argument(
+        "--bootstrap-allow",
+        action="append",
+        metavar="CIDR",
+        help="source network allowed on the bootstrap ports; repeat; replaces the default "
+        "127.0.0.0/8 and ::1/128 (others get 403)",
+    )
+    p.add_argument(
+        "--bootstrap-connect-timeout",
+        type=float,
+        help="a registered rank's address must accept a TCP connection within this, s (1)",
+    )
+    p.add_argument(
+        "--no-bootstrap-reachability-check",
+        action="store_true",
+        help="accept rank registrations without connecting to their address (when the router "
+        "cannot reach the engines' KV ports); a moved rank then always needs the admin token",
+    )
+    p.add_argument(
         "--advertise-host",
         help="host decoders use to reach this router's bootstrap APIs "
         "(default: --host, or the hostname when listening on a wildcard address)",
@@ -169,6 +250,7 @@ def _build_parser() -> _Parser:
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     _add_scheduling_flags(p)
     _add_observability_flags(p)
+    _add_admission_flags(p)
     return p
 
 
@@ -197,6 +279,37 @@ def _add_observability_flags(p: _Parser) -> None:
         type=float,
         help="share of traces the router starts that are sampled (1.0); a client's "
         "traceparent decides for its own",
+    )
+
+
+def _add_admission_flags(p: _Parser) -> None:
+    """Overload: admission control, per-worker in-flight caps, capacity back-off."""
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        help="completion requests served at once; more wait in a queue (1024; 0: no limit)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        help="requests waiting for a slot; beyond it 429 with Retry-After at once (2048)",
+    )
+    p.add_argument(
+        "--queue-timeout", type=float, help="a request queued this long gets 429, s (30)"
+    )
+    p.add_argument(
+        "--max-inflight-per-worker",
+        type=int,
+        help="legs one worker may have in flight from this router; at the cap it is no "
+        "candidate, with every candidate at it the request gets 429 (0: no cap)",
+    )
+    p.add_argument("--max-inflight-per-prefill", type=int, help="the same for prefill workers only")
+    p.add_argument("--max-inflight-per-decode", type=int, help="the same for decode workers only")
+    p.add_argument(
+        "--capacity-backoff",
+        type=float,
+        help="a worker that answered 429/503 (full) is avoided this long while another "
+        "candidate exists, s (1; 0: never)",
     )
 
 
@@ -322,6 +435,8 @@ def _overrides(parser: _Parser, args: argparse.Namespace) -> dict[str, Any]:
         out.setdefault("registry", {})["bootstrap_ports"] = _namespace_ports(
             parser, args.bootstrap_namespace
         )
+    if args.no_bootstrap_reachability_check:
+        out.setdefault("registry", {})["bootstrap_check_reachable"] = False
     for name in ("policy", "prefill_policy", "decode_policy"):
         if getattr(args, name):
             out.setdefault("policy", {})[name] = getattr(args, name)

@@ -12,6 +12,9 @@ from registry.backends import open_store
 from registry.engine_api import RankTables
 from registry.service import RegistryService
 from router.adapters import build_adapter
+from router.admission import AdmissionGate
+from router.bootstrap_listeners import bootstrap_servers, pool_owner_hosts
+from router.circuit_breaker import build_circuits
 from router.discovery import Discovery
 from router.engine_load import EngineLoadMonitor
 from router.health import HealthProber
@@ -19,7 +22,6 @@ from router.kv_event_feed import KVEventFeed
 from router.kv_index import KVBlockIndex
 from router.lifecycle import RouterLifecycle
 from router.metrics import RouterMetrics
-from router.namespace_ports import namespace_servers
 from router.pair_ledger import PairLedger
 from router.pipeline import Pipeline
 from router.policies import build_policies
@@ -51,6 +53,7 @@ class AppContext:
     accounting: RequestAccounting
     tracer: Tracer | None
     lifecycle: RouterLifecycle
+    admission: AdmissionGate
 
     def live_view(self, worker_id: str) -> dict[str, Any] | None:
         """This router's live state of a worker, for the admin API."""
@@ -97,7 +100,13 @@ async def open_context(
 ) -> AsyncIterator[AppContext]:
     """Build the context, start probing and registry sync, and tear all down on exit."""
     adapter = build_adapter(settings.engine)
-    pool = UpstreamPool(needs_engine_ids=adapter.needs_engine_ids)
+    admission = settings.admission
+    pool = UpstreamPool(
+        needs_engine_ids=adapter.needs_engine_ids,
+        caps=admission.worker_caps(),
+        capacity_backoff_s=admission.capacity_backoff_s,
+        retry_after_s=admission.retry_after_s,
+    )
     store = open_store(settings.registry.url)
     service = RegistryService(store)
     prober = HealthProber(pool, settings.engine, settings.health, tables)
@@ -115,8 +124,14 @@ async def open_context(
         observability.suspect_window_s, lambda: {w.id for w in (*pool.prefill, *pool.decode)}
     )
     traffic = RecentTraffic(observability.traffic_window_s, observability.traffic_bucket_s)
+    circuits = build_circuits(
+        settings.health,
+        settings.breaker,
+        live_ids=lambda: {w.id for w in (*pool.prefill, *pool.decode)},
+        on_transition=lambda scope, to: metrics.count(metrics.circuit_transitions, scope, to),
+    )
     metrics.registry.register(
-        RouterStateCollector(pool, pairs, index, feed, lambda: discovery.status)
+        RouterStateCollector(pool, pairs, index, feed, lambda: discovery.status, circuits)
     )
     tracer = build_tracer(settings.tracing)
     pipeline = Pipeline(
@@ -132,12 +147,14 @@ async def open_context(
         featurizer=featurizer,
         pairs=pairs,
         observability=observability,
+        circuits=circuits,
     )
     tables.bind(store)
     try:
         await discovery.seed()
         background = _background(prober.run(), discovery.run(), load_monitor.run(), feed.run())
-        async with namespace_servers(tables, settings), background:
+        listeners = bootstrap_servers(tables, settings, pool_owner_hosts(pool))
+        async with listeners, background:
             yield AppContext(
                 settings,
                 pool,
@@ -153,6 +170,7 @@ async def open_context(
                 RequestAccounting(metrics, traffic),
                 tracer,
                 lifecycle,
+                AdmissionGate(admission, metrics),
             )
     finally:
         if tracer is not None:

@@ -216,14 +216,25 @@ class Discovery:
         worker.bootstrap_namespace = namespace
         if namespace is None:
             return
-        registry, server = self._settings.registry, self._settings.server
-        worker.bootstrap_host = format_host(registry.advertise_host or _advertised(server.host))
+        registry = self._settings.registry
+        listen = registry.bootstrap_host or self._settings.server.host
+        worker.bootstrap_host = format_host(registry.advertise_host or _advertised(listen))
         port = registry.bootstrap_ports.get(namespace)
         if port is not None:
             worker.bootstrap_port = port
-        else:  # vLLM decoders accept a path prefix; SGLang ones need a namespace port
-            worker.bootstrap_port = server.port
+        elif registry.bootstrap_port is not None:
+            # vLLM decoders accept a path prefix; SGLang ones need a namespace port
+            worker.bootstrap_port = registry.bootstrap_port
             worker.bootstrap_path = f"/bootstrap/{namespace}"
+        else:
+            logger.warning(
+                "prefill %s registers under bootstrap namespace %r, but this router serves "
+                "neither a port for it (--bootstrap-namespace %s=PORT) nor a shared "
+                "--bootstrap-port: decoders cannot reach its ranks",
+                worker.public_url,
+                namespace,
+                namespace,
+            )
 
     def _remove(self, wid: str) -> None:
         removed = self._pool.remove(wid)

@@ -5,6 +5,8 @@ RouterError
 ├── BodyTooLarge            413
 ├── MethodNotAllowed        405
 ├── NoWorkerAvailable       503  no healthy prefill or decode worker
+│   └── WorkersBusy         429  every candidate is at its in-flight cap (also an Overloaded)
+├── Overloaded              429  admission: the wait queue is full or the wait timed out
 └── UpstreamError           502  an engine call failed
     ├── UpstreamUnavailable 502  transport error (``connect`` tells whether it is safe to retry)
     ├── UpstreamTimeout     504
@@ -20,11 +22,13 @@ __all__ = [
     "InvalidRequest",
     "MethodNotAllowed",
     "NoWorkerAvailable",
+    "Overloaded",
     "RouterError",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamTimeout",
     "UpstreamUnavailable",
+    "WorkersBusy",
     "error_body",
     "sse_error_event",
 ]
@@ -63,6 +67,27 @@ class MethodNotAllowed(RouterError):
 class NoWorkerAvailable(RouterError):
     status = 503
     error_type = "service_unavailable"
+
+
+class Overloaded(RouterError):
+    """The router sheds load (admission control): 429 with ``Retry-After`` (whole seconds).
+    ``reason`` (``queue_full``, ``queue_timeout``, ``worker_cap``) labels
+    ``pdr_admission_rejected_total``."""
+
+    status = 429
+    error_type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, reason: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.headers = ((b"retry-after", str(retry_after_s).encode()),)
+
+
+class WorkersBusy(Overloaded, NoWorkerAvailable):
+    """Every healthy candidate of a role is at its in-flight cap (``--max-inflight-per-*``)."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, reason="worker_cap", retry_after_s=retry_after_s)
 
 
 class ShuttingDown(RouterError):
@@ -110,6 +135,8 @@ class UpstreamTimeout(UpstreamError):
 
 # what engines answer when they are full (SGLang's KV pool, vLLM's queue): not a fault
 CAPACITY_STATUSES = frozenset({429, 503})
+# what the client gets with a full engine's 429/503 (the router avoids that worker ~1 s)
+CAPACITY_RETRY_AFTER = ((b"retry-after", b"1"),)
 
 
 class UpstreamStatusError(UpstreamError):
@@ -127,6 +154,7 @@ class UpstreamStatusError(UpstreamError):
         if upstream_status in CAPACITY_STATUSES:  # the client may retry later, as with us
             self.status = upstream_status
             self.error_type = "service_unavailable"
+            self.headers = CAPACITY_RETRY_AFTER
         elif 400 <= upstream_status < 500:
             self.status = upstream_status
             self.error_type = "invalid_request_error"

@@ -1,8 +1,12 @@
 """Background health probing: ``GET /health`` per worker, then the prefill's bootstrap layout.
 
-A worker is routable once a probe succeeded (and, for vllm-mooncake, its engine ids are known).
-It stops being routable when a probe fails or after N consecutive failed requests, and comes back
-with the next successful probe. Every probe re-reads the prefill's layout, so a restarted prefill
+A worker is healthy once a probe succeeded (and, for vllm-mooncake, its engine ids are known).
+It is marked down after ``unhealthy_threshold`` failed probes in a row (a stall of the router or
+the host fails one round of probes, which takes nobody out), at once when its port refuses
+connections, and never by a failed probe while it served a request within the last interval; a
+fallen worker comes back after ``healthy_threshold`` good probes. Failed requests are the circuit
+breakers' business (router.circuit_breaker): routing needs both a healthy worker and a breaker
+that lets the request through. Every probe re-reads the prefill's layout, so a restarted prefill
 (new engine ids) is picked up within one interval; ``refresh_soon`` does it at once.
 """
 
@@ -18,12 +22,17 @@ import httpx
 
 from registry.engine_api import RankTables
 from router.interrupt import reap
-from router.rank_layout import RankLayoutUnavailable, fetch_rank_layout, namespace_rank_layout
+from router.rank_layout import (
+    RankLayoutUnavailable,
+    RegistryDown,
+    fetch_rank_layout,
+    namespace_rank_layout,
+)
 from router.settings import EngineProtocol, HealthSettings
 from router.upstream_httpx import NODELAY
 from router.workers import Role, Worker, WorkerPool
 
-__all__ = ["HealthProber"]
+__all__ = ["HealthProber", "connection_refused"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +62,7 @@ class HealthProber:
             transport=httpx.AsyncHTTPTransport(socket_options=NODELAY, retries=0),
         )
         self._refreshing: dict[str, asyncio.Task[None]] = {}
+        self._kept_layouts: set[str] = set()  # prefills kept on their last layout: registry down
 
     async def run(self) -> None:
         """Probe every worker now and then every ``interval_s`` until cancelled."""
@@ -123,7 +133,7 @@ class HealthProber:
             response = await self._client.get(worker.url + "/health")
         except httpx.ConnectError as exc:
             logger.debug("health probe of %s failed: %r", worker.url, exc)
-            return _Probe.REFUSED if _refused(exc) else _Probe.FAILED
+            return _Probe.REFUSED if connection_refused(exc) else _Probe.FAILED
         except httpx.HTTPError as exc:
             logger.debug("health probe of %s failed: %r", worker.url, exc)
             return _Probe.FAILED
@@ -140,10 +150,15 @@ class HealthProber:
                 )
             else:
                 layout = await fetch_rank_layout(self._client, self._engine, worker)
+        except RegistryDown as exc:
+            return self._keep_layout(worker, exc)
         except RankLayoutUnavailable as exc:
             if worker.healthy or worker.engine_ids:
                 logger.warning("prefill %s layout unavailable: %s", worker.url, exc)
             return _Probe.FAILED
+        if worker.id in self._kept_layouts:
+            self._kept_layouts.discard(worker.id)
+            logger.info("prefill %s layout readable again", worker.url)
         if layout.engine_ids != worker.engine_ids or layout.dp_size != worker.dp_size:
             logger.info(
                 "prefill %s layout: dp_size=%d engine_ids=%s",
@@ -154,9 +169,29 @@ class HealthProber:
         worker.set_layout(layout.dp_size, layout.engine_ids)
         return _Probe.OK
 
+    def _keep_layout(self, worker: Worker, exc: RegistryDown) -> _Probe:
+        """The registry is down, which says nothing about the prefill: keep its last known
+        layout (OK) when it has one; warn once per outage."""
+        known = worker.seen_healthy and (
+            worker.engine_ids or self._engine is not EngineProtocol.VLLM_MOONCAKE
+        )
+        if not known:
+            return _Probe.FAILED
+        if worker.id not in self._kept_layouts:
+            self._kept_layouts.add(worker.id)
+            logger.warning(
+                "prefill %s: keeping its last known layout (dp_size=%d) while the registry is "
+                "unavailable: %s",
+                worker.url,
+                worker.dp_size,
+                exc,
+            )
+        return _Probe.OK
 
-def _refused(exc: httpx.ConnectError) -> bool:
-    """Whether the connect failed because nothing listens (not a connect timeout)."""
+
+def connection_refused(exc: BaseException) -> bool:
+    """Whether a connect failed because nothing listens (not a connect timeout): a refused
+    connection somewhere in ``exc``'s causes, or its message says so."""
     cause: BaseException | None = exc
     while cause is not None:
         if isinstance(cause, ConnectionRefusedError):

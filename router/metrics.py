@@ -9,7 +9,7 @@ Label children are cached: a request's instruments cost a dict lookup each, not 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["RouterMetrics"]
 
@@ -36,6 +36,7 @@ UPSTREAM_ERROR_KINDS = (
     "connect", "timeout", "kv_timeout", "kv_lost", "http_4xx", "http_5xx", "capacity", "broken",
     "stale_connection", "worker_lost", "invalid_answer",
 )  # fmt: skip
+ADMISSION_REJECT_REASONS = ("queue_full", "queue_timeout", "worker_cap")
 
 
 class RouterMetrics:
@@ -99,6 +100,13 @@ class RouterMetrics:
             buckets=_DECISION_BUCKETS,
             registry=registry,
         )
+        self.circuit_transitions = Counter(
+            "pdr_circuit_transitions",
+            "Circuit breaker transitions, by scope (worker; pair: a prefill->decode pair) and "
+            "the state entered (open, half_open, closed)",
+            ["scope", "to"],
+            registry=registry,
+        )
         self.decisions = Counter(
             "pdr_routing_decisions",
             "Requests routed, by prefill policy and outcome: how the prefill was chosen "
@@ -113,12 +121,35 @@ class RouterMetrics:
             buckets=_TOKENIZE_BUCKETS,
             registry=registry,
         )
+        # read at scrape time from the admission gate (router.admission binds them)
+        self.requests_inflight = Gauge(
+            "pdr_requests_inflight",
+            "Completion requests admitted and not finished (each holds an admission slot)",
+            registry=registry,
+        )
+        self.admission_queue_depth = Gauge(
+            "pdr_admission_queue_depth",
+            "Completion requests waiting for an admission slot",
+            registry=registry,
+        )
+        self.admission_rejected = Counter(
+            "pdr_admission_rejected",
+            "Requests answered 429 by admission control, by reason (queue_full, queue_timeout, "
+            "worker_cap: every candidate worker at its in-flight cap)",
+            ["reason"],
+            registry=registry,
+        )
         self._children: dict[tuple[int, Labels], Counter | Histogram] = {}
+        for reason in ADMISSION_REJECT_REASONS:
+            self._child(self.admission_rejected, (reason,))
         # known label values start at 0: rate() sees the first failure, dashboards show 0
         for role in ROLES:
             self._child(self.retries, (role,))
             for kind in UPSTREAM_ERROR_KINDS:
                 self._child(self.upstream_errors, (role, kind))
+        for scope in ("worker", "pair"):
+            for to in ("open", "half_open", "closed"):
+                self._child(self.circuit_transitions, (scope, to))
 
     def _child(self, metric: Counter | Histogram, labels: Labels) -> Counter | Histogram:
         key = (id(metric), labels)

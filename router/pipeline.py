@@ -14,6 +14,15 @@ Real engines never give up on a KV that does not come before 480-540 s, so the r
   decode leg is cancelled with an error;
 - a streaming decode's first byte has not come ``kv_arrival_timeout_s`` after the prefill
   answered (``LegClock``): the decode leg is cancelled with a 504.
+
+Circuit breakers (``router.circuit_breaker``) hear every outcome. A worker's: its leg succeeded,
+or failed by its own fault (transport errors, timeouts, 5xx; not 429/503 "full", not a KV that
+did not come). A pair's: the decode leg of a PD attempt failed (5xx, timeout, ``kv_timeout``,
+dropped stream) or recomputed the prompt, while the prefill leg did not fail. An open breaker
+never marks a worker down by itself: a worker that may be alive keeps its pending KV transfers.
+Only a breaker opened by a refused connection (nothing listens: the engine is gone, as a refused
+probe says) marks the worker down too, which tells the requests waiting for its KV
+(``Worker.signal_loss``); health probes bring it back.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Any
 import msgspec
 
 from router.adapters import LegPlan, PDAdapter
+from router.circuit_breaker import Circuits, build_circuits
 from router.decode_usage import PromptUsage, prompt_usage, prompt_usage_in_sse
 from router.errors import (
     CAPACITY_STATUSES,
@@ -39,6 +49,7 @@ from router.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from router.health import connection_refused
 from router.interrupt import Interrupt, failure_of, reap
 from router.leg_clock import LegClock
 from router.metrics import RouterMetrics
@@ -53,6 +64,7 @@ from router.sample_split import SampleSplit
 from router.schemas import ParsedRequest
 from router.settings import (
     CacheAwareSettings,
+    CircuitBreakerSettings,
     HealthSettings,
     ObservabilitySettings,
     UpstreamSettings,
@@ -69,6 +81,9 @@ _decode = msgspec.json.Decoder().decode
 _JSON = b"application/json"
 _USAGE = b'"usage"'
 _RETRYABLE_KINDS = frozenset({"capacity", "stale_connection", "worker_lost"})
+# failures that say nothing against the worker whose leg saw them: the KV did not come (the
+# pair's), or the prefill was lost (marked down already)
+_NOT_THE_WORKERS = frozenset({"kv_timeout", "kv_lost", "worker_lost"})
 
 
 class ClientDisconnected(Exception):
@@ -180,8 +195,10 @@ class Pipeline:
         featurizer: Featurizer | None = None,
         pairs: PairLedger | None = None,
         observability: ObservabilitySettings | None = None,
+        circuits: Circuits | None = None,
     ) -> None:
         self._pool = pool
+        self.circuits = circuits or build_circuits(health_settings, CircuitBreakerSettings())
         self._adapter = adapter
         self._metrics = metrics = metrics or RouterMetrics()
         self.chooser = RouteChooser(
@@ -192,11 +209,11 @@ class Pipeline:
             metrics,
             cache_settings or CacheAwareSettings(),
             featurizer or Featurizer(None),
+            self.circuits,
         )
         self._pairs = pairs or PairLedger()
         self._recompute_ratio = (observability or ObservabilitySettings()).recompute_min_ratio
         self._settings = upstream_settings
-        self._failure_threshold = health_settings.failure_threshold
         self._on_stale_layout = on_stale_layout
 
     async def handle(
@@ -275,6 +292,9 @@ class Pipeline:
                     attempt,
                     exc.message,
                 )
+            finally:
+                for breaker in route.trials:  # a trial without a verdict frees its permit
+                    breaker.end_trial()
             started = time.perf_counter()
             span = trace.child("pdr.route") if trace is not None else None
 
@@ -303,16 +323,21 @@ class Pipeline:
         if route.prefill is not None:
             key = (route.prefill.id, route.decode.id)
             self._pairs.failed(key, route.prefill.public_url, route.decode.public_url, exc.message)
+            if _transfer_failed(exc):
+                self.circuits.pair_failure(route.prefill, route.decode, exc.message)
 
     def _pd_served(self, pair: tuple[Worker, int, Worker], receipt: RoutingReceipt) -> None:
         prefill, _, decode = pair
         key = (prefill.id, decode.id)
-        if receipt.decode_error is not None:
+        if receipt.decode_error is not None:  # a 5xx counted against the pair already
             self._pairs.failed(key, prefill.public_url, decode.public_url, receipt.decode_error)
             return
         self._pairs.served(key, prefill.public_url, decode.public_url)
-        if receipt.recomputed:
+        if not receipt.recomputed:
+            self.circuits.pair_success(prefill, decode)
+        else:
             self._pairs.recomputed(key, prefill.public_url, decode.public_url)
+            self.circuits.pair_failure(prefill, decode, "the decode recomputed the prompt")
             logger.warning(
                 "PD did not happen: decode %s recomputed the prompt instead of using the KV "
                 "from prefill %s (dp_rank %d); pair %s -> %s is suspect",
@@ -611,6 +636,9 @@ class Pipeline:
         self._metrics.count(self._metrics.upstream_errors, "decode", kind)
         if legs is not None:
             legs.receipt.decode_error = f"decode answered HTTP {status}: {_error_detail(content)}"
+            if status >= 500:
+                prefill, _, decode = legs.pair
+                self.circuits.pair_failure(prefill, decode, legs.receipt.decode_error)
 
     def _check_recompute(self, legs: _Legs, usage: PromptUsage | None) -> None:
         """Whether the decode's usage shows it computed the prompt itself (PD did nothing)."""
@@ -658,22 +686,55 @@ class Pipeline:
     ) -> None:
         if status < 500:
             self._record(worker, None)
-            return
-        self._check_stale_layout(content, worker, prefill)
-        worker.record_failure(self._failure_threshold)
+        elif not self._check_stale_layout(content, worker, prefill):  # else: the prefill's
+            self.circuits.worker_failure(worker, f"HTTP {status}: {_error_detail(content)}")
 
-    def _check_stale_layout(self, content: bytes, worker: Worker, prefill: Worker | None) -> None:
+    def _check_stale_layout(self, content: bytes, worker: Worker, prefill: Worker | None) -> bool:
         """A decode error naming an unknown engine id: re-read the prefill's layout now."""
-        if prefill is not None and self._adapter.is_stale_layout(content):
-            logger.warning(
-                "decode %s does not know prefill %s's engine id; re-querying",
-                worker.public_url,
-                prefill.public_url,
-            )
-            self._on_stale_layout(prefill)
+        if prefill is None or not self._adapter.is_stale_layout(content):
+            return False
+        logger.warning(
+            "decode %s does not know prefill %s's engine id; re-querying",
+            worker.public_url,
+            prefill.public_url,
+        )
+        self._on_stale_layout(prefill)
+        return True
 
     def _record(self, worker: Worker, exc: UpstreamError | None) -> None:
         if exc is None:
             worker.record_success()
+            self.circuits.worker_success(worker)
         elif is_worker_fault(exc):
-            worker.record_failure(self._failure_threshold)
+            self._worker_failed(worker, exc)
+        elif exc.kind == "capacity":  # full, not broken: avoid it for a moment
+            self._pool.back_off(worker)
+
+    def _worker_failed(self, worker: Worker, exc: UpstreamError) -> None:
+        """A leg failed by the worker's fault: its breaker hears it. When that opens the breaker
+        and the connection was refused (the engine is gone), the worker is marked down too, as
+        a refused probe does: requests waiting for its KV give up, probes bring it back."""
+        if exc.role != worker.role.value or exc.kind in _NOT_THE_WORKERS:
+            return
+        self.circuits.worker_failure(worker, exc.message)
+        if worker.healthy and _refused(exc) and not self.circuits.worker_allows(worker):
+            logger.warning(
+                "%s worker %s is now unhealthy: its port refuses connections",
+                worker.role.value,
+                worker.public_url,
+            )
+            worker.mark_down("its port refuses connections")
+
+
+def _refused(exc: UpstreamError) -> bool:
+    """Nothing listens on the worker's port (not a connect timeout): the engine is gone."""
+    return isinstance(exc, UpstreamUnavailable) and exc.connect and connection_refused(exc)
+
+
+def _transfer_failed(exc: UpstreamError) -> bool:
+    """A PD attempt's decode leg failed by a fault after it was sent (so the KV transfer may
+    be what failed): evidence against the pair. Not a decode that could not be reached, nor
+    one that was full."""
+    if exc.role != "decode" or not is_worker_fault(exc):
+        return False
+    return not (isinstance(exc, UpstreamUnavailable) and exc.connect)

@@ -13,13 +13,14 @@ from typing import Any
 import httpx
 
 from registry.engine_api import RankTables
-from registry.errors import RegistryError
+from registry.errors import RegistryError, RegistryUnavailable
 from router.settings import EngineProtocol
 from router.workers import Worker
 
 __all__ = [
     "RankLayout",
     "RankLayoutUnavailable",
+    "RegistryDown",
     "fetch_rank_layout",
     "namespace_rank_layout",
     "parse_vllm_query",
@@ -40,6 +41,10 @@ _SGLANG_INFO_OLD = {"engine_rank": "-1", "target_dp_group": "-1", "target_pp_ran
 
 class RankLayoutUnavailable(Exception):
     """The prefill's bootstrap server could not tell its layout (yet)."""
+
+
+class RegistryDown(RankLayoutUnavailable):
+    """The registry's store could not be read: no evidence about the prefill (keep its layout)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +90,8 @@ async def namespace_rank_layout(
     tables: RankTables, engine: EngineProtocol, namespace: str
 ) -> RankLayout:
     """The layout a prefill registered with this router's own registry; raises
-    RankLayoutUnavailable until every rank is there."""
+    RankLayoutUnavailable until every rank is there, RegistryDown when the store is unavailable
+    and the table has no last known data to answer from."""
     try:
         if engine is EngineProtocol.VLLM_MOONCAKE:
             vllm = await tables.vllm(namespace).snapshot()
@@ -102,6 +108,8 @@ async def namespace_rank_layout(
                 )
             return RankLayout(info.dp_size)
         return RankLayout(dp_size=1)
+    except RegistryUnavailable as exc:
+        raise RegistryDown(f"namespace {namespace!r}: {exc}") from exc
     except RegistryError as exc:
         raise RankLayoutUnavailable(f"namespace {namespace!r}: {exc}") from exc
 

@@ -6,14 +6,22 @@ With a vLLM protocol the prefill leg may be skipped (``_few_uncached``, ``satura
 decode alone gets the client's body and prefills locally, when few prompt tokens are predicted
 uncached or every prefill is saturated. No I/O here except tokenizing through a render endpoint
 (``features``).
+
+Circuit breakers (``router.circuit_breaker``): a worker whose breaker is open is no candidate
+(when every healthy one of a role is open: 503). A chosen prefill -> decode pair whose breaker
+is open is avoided: another decode for that prefill if one's pair is not open, else another
+prefill; when every pair is open the policies' choice goes through anyway (best effort: both
+workers are healthy, only their pairing failed lately). A half-open breaker on the route gives
+the attempt its trial permit (``Route.trials``), handed back when the attempt ends.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from router.circuit_breaker import CircuitBreaker, Circuits
 from router.errors import NoWorkerAvailable
 from router.metrics import RouterMetrics
 from router.policies import Policy, least_loaded_rank
@@ -42,6 +50,8 @@ class Route:
     reason: str | None = None  # why the prefill leg is skipped
     # prompt tokens the prefill is predicted to compute (pending at its rank meanwhile); 0 unknown
     prefill_tokens: int = 0
+    # half-open breakers whose trial permit this attempt holds (``end_trial`` when it ends)
+    trials: tuple[CircuitBreaker, ...] = ()
 
 
 class RouteChooser:
@@ -56,8 +66,10 @@ class RouteChooser:
         metrics: RouterMetrics,
         cache_settings: CacheAwareSettings,
         featurizer: Featurizer,
+        circuits: Circuits | None = None,
     ) -> None:
         self._pool = pool
+        self._circuits = circuits
         self._prefill_policy = prefill_policy
         self._decode_policy = decode_policy
         self._metrics = metrics
@@ -83,6 +95,9 @@ class RouteChooser:
         """Choose (timed), decide whether to skip the prefill leg, and count the outcome."""
         started = time.perf_counter()
         route = self._select(failed, features)
+        if self._circuits is not None:
+            trials = self._circuits.trials(route.prefill, route.decode)
+            route = replace(route, trials=trials) if trials else route
         metrics = self._metrics
         policy = self._prefill_policy.name
         metrics.observe(metrics.decision_seconds, time.perf_counter() - started, policy)
@@ -152,12 +167,8 @@ class RouteChooser:
         return explained
 
     def _select(self, failed: set[str], features: RequestFeatures | None) -> Route:
-        prefills = self._pool.available_prefill()
-        decodes = self._pool.available_decode()
-        if not prefills:
-            raise NoWorkerAvailable("no healthy prefill worker is available")
-        if not decodes:
-            raise NoWorkerAvailable("no healthy decode worker is available")
+        prefills = self._closed(self._pool.available_prefill(), "prefill")
+        decodes = self._closed(self._pool.available_decode(), "decode")
         if failed:
             decodes = [w for w in decodes if w.id not in failed] or decodes
         decode = self._decode_policy.choose(decodes)
@@ -165,16 +176,62 @@ class RouteChooser:
             return Route(None, 0, decode, None, "prefills_saturated")
         if failed:
             prefills = [w for w in prefills if w.id not in failed] or prefills
+        route = self._prefill_route(prefills, decode, features)
+        circuits = self._circuits
+        if circuits is not None and circuits.any_pair_breaker():
+            route = self._avoid_open_pair(route, prefills, decodes, features, circuits)
+        if self._may_skip and self._few_uncached(route, features):
+            return Route(None, 0, decode, route.choice, "few_uncached_tokens")
+        return route
+
+    def _closed(self, healthy: list[Worker], role: str) -> list[Worker]:
+        """The healthy workers whose breaker lets a request through; raises NoWorkerAvailable
+        when none is left."""
+        if not healthy:
+            raise NoWorkerAvailable(f"no healthy {role} worker is available")
+        circuits = self._circuits
+        if circuits is None or not circuits.any_worker_breaker():
+            return healthy
+        allowed = [w for w in healthy if circuits.worker_allows(w)]
+        if not allowed:
+            wait = circuits.next_trial_in(healthy)
+            when = "" if wait is None else f"; the next trial in {wait:.1f}s"
+            raise NoWorkerAvailable(
+                f"no {role} worker is available: the circuit breaker of every healthy one is "
+                f"open after failed requests{when}"
+            )
+        return allowed
+
+    def _prefill_route(
+        self, prefills: list[Worker], decode: Worker, features: RequestFeatures | None
+    ) -> Route:
         if self._cache_aware is not None:
             choice = self._cache_aware.choose_prefill(prefills, features or RequestFeatures())
             uncached = _uncached_tokens(choice, features) or 0
-            route = Route(choice.worker, choice.rank, decode, choice, prefill_tokens=uncached)
-        else:
-            prefill = self._prefill_policy.choose(prefills)
-            rank = least_loaded_rank(prefill) if prefill.dp_size > 1 else 0
-            route = Route(prefill, rank, decode)
-        if self._may_skip and self._few_uncached(route, features):
-            return Route(None, 0, decode, route.choice, "few_uncached_tokens")
+            return Route(choice.worker, choice.rank, decode, choice, prefill_tokens=uncached)
+        prefill = self._prefill_policy.choose(prefills)
+        rank = least_loaded_rank(prefill) if prefill.dp_size > 1 else 0
+        return Route(prefill, rank, decode)
+
+    def _avoid_open_pair(
+        self,
+        route: Route,
+        prefills: list[Worker],
+        decodes: list[Worker],
+        features: RequestFeatures | None,
+        circuits: Circuits,
+    ) -> Route:
+        """Another decode for the chosen prefill, else another prefill for the chosen decode,
+        when the chosen pair's breaker is open; the route as chosen when every pair is open."""
+        prefill, decode = route.prefill, route.decode
+        if prefill is None or circuits.pair_allows(prefill, decode):
+            return route
+        others = [d for d in decodes if d is not decode and circuits.pair_allows(prefill, d)]
+        if others:
+            return replace(route, decode=self._decode_policy.choose(others))
+        others = [p for p in prefills if p is not prefill and circuits.pair_allows(p, decode)]
+        if others:
+            return self._prefill_route(others, decode, features)
         return route
 
     def _few_uncached(self, route: Route, features: RequestFeatures | None) -> bool:

@@ -179,7 +179,7 @@ def _prompt_batch(prompt: Any, max_batch: int) -> int | None:
         )
     first = prompt[0]
     if isinstance(first, int) and not isinstance(first, bool):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not _token_ids(prompt):
             raise InvalidRequest("'prompt' mixes token ids with other values", param="prompt")
         return None
     if len(prompt) > max_batch:  # before looking at every entry
@@ -187,8 +187,15 @@ def _prompt_batch(prompt: Any, max_batch: int) -> int | None:
             f"'prompt' holds {len(prompt)} prompts; at most {max_batch} per request",
             param="prompt",
         )
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+    if all(isinstance(p, str) for p in prompt):
+        return len(prompt)
+    if all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
         return len(prompt)
     raise InvalidRequest(
-        "'prompt' must be a string, a list of strings or a list of token-id lists", param="prompt"
+        "'prompt' must be a string, a list of strings or a list of non-empty token-id lists",
+        param="prompt",
     )
+
+
+def _token_ids(values: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)

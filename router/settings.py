@@ -6,14 +6,16 @@ from enum import StrEnum
 from typing import Annotated, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from registry.models import NAMESPACE_PATTERN, check_worker_url
 from registry.settings import RegistrySettings
 
 __all__ = [
+    "AdmissionSettings",
     "CacheAwareSettings",
+    "CircuitBreakerSettings",
     "EngineProtocol",
     "HealthSettings",
     "LoadSettings",
@@ -87,6 +89,14 @@ class ServerSettings(BaseModel):
     # few dozen; msgspec gives up near 1000 levels anyway
     max_json_depth: int = Field(default=64, ge=1, le=512)
     graceful_shutdown_s: PositiveFloat = 30.0
+    # HTTP connection limits (router.http_limits): a request's head (request line + headers)
+    # beyond max_header_bytes gets 431; headers not complete header_timeout_s after their first
+    # byte, or a body idle for body_timeout_s, get 408; connections beyond max_connections get
+    # 503 at once (None: derived from the open file limit, leaving room for upstream sockets)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    header_timeout_s: PositiveFloat = 10.0
+    body_timeout_s: PositiveFloat = 30.0
+    max_connections: int | None = Field(default=None, ge=1)
 
 
 class UpstreamSettings(BaseModel):
@@ -103,6 +113,32 @@ class UpstreamSettings(BaseModel):
     keepalive_s: PositiveFloat = 4.0  # below the engines' own keep-alive (uvicorn: 5 s)
     max_retries: int = Field(default=2, ge=0, le=10)
     client: Literal["aiohttp", "httpx"] = "aiohttp"
+
+
+class AdmissionSettings(BaseModel):
+    """Overload: admission control before routing, per-worker in-flight caps, and the back-off
+    from an engine that answered it is full (``router.admission``, ``WorkerPool``)."""
+
+    # completion requests served at once (admitted after their body was read and parsed); more
+    # wait in a FIFO queue; 0: no limit
+    max_concurrent_requests: int = Field(default=1024, ge=0)
+    max_queued_requests: int = Field(default=2048, ge=0)  # beyond it: 429 at once
+    queue_timeout_s: PositiveFloat = 30.0  # a request queued longer gets 429
+    retry_after_s: int = Field(default=1, ge=1, le=3600)  # the 429s' Retry-After
+    # legs a worker may have in flight from this router (all its DP ranks); at the cap it is no
+    # candidate, and with every candidate at it the request gets 429; 0: no cap
+    max_inflight_per_worker: int = Field(default=0, ge=0)
+    max_inflight_per_prefill: int | None = Field(default=None, ge=0)  # None: ..._per_worker
+    max_inflight_per_decode: int | None = Field(default=None, ge=0)
+    # a worker that answered 429/503 (full) is avoided this long while another candidate
+    # exists (not a fault: it stays healthy); 0: never avoided
+    capacity_backoff_s: float = Field(default=1.0, ge=0)
+
+    def worker_caps(self) -> tuple[int, int]:
+        """The in-flight caps of a prefill and of a decode worker (0: none)."""
+        default = self.max_inflight_per_worker
+        prefill, decode = self.max_inflight_per_prefill, self.max_inflight_per_decode
+        return (default if prefill is None else prefill, default if decode is None else decode)
 
 
 class PolicySettings(BaseModel):
@@ -147,9 +183,29 @@ class CacheAwareSettings(BaseModel):
 class HealthSettings(BaseModel):
     interval_s: PositiveFloat = 5.0
     timeout_s: PositiveFloat = 2.0
-    failure_threshold: int = Field(default=3, ge=1)  # consecutive failed requests: down
+    # consecutive failed requests (the worker's fault) that open the worker's circuit breaker
+    failure_threshold: int = Field(default=3, ge=1)
     unhealthy_threshold: int = Field(default=3, ge=1)  # consecutive failed probes: down
     healthy_threshold: int = Field(default=2, ge=1)  # consecutive good probes: back up
+
+
+class CircuitBreakerSettings(BaseModel):
+    """Circuit breakers (router.circuit_breaker): a worker's opens after
+    ``health.failure_threshold`` failed requests in a row, a prefill -> decode pair's after
+    ``pair_failure_threshold`` failed KV transfers in a row; open ones get one trial request
+    after ``open_s``, doubled after every failed trial up to ``max_open_s``."""
+
+    open_s: PositiveFloat = 5.0
+    max_open_s: PositiveFloat = 60.0
+    pair_failure_threshold: int = Field(default=3, ge=0)  # 0: no pair breakers
+
+    @field_validator("max_open_s")
+    @classmethod
+    def _check_back_off(cls, value: float, info: ValidationInfo) -> float:
+        start = info.data.get("open_s")
+        if start is not None and value < start:
+            raise ValueError(f"the back-off cap ({value:g}s) is below --breaker-open ({start:g}s)")
+        return value
 
 
 class LoggingSettings(BaseModel):
@@ -197,8 +253,10 @@ class RouterSettings(BaseSettings):
     decode: list[WorkerSpec] = Field(default_factory=list)
     server: ServerSettings = ServerSettings()
     upstream: UpstreamSettings = UpstreamSettings()
+    admission: AdmissionSettings = AdmissionSettings()
     policy: PolicySettings = PolicySettings()
     health: HealthSettings = HealthSettings()
+    breaker: CircuitBreakerSettings = CircuitBreakerSettings()
     load: LoadSettings = LoadSettings()
     cache: CacheAwareSettings = CacheAwareSettings()
     registry: RegistrySettings = RegistrySettings()

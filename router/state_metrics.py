@@ -1,9 +1,9 @@
 """Scrape-time gauges and counters of the router's live state.
 
-Read from the pool, the P<->D pair ledger, the KV index and event feed and the registry status
-when Prometheus scrapes, never on the request path. A worker that leaves the pool takes its
-series with it (and its pairs: the ledger is pruned first), so label values stay bounded by the
-pool.
+Read from the pool, the P<->D pair ledger, the circuit breakers, the KV index and event feed and
+the registry status when Prometheus scrapes, never on the request path. A worker that leaves the
+pool takes its series with it (and its pairs: the ledger and the breakers are pruned first), so
+label values stay bounded by the pool.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.circuit_breaker import Circuits, CircuitState
 from router.discovery import RegistryStatus
 from router.kv_event_feed import KVEventFeed
 from router.kv_index import KVBlockIndex
@@ -40,8 +41,10 @@ class RouterStateCollector(Collector):
         index: KVBlockIndex,
         feed: KVEventFeed,
         registry_status: Callable[[], RegistryStatus],
+        circuits: Circuits | None = None,
     ) -> None:
         self._pool = pool
+        self._circuits = circuits
         self._pairs = pairs
         self._index = index
         self._feed = feed
@@ -53,6 +56,8 @@ class RouterStateCollector(Collector):
         yield from self._engines(workers)
         yield from self._prefill_ranks(self._pool.prefill)
         yield from self._pair_metrics()
+        if self._circuits is not None:
+            yield from self._circuit_metrics(self._circuits)
         registry = _gauge("pdr_registry_up", "1 when the worker registry answers, else 0", [])
         registry.add_metric([], 1.0 if self._registry_status().ok else 0.0)
         yield registry
@@ -150,3 +155,24 @@ class RouterStateCollector(Collector):
             recomputes.add_metric(labels, float(stats.recomputes))
             suspect.add_metric(labels, 1.0 if stats.suspect(now, window) else 0.0)
         yield from (requests, errors, recomputes, suspect)
+
+    def _circuit_metrics(self, circuits: Circuits) -> Iterator[Metric]:
+        """1 while a breaker keeps traffic away (open, or half-open: one trial at a time). Only
+        targets that ever failed have a breaker (and a series)."""
+        workers = _gauge(
+            "pdr_worker_circuit_open",
+            "1 while the worker's circuit breaker is open or half-open (no normal traffic)",
+            _WORKER,
+        )
+        pairs = _gauge(
+            "pdr_pd_pair_circuit_open",
+            "1 while the prefill->decode pair's circuit breaker is open or half-open",
+            _PAIR,
+        )
+        for family, states in (
+            (workers, circuits.worker_states()),
+            (pairs, circuits.pair_states()),
+        ):
+            for labels, state in states:
+                family.add_metric(list(labels), 0.0 if state is CircuitState.CLOSED else 1.0)
+        yield from (workers, pairs)

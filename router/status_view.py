@@ -12,17 +12,27 @@
       "pairs": [...],                        # ctx.pairs.snapshot(): per P<->D pair counters
       "traffic": {...},                      # ctx.traffic.snapshot(): rate, errors, TTFT buckets
       "registry": {"url": "memory://", "ok": true, "error": null, "since": 1700000000.0},
-      "kv_events": [{"worker": url, "dp_rank": 0, **FeedStats.as_dict()}, ...]
+      "kv_events": [{"worker": url, "dp_rank": 0, **FeedStats.as_dict()}, ...],
+      "admission": {"inflight": 3, "queued": 0, "limit": 1024,   # limit null: no limit
+                    "max_queued": 2048, "queue_timeout_s": 30.0},
+      "circuits": [C, ...]                   # breakers open or half-open, as /ready lists them
     }
 
     W = {"id", "url", "role", "healthy", "draining", "inflight", "dp_size",
+         "full_retry_in_s": 0.8 | null,      # capacity back-off: it said it is full (429/503)
+         "circuit": {"state", "reason", "retry_in_s"} | null,     # its breaker, unless closed
          "ranks": [{"dp_rank", "inflight",
                     "engine": {"running", "waiting", "kv_usage", "age_s"} | null,
                     "pending_prefill_tokens", "kv_blocks"}]}        # the last two: prefill only
+    C = {"scope": "worker", "role", "worker"} | {"scope": "pair", "prefill", "decode"},
+        plus {"state": "open" | "half_open", "reason", "retry_in_s" (null: half-open),
+              "open_s", "trial_in_flight"}
 
 ``engine`` is null when the rank has no fresh load reading (never read, the read failed, or it
 is older than ``--load-stale-after``): the router treats such a rank's load as unknown, and so
 does the page. ``kv_events`` lists only the DP ranks whose KV event stream the router follows.
+``full_retry_in_s`` is how long the router still avoids a worker that answered it is full (while
+another candidate exists); null when it is not avoided.
 """
 
 from __future__ import annotations
@@ -31,12 +41,16 @@ import time
 from typing import Any
 
 from registry.models import redact_url
+from router.admission import AdmissionGate
 from router.context import AppContext
 from router.kv_event_feed import KVEventFeed
 from router.kv_index import KVBlockIndex
+from router.settings import AdmissionSettings
 from router.workers import LoadReading, Role, Worker
 
 __all__ = ["status_snapshot"]
+
+_CIRCUIT_KEYS = ("state", "reason", "retry_in_s")  # of a worker's own breaker, in its row
 
 
 def status_snapshot(ctx: AppContext) -> dict[str, Any]:
@@ -44,14 +58,16 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
     now = time.monotonic()
     pool = ctx.pool
     registry = ctx.discovery.status
+    circuits = [t.describe() for t in ctx.pipeline.circuits.tripped()]
+    breakers = {(c["role"], c["worker"]): c for c in circuits if c["scope"] == "worker"}
     return {
         "generated_at": time.time(),
         "engine": ctx.settings.engine.value,
         "policy": ctx.pipeline.chooser.policy_names(),
         "ready": pool.ready(),
         "workers": {
-            "prefill": [_worker(w, ctx.index, now) for w in pool.prefill],
-            "decode": [_worker(w, ctx.index, now) for w in pool.decode],
+            "prefill": [_worker(w, ctx.index, now, breakers) for w in pool.prefill],
+            "decode": [_worker(w, ctx.index, now, breakers) for w in pool.decode],
         },
         "pairs": ctx.pairs.snapshot(),
         "traffic": ctx.traffic.snapshot(),
@@ -62,10 +78,28 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
             "since": registry.since,
         },
         "kv_events": _kv_events(pool.prefill, ctx.feed),
+        "admission": _admission(ctx.admission, ctx.settings.admission),
+        "circuits": circuits,
     }
 
 
-def _worker(worker: Worker, index: KVBlockIndex, now: float) -> dict[str, Any]:
+def _admission(gate: AdmissionGate, settings: AdmissionSettings) -> dict[str, Any]:
+    return {
+        "inflight": gate.inflight,
+        "queued": gate.queued,
+        "limit": settings.max_concurrent_requests or None,
+        "max_queued": settings.max_queued_requests,
+        "queue_timeout_s": settings.queue_timeout_s,
+    }
+
+
+def _worker(
+    worker: Worker,
+    index: KVBlockIndex,
+    now: float,
+    breakers: dict[tuple[str, str], dict[str, Any]],
+) -> dict[str, Any]:
+    breaker = breakers.get((worker.role.value, worker.public_url))
     return {
         "id": worker.id,
         "url": worker.public_url,
@@ -74,6 +108,8 @@ def _worker(worker: Worker, index: KVBlockIndex, now: float) -> dict[str, Any]:
         "draining": worker.draining,
         "inflight": worker.inflight,
         "dp_size": worker.dp_size,
+        "full_retry_in_s": round(worker.full_until - now, 3) if worker.full_until > now else None,
+        "circuit": None if breaker is None else {k: breaker[k] for k in _CIRCUIT_KEYS},
         "ranks": [_rank(worker, rank, index, now) for rank in range(len(worker.rank_inflight))],
     }
 

@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 import httpx
 
 from registry.models import redact_url
+from router.errors import WorkersBusy
 
 __all__ = ["EngineLoad", "LoadReading", "Role", "Worker", "WorkerPool", "format_host"]
 
@@ -63,11 +64,12 @@ class Worker:
     healthy: bool = False
     draining: bool = False
     epoch: int = 1
-    consecutive_failures: int = 0  # failed requests in a row
     probe_failures: int = 0  # failed health probes in a row
     probe_successes: int = 0  # good health probes in a row
     seen_healthy: bool = False  # a new worker needs one good probe, a fallen one more
     last_success: float = -1e18  # time.monotonic() of the last request it served
+    # time.monotonic() until which it is avoided: it answered it is full (429/503), not broken
+    full_until: float = 0.0
     inflight: int = 0
     dp_size: int = 1
     engine_ids: tuple[str, ...] = ()  # vLLM Mooncake: engine id per DP rank, from /query
@@ -229,7 +231,6 @@ class Worker:
 
     def mark_up(self) -> None:
         self.healthy = self.seen_healthy = True
-        self.consecutive_failures = 0
 
     def mark_down(self, reason: str) -> None:
         self.healthy = False
@@ -237,16 +238,8 @@ class Worker:
         self.signal_loss(f"it became unhealthy ({reason})")
 
     def record_success(self) -> None:
-        self.consecutive_failures = 0
+        """It served a request (failed requests feed its circuit breaker, router.pipeline)."""
         self.last_success = time.monotonic()
-
-    def record_failure(self, threshold: int) -> None:
-        """A request failed at the transport or with 5xx; enough in a row mark it unhealthy."""
-        self.consecutive_failures += 1
-        if self.consecutive_failures >= threshold and self.healthy:
-            reason = f"{self.consecutive_failures} requests in a row failed"
-            logger.warning("%s worker %s is now unhealthy: %s", self.role.value, self.url, reason)
-            self.mark_down(reason)
 
 
 C = TypeVar("C")
@@ -258,10 +251,25 @@ class WorkerPool(Generic[C]):
     Membership changes at runtime (registry); the role lists are replaced, never mutated, so a
     request that already picked a worker is unaffected. A removed worker keeps its client until
     its in-flight requests are done (``removed`` hands both back to the caller to close).
+
+    The routing candidates (``available_*``) leave out a worker at its in-flight cap
+    (``caps``: prefill, decode; 0: none) and, while another candidate exists, one that said it
+    is full less than ``capacity_backoff_s`` ago (``back_off``).
     """
 
-    def __init__(self, *, needs_engine_ids: bool) -> None:
+    def __init__(
+        self,
+        *,
+        needs_engine_ids: bool,
+        caps: tuple[int, int] = (0, 0),
+        capacity_backoff_s: float = 0.0,
+        retry_after_s: int = 1,
+    ) -> None:
         self._needs_engine_ids = needs_engine_ids
+        self._prefill_cap, self._decode_cap = caps
+        self._backoff_s = capacity_backoff_s
+        self._retry_after_s = retry_after_s
+        self._backoff_until = 0.0  # the latest full_until of any worker: none avoided after it
         self._workers: dict[str, Worker] = {}
         self._clients: dict[str, C] = {}
         self.prefill: list[Worker] = []
@@ -292,16 +300,57 @@ class WorkerPool(Generic[C]):
     def all(self) -> list[Worker]:
         return [*self.prefill, *self.decode]
 
-    def available_prefill(self) -> list[Worker]:
+    def usable_prefill(self) -> list[Worker]:
+        """Healthy, not draining, layout known: whatever their load."""
         if self._needs_engine_ids:
             return [w for w in self.prefill if w.healthy and not w.draining and w.engine_ids]
         return [w for w in self.prefill if w.healthy and not w.draining]
 
-    def available_decode(self) -> list[Worker]:
+    def usable_decode(self) -> list[Worker]:
         return [w for w in self.decode if w.healthy and not w.draining]
 
+    def available_prefill(self) -> list[Worker]:
+        """The prefill candidates for a request now; raises WorkersBusy when every usable one
+        is at its in-flight cap."""
+        return self._candidates(self.usable_prefill(), self._prefill_cap)
+
+    def available_decode(self) -> list[Worker]:
+        return self._candidates(self.usable_decode(), self._decode_cap)
+
     def ready(self) -> bool:
-        return bool(self.available_prefill()) and bool(self.available_decode())
+        return bool(self.usable_prefill()) and bool(self.usable_decode())
+
+    def back_off(self, worker: Worker) -> None:
+        """``worker`` answered it is full: avoid it for ``capacity_backoff_s`` while another
+        candidate exists. Not a fault: it stays healthy."""
+        if self._backoff_s <= 0:
+            return
+        now = time.monotonic()
+        if worker.full_until <= now:
+            logger.info(
+                "%s worker %s is full; avoiding it for %gs",
+                worker.role.value,
+                worker.public_url,
+                self._backoff_s,
+            )
+        worker.full_until = until = now + self._backoff_s
+        self._backoff_until = max(self._backoff_until, until)
+
+    def _candidates(self, usable: list[Worker], cap: int) -> list[Worker]:
+        if cap and usable:
+            below = [w for w in usable if w.inflight < cap]
+            if not below:
+                role = usable[0].role.value
+                raise WorkersBusy(
+                    f"every {role} worker is at its limit of {cap} requests in flight",
+                    retry_after_s=self._retry_after_s,
+                )
+            usable = below
+        now = time.monotonic()
+        if now < self._backoff_until:
+            open_now = [w for w in usable if w.full_until <= now]
+            return open_now or usable
+        return usable
 
     def _rebuild(self) -> None:
         workers = list(self._workers.values())

@@ -307,6 +307,8 @@ class FakeEngine:
                 return  # a crash: no terminating chunk, uvicorn drops the connection
             if sent and self.config.token_delay > 0:
                 await asyncio.sleep(self.config.token_delay)
+            elif sent:  # yield per token as an engine does: others run, a dead client is seen
+                await asyncio.sleep(0)
             await out.chunk(event)
         await out.finish()
 

@@ -3,7 +3,8 @@
 A bad worker URL is refused by the admin API and, when it reaches the store anyway (an older
 version wrote it, or someone wrote the store directly), skipped by discovery without stopping it;
 admin-added workers may not live at link-local or unspecified addresses; worker credentials never
-show; auth runs before the body is read and bodies are bounded; a store outage is a 503 JSON.
+show; auth runs before the body is read and bodies are bounded (the registry's /store too); a
+client gone mid-body ends quietly (no ERROR, no traceback); a store outage is a 503 JSON.
 """
 
 from __future__ import annotations
@@ -12,23 +13,26 @@ import asyncio
 import contextlib
 import http.client
 import logging
+import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from registry.app import create_registry_app
 from registry.backends import open_store
 from registry.models import WorkerRecord, encode_worker, worker_key
 from registry.settings import RegistrySettings
 from router import create_app
+from router.http_limits import HttpLimits, limited_http_protocol
 from testkit.etcd_server import EtcdServer
 from testkit.fake_cluster import FakeClusterFactory, settings_for
 from testkit.fake_engine import FakeEngine
 from testkit.polling import wait_until
-from testkit.servers import run_server, run_servers
+from testkit.servers import TestServer, run_server, run_servers, serving
 from tests.test_protocols import COMPLETION
 
 TOKEN = {"authorization": "Bearer s3cret"}
@@ -53,12 +57,14 @@ def _put_raw_record(store_url: str, record: WorkerRecord) -> None:
     asyncio.run(put())
 
 
-def _post_declared(port: int, path: str, length: int, headers: dict[str, str]) -> tuple[int, Any]:
+def _post_declared(
+    port: int, path: str, length: int, headers: dict[str, str], *, method: str = "POST"
+) -> tuple[int, Any]:
     """POST announcing ``length`` body bytes and sending none: a server that reads the body
     before answering never answers (the 5 s socket timeout fails the test)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
-        connection.putrequest("POST", path)
+        connection.putrequest(method, path)
         for name, value in {"content-type": "application/json", **headers}.items():
             connection.putheader(name, value)
         connection.putheader("content-length", str(length))
@@ -221,6 +227,88 @@ def test_standalone_registry_bounds_and_guards_admin_bodies() -> None:
         assert _post_declared(port, "/admin/workers", 8, {})[0] == 401
         status, body = _post_declared(port, "/admin/workers", HUGE, TOKEN)
         assert status == 413 and body["error"]["message"]
+        assert _post_declared(port, "/store/keys/k", 8, {}, method="PUT")[0] == 401
+        status, body = _post_declared(port, "/store/keys/k", HUGE, TOKEN, method="PUT")
+        assert status == 413 and "limit" in body["error"]["message"]
+
+
+class _CountFinished:
+    """ASGI wrapper counting the HTTP requests the app has finished with, however it ended."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.finished = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if scope["type"] == "http":
+                self.finished += 1
+
+
+def _cut_mid_body(port: int, method: str, path: str) -> None:
+    """Announce 1000 body bytes, send 20, hang up."""
+    head = f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(head.encode() + b"content-length: 1000\r\n\r\n" + b'{"role": "decode", "u')
+
+
+def _router_app() -> Any:
+    return create_app(settings_for("sglang", [], []))
+
+
+def _registry_app() -> Any:
+    return create_registry_app(RegistrySettings())
+
+
+@pytest.mark.parametrize(
+    "make_app,method,path",
+    [
+        (_router_app, "POST", "/admin/workers"),
+        (_registry_app, "POST", "/admin/workers"),
+        (_registry_app, "PUT", "/store/keys/cut"),
+    ],
+    ids=["router admin", "registry admin", "registry store"],
+)
+def test_a_body_cut_mid_way_ends_quietly(
+    caplog: pytest.LogCaptureFixture, make_app: Callable[[], Any], method: str, path: str
+) -> None:
+    """A client gone mid-body (or cut off by the body read timeout) is no server error: no
+    ERROR and no traceback in the log, and the server goes on answering."""
+    app = _CountFinished(make_app())
+    with run_server(app) as port:
+        _cut_mid_body(port, method, path)
+        wait_until(lambda: app.finished >= 1, 5, "the cut request to end")
+        assert httpx.get(f"http://127.0.0.1:{port}/admin/workers").status_code == 200
+    _assert_quiet(caplog)  # the server thread has stopped: all it logged is in caplog
+
+
+def test_a_body_read_timeout_mid_body_ends_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """The router's body read timeout answers 408 and closes; the admin API reading that body
+    then sees the client gone, and ends without an ERROR or a traceback."""
+    app = _CountFinished(_router_app())
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        http=limited_http_protocol(HttpLimits(body_timeout_s=0.3)),
+        log_config=None,
+        access_log=False,
+    )
+    head = b"POST /admin/workers HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n"
+    with serving([TestServer(config)], start_timeout=10) as (port,):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(head + b'{"role": "decode", "u')  # then nothing: the timeout fires
+            answer = sock.recv(100)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        wait_until(lambda: app.finished >= 1, 5, "the cut request to end")
+    _assert_quiet(caplog)
+
+
+def _assert_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    loud = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not loud, [f"{r.name}: {r.getMessage()}" for r in loud]
 
 
 # -- item 12: the store is down ------------------------------------------------------------------

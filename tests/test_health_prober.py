@@ -51,3 +51,52 @@ async def test_aclose_waits_for_the_refresh_probes_it_cancels() -> None:
         for writer in connections:
             writer.close()
         await server.wait_closed()
+
+
+async def test_a_stall_that_fails_one_probe_round_flips_no_worker() -> None:
+    """Issue 11, item 10: a 2 s stall of the router or the host made every probe of one round
+    time out, and one failed probe took all 4 workers out in the same millisecond. One failed
+    round is noise (``unhealthy_threshold`` 3 by default): every worker stays in. Only a stall
+    that lasts three rounds takes them out."""
+    answering = asyncio.Event()  # cleared: the host stalls, no /health is answered
+    answering.set()
+
+    async def health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            await answering.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the prober gave up on this probe
+        finally:
+            writer.close()
+
+    servers = [await asyncio.start_server(health, "127.0.0.1", 0) for _ in range(4)]
+    pool: WorkerPool[None] = WorkerPool(needs_engine_ids=False)
+    for server in servers:
+        port = server.sockets[0].getsockname()[1]
+        pool.add(Worker(Role.DECODE, f"http://127.0.0.1:{port}"), None)
+    prober = HealthProber(pool, EngineProtocol.SGLANG, HealthSettings(timeout_s=0.3))
+    try:
+        await prober.probe_all()
+        assert [w.healthy for w in pool.all()] == [True] * 4
+
+        answering.clear()  # the stall: longer than the probe timeout
+        await prober.probe_all()
+        assert [w.probe_failures for w in pool.all()] == [1] * 4  # every probe failed ...
+        assert [w.healthy for w in pool.all()] == [True] * 4  # ... and nobody flipped
+        answering.set()
+        await prober.probe_all()
+        assert [w.probe_failures for w in pool.all()] == [0] * 4
+
+        answering.clear()  # a stall of three rounds is no blip any more
+        for _ in range(3):
+            await prober.probe_all()
+        assert [w.healthy for w in pool.all()] == [False] * 4
+    finally:
+        answering.set()
+        await prober.aclose()
+        for server in servers:
+            server.close()
+            await server.wait_closed()

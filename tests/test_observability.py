@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from router.settings import AdmissionSettings
 from testkit.cluster_process import ClusterProcess
 from testkit.polling import wait_until
 from testkit.prometheus_server import PrometheusServer, ScrapeGroup
@@ -54,6 +55,10 @@ REQUIRED_ALERTS = {
     "PDRouterKVEventsLost",
     "PDRouterRegistryDown",
     "PDRouterEngineLoadStale",
+    "PDRouterShedding",
+    "PDRouterQueueing",
+    "PDRouterWorkerCircuitOpen",
+    "PDRouterPairCircuitOpen",
 }
 LOAD_REQUESTS = 24
 CLUSTER_READY_S = 30.0
@@ -98,6 +103,10 @@ def test_dashboard_is_well_formed() -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
+    # the in-flight panel's limit line defaults to the router's default limit
+    limit = variables["admission_limit"]
+    assert limit["type"] == "textbox" and limit["description"]
+    assert limit["query"] == str(AdmissionSettings().max_concurrent_requests)
     panels = _panels(dashboard)
     ids = [panel["id"] for panel in panels]
     assert len(ids) == len(set(ids)), f"duplicate panel ids: {sorted(ids)}"
@@ -107,6 +116,7 @@ def test_dashboard_is_well_formed() -> None:
         "PD stages",
         "PD health",
         "Workers",
+        "Overload and circuit breakers",
         "Engines",
         "Cache routing",
         "Registry",
@@ -124,12 +134,18 @@ def test_dashboard_is_well_formed() -> None:
 
 
 def _panel_queries() -> list[tuple[str, str]]:
-    """(name, query) for every dashboard target, with Grafana's variables substituted."""
+    """(name, query) for every dashboard target, with Grafana's variables and the dashboard's
+    own text variables (their default) substituted."""
+    dashboard = _dashboard()
+    variables = dict(GRAFANA_VARIABLES)
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] in ("textbox", "constant"):
+            variables["$" + variable["name"]] = variable["query"]
     queries = []
-    for panel in _panels(_dashboard()):
+    for panel in _panels(dashboard):
         for target in panel.get("targets", []):
             expr = target["expr"]
-            for variable, value in GRAFANA_VARIABLES.items():
+            for variable, value in variables.items():
                 expr = expr.replace(variable, value)
             queries.append((f"panel {panel['title']!r} {target['refId']}", expr))
     return queries

@@ -11,10 +11,10 @@ from testkit.servers import free_port
 from tests.test_protocols import COMPLETION
 
 
-def _register_vllm(port: int, engine_id: str, tp_size: int) -> None:
+def _register_vllm(port: int, engine_id: str, tp_size: int, path: str = "") -> None:
     for tp in range(tp_size):
         response = httpx.post(
-            f"http://127.0.0.1:{port}/register",
+            f"http://127.0.0.1:{port}{path}/register",
             timeout=5,
             json={
                 "engine_id": engine_id,
@@ -52,7 +52,11 @@ def test_vllm_prefill_registering_with_the_router(make_cluster: FakeClusterFacto
         ready=False,
         config=lambda: FakeConfig(check_kv=False),
         prefill_namespace="p1",
-        registry={"bootstrap_ports": {"p1": port}, "advertise_host": "127.0.0.1"},
+        registry={
+            "bootstrap_ports": {"p1": port},
+            "advertise_host": "127.0.0.1",
+            "bootstrap_check_reachable": False,  # the ranks below are addresses only
+        },
     )
     assert httpx.get(cluster.router_url + "/ready").status_code == 503  # no ranks yet
     _register_vllm(port, "eng-A", tp_size=2)
@@ -82,7 +86,11 @@ def test_sglang_prefill_registering_with_the_router(make_cluster: FakeClusterFac
         ready=False,
         config=lambda: FakeConfig(check_kv=False),
         prefill_namespace="p1",
-        registry={"bootstrap_ports": {"p1": port}, "advertise_host": "127.0.0.1"},
+        registry={
+            "bootstrap_ports": {"p1": port},
+            "advertise_host": "127.0.0.1",
+            "bootstrap_check_reachable": False,  # the ranks below are addresses only
+        },
     )
     _register_sglang(port)
     cluster.wait_ready()
@@ -92,3 +100,28 @@ def test_sglang_prefill_registering_with_the_router(make_cluster: FakeClusterFac
     body = cluster.decodes[0].records[-1].body
     assert (body["bootstrap_host"], body["bootstrap_port"]) == ("127.0.0.1", port)
     assert body["bootstrap_room"] % 2 == body["disagg_prefill_dp_rank"]
+
+
+def test_vllm_prefill_registering_on_the_shared_bootstrap_port(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    """Without a port of its own, a namespace is reached on the shared ``--bootstrap-port`` under
+    ``/bootstrap/NS`` (never on the client port, which serves no engine API)."""
+    port = free_port()
+    cluster = make_cluster(
+        "vllm-mooncake",
+        ready=False,
+        config=lambda: FakeConfig(check_kv=False),
+        prefill_namespace="p1",
+        registry={
+            "bootstrap_port": port,
+            "advertise_host": "127.0.0.1",
+            "bootstrap_check_reachable": False,  # the ranks below are addresses only
+        },
+    )
+    _register_vllm(port, "eng-A", tp_size=1, path="/bootstrap/p1")
+    cluster.wait_ready()
+    with cluster.client() as client:
+        assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+    params = cluster.decodes[0].records[-1].body["kv_transfer_params"]
+    assert params["remote_bootstrap_addr"] == f"http://127.0.0.1:{port}/bootstrap/p1"

@@ -1,52 +1,136 @@
 """An etcd outage does not take out prefills that registered their ranks with the router's
-registry: the router keeps routing to their last known layout until the store is back."""
+registry (issue 11 item 4): real ``pd-worker`` processes through ``pd-cluster`` with the router on
+etcd. The decodes look every prefill rank up in the router's bootstrap API (vLLM ``GET /query``,
+SGLang ``GET /route``) on their first request, which comes only after etcd stopped; the router
+keeps probing the prefill's layout meanwhile. Both must answer from the last known ranks. The
+prober's own fallback (a store error with no last known table) is checked in-process."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 
+from registry.backends import MemoryStore
+from registry.engine_api import RankTables
+from router.health import HealthProber
+from router.settings import EngineProtocol, HealthSettings
+from router.workers import Role, Worker, WorkerPool
+from testkit.cluster_process import ClusterProcess
 from testkit.etcd_server import EtcdServer
-from testkit.fake_cluster import FakeClusterFactory
-from testkit.fake_engine import EngineProtocol, FakeConfig
-from testkit.servers import free_port
-from tests.test_protocols import COMPLETION
-from tests.test_registry_bootstrap import _register_sglang, _register_vllm
+from testkit.polling import wait_until
 
-OUTAGE_S = 3.0  # 15 probe intervals of 0.2 s: far past any probe threshold
+PROBE_S = 0.2  # --health-interval; the default --health-unhealthy-threshold is 3
+IDLE_S = 1.5  # no traffic, then traffic, each past any probe threshold (0.6 s)
+TRAFFIC_S = 1.5
+MAX_REQUESTS = 500
+BODY = {"model": "m", "prompt": "an etcd outage must not matter", "max_tokens": 4}
+
+
+@pytest.fixture(params=["vllm-mooncake", "sglang"])
+def cluster(request: pytest.FixtureRequest, etcd: EtcdServer, tmp_path: Path) -> Iterator[str]:
+    process = ClusterProcess(
+        tmp_path / "pd-cluster.log",
+        *("--engine", request.param, "--dp", "2", "--no-kv-events", "--ready-timeout", "40"),
+        f"--router-arg=--registry={etcd.url}/pdr-test/{uuid.uuid4().hex}",
+        f"--router-arg=--health-interval={PROBE_S}",
+    )
+    try:
+        process.wait_ready()
+        yield process.url
+    finally:
+        process.stop()
+
+
+def _ready(client: httpx.Client) -> dict[str, object]:
+    response = client.get("/ready")
+    assert response.status_code == 200, response.text
+    body: dict[str, object] = response.json()
+    return body
+
+
+def _registry_ok(client: httpx.Client) -> bool:
+    registry = _ready(client)["registry"]
+    assert isinstance(registry, dict)
+    return registry["ok"] is True
 
 
 @pytest.mark.etcd
-@pytest.mark.parametrize("engine", ["vllm-mooncake", "sglang"])
 def test_namespace_prefills_keep_serving_through_an_etcd_outage(
-    make_cluster: FakeClusterFactory, etcd: EtcdServer, engine: EngineProtocol
+    cluster: str, etcd: EtcdServer
 ) -> None:
-    port = free_port()
-    cluster = make_cluster(
-        engine,
-        dp_size=2 if engine == "sglang" else 1,  # as the prefill registers its ranks
-        ready=False,
-        config=lambda: FakeConfig(check_kv=False),
-        prefill_namespace="p1",
-        registry={
-            "url": f"{etcd.url}/pdr-test/{uuid.uuid4().hex}",
-            "bootstrap_ports": {"p1": port},
-            "advertise_host": "127.0.0.1",
-        },
-    )
-    if engine == "sglang":
-        _register_sglang(port)
-    else:
-        _register_vllm(port, "eng-A", tp_size=1)
-    cluster.wait_ready()
-    etcd.stop()
-    statuses: list[int] = []
-    with cluster.client() as client:
-        deadline = time.monotonic() + OUTAGE_S
+    with httpx.Client(base_url=cluster, timeout=10.0) as client:
+        etcd.stop()
+        # idle: no request keeps the prefill alive, only the probes (which cannot read etcd)
+        deadline = time.monotonic() + IDLE_S
         while time.monotonic() < deadline:
-            statuses.append(client.post("/v1/completions", json=COMPLETION).status_code)
-        ready = client.get("/ready")
-    assert set(statuses) == {200}, statuses
-    assert ready.status_code == 200 and ready.json()["registry"]["ok"] is False
+            assert not _registry_ok(client)  # /ready stays 200, and says the registry is down
+        statuses: list[int] = []
+        deadline = time.monotonic() + TRAFFIC_S
+        while time.monotonic() < deadline and len(statuses) < MAX_REQUESTS:
+            response = client.post("/v1/completions", json=BODY)
+            statuses.append(response.status_code)
+            assert response.status_code == 200, (len(statuses), response.text)
+            assert response.json()["choices"][0]["text"]
+        assert len(statuses) >= 5, statuses
+        assert not _registry_ok(client)
+
+        etcd.start()
+        wait_until(lambda: _registry_ok(client), 10.0, "registry ok again", interval=0.1)
+        assert client.post("/v1/completions", json=BODY).status_code == 200
+
+
+@pytest.fixture
+async def alive_url() -> AsyncIterator[str]:
+    """An engine whose ``GET /health`` always answers 200."""
+
+    async def health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(health, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    server.close()
+    await server.wait_closed()
+
+
+async def test_a_store_error_keeps_the_prefills_last_known_layout(
+    alive_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no last known table to answer from (the store down from the start), a failed layout
+    read is no evidence against a prefill: the prober keeps its layout, warning once. A prefill
+    whose layout was never known stays out."""
+    store = MemoryStore()
+    await store.close()  # every call: RegistryUnavailable
+    tables = RankTables()
+    tables.bind(store)
+    known = Worker(Role.PREFILL, alive_url, id="p1", bootstrap_namespace="p1")
+    known.mark_up()
+    known.set_layout(2, ("e0", "e1"))
+    unknown = Worker(Role.PREFILL, alive_url, id="p2", bootstrap_namespace="p2")
+    pool: WorkerPool[None] = WorkerPool(needs_engine_ids=True)
+    pool.add(known, None)
+    pool.add(unknown, None)
+    settings = HealthSettings(unhealthy_threshold=1, healthy_threshold=1)
+    prober = HealthProber(pool, EngineProtocol.VLLM_MOONCAKE, settings, tables)
+    try:
+        for _ in range(5):
+            await prober.probe_all()
+            assert (known.healthy, known.dp_size, known.engine_ids) == (True, 2, ("e0", "e1"))
+            assert not unknown.healthy
+    finally:
+        await prober.aclose()
+    kept = [r for r in caplog.records if "keeping its last known layout" in r.getMessage()]
+    assert [(r.levelno, r.name) for r in kept] == [(logging.WARNING, "router.health")]

@@ -1,5 +1,7 @@
 """The router's live status page: its JSON (``/status/data``), the self-contained HTML page
-(``/status``), and the page itself rendering a running ``pd-cluster`` in headless Chromium."""
+(``/status``), the overload and circuit breaker parts (open breakers, workers backed off as
+full, admission in flight / queued vs its limits), and the page itself rendering a running
+``pd-cluster`` in headless Chromium."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from router.workers import EngineLoad
 from testkit.chromium import Chromium, chromium_available
 from testkit.cluster_process import ClusterProcess
 from testkit.fake_cluster import FakeClusterFactory, settings_for
+from testkit.polling import await_until
 from testkit.servers import free_port
 
 SNAPSHOT_KEYS = {
@@ -36,8 +39,15 @@ SNAPSHOT_KEYS = {
     "traffic",
     "registry",
     "kv_events",
+    "admission",
+    "circuits",
 }
-WORKER_KEYS = {"id", "url", "role", "healthy", "draining", "inflight", "dp_size", "ranks"}
+WORKER_KEYS = {
+    *("id", "url", "role", "healthy", "draining", "inflight", "dp_size", "ranks"),
+    *("full_retry_in_s", "circuit"),
+}
+ADMISSION_KEYS = {"inflight", "queued", "limit", "max_queued", "queue_timeout_s"}
+BREAKER_KEYS = {"state", "reason", "retry_in_s", "open_s", "trial_in_flight"}
 DECODE_RANK_KEYS = {"dp_rank", "inflight", "engine"}
 PREFILL_RANK_KEYS = DECODE_RANK_KEYS | {"pending_prefill_tokens", "kv_blocks"}
 PROMPT = {"prompt": "the status page shows this", "max_tokens": 4}
@@ -71,6 +81,7 @@ def test_status_data_describes_the_cluster(make_cluster: FakeClusterFactory) -> 
     for worker in prefill + decodes:
         assert set(worker) == WORKER_KEYS
         assert worker["healthy"] is True and worker["draining"] is False
+        assert worker["circuit"] is None and worker["full_retry_in_s"] is None
     assert prefill[0]["role"] == "prefill" and prefill[0]["dp_size"] == 2
     assert [set(rank) for rank in prefill[0]["ranks"]] == [PREFILL_RANK_KEYS] * 2
     assert [rank["dp_rank"] for rank in prefill[0]["ranks"]] == [0, 1]
@@ -80,6 +91,14 @@ def test_status_data_describes_the_cluster(make_cluster: FakeClusterFactory) -> 
     assert isinstance(data["pairs"], list) and isinstance(data["kv_events"], list)
     assert data["traffic"]["bucket_s"] > 0
     assert _requests_in_window(data) >= 1
+    assert data["circuits"] == []
+    assert data["admission"] == {  # the defaults; the request above has finished
+        "inflight": 0,
+        "queued": 0,
+        "limit": 1024,
+        "max_queued": 2048,
+        "queue_timeout_s": 30.0,
+    }
 
 
 def test_status_page_is_self_contained_html(make_cluster: FakeClusterFactory) -> None:
@@ -100,6 +119,59 @@ def test_status_page_is_self_contained_html(make_cluster: FakeClusterFactory) ->
     assert not re.search(r"@import|url\(", html, re.I)
     # data only ever enters the DOM as text
     assert "innerHTML" not in html and "insertAdjacentHTML" not in html
+
+
+_TRIPPED_JS = """(() => {
+    const open = document.querySelector('tr[data-worker="%(decode)s"] [data-circuit="open"]');
+    const full = document.querySelector('tr[data-worker="%(prefill)s"] [data-full]');
+    const rows = [...document.querySelectorAll("#circuits tr[data-circuit]")];
+    return Boolean(open && open.textContent.startsWith("circuit open · retry in")
+        && full && full.textContent.startsWith("full, retry in")
+        && rows.some((r) => r.dataset.circuit === "worker" && r.dataset.state === "open"
+                     && r.textContent.includes("%(decode)s"))
+        && rows.some((r) => r.dataset.circuit === "full" && r.textContent.includes("%(prefill)s")));
+})()"""
+
+
+async def test_open_breakers_and_full_workers_are_shown(
+    make_cluster: FakeClusterFactory, tmp_path: Path
+) -> None:
+    """A decode answering 500 opens its breaker; a prefill answering 503 (full) is backed off:
+    /status/data says which, why and for how long, and the page shows both (Chromium)."""
+    cluster = make_cluster(
+        "vllm-nixl",
+        prefill=2,
+        decode=2,
+        health={"interval_s": 60.0, "failure_threshold": 2},
+        breaker={"open_s": 30.0},
+        admission={"capacity_backoff_s": 60.0},
+    )
+    cluster.decodes[0].config.fail_status = 500
+    cluster.prefills[1].config.fail_status = 503
+    broken, full = cluster.decode_urls[0], cluster.prefill_urls[1]
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=20) as client:
+        for _ in range(6):  # round robin: the broken decode is picked (and fails) twice
+            await client.post("/v1/completions", json=FAKE_COMPLETION)
+        data = (await client.get("/status/data")).json()
+    workers = {w["url"]: w for role in ("prefill", "decode") for w in data["workers"][role]}
+    circuit = workers[broken]["circuit"]
+    assert circuit["state"] == "open" and 0 < circuit["retry_in_s"] <= 30
+    assert "2 requests in a row failed (last: HTTP 500" in circuit["reason"]
+    assert workers[broken]["healthy"] is True  # kept away by its breaker, not unhealthy
+    assert 0 < workers[full]["full_retry_in_s"] <= 60 and workers[full]["circuit"] is None
+    others = [w for url, w in workers.items() if url not in (broken, full)]
+    assert [(w["circuit"], w["full_retry_in_s"]) for w in others] == [(None, None)] * 2
+    [tripped] = data["circuits"]
+    assert set(tripped) == {"scope", "role", "worker"} | BREAKER_KEYS
+    assert (tripped["scope"], tripped["role"], tripped["worker"]) == ("worker", "decode", broken)
+    if not chromium_available():
+        return
+    async with Chromium(tmp_path) as browser:
+        await browser.navigate(f"{cluster.router_url}/status")
+        script = _TRIPPED_JS % {"decode": broken, "prefill": full}
+        await browser.wait_for(script, 20, "the open breaker and the full prefill shown")
+        assert await browser.evaluate("document.body.dataset.state") == "live"
+    cluster.wait_idle()
 
 
 # --- the snapshot from a live context ----------------------------------------------------------
@@ -123,6 +195,53 @@ async def test_snapshot_shows_fresh_engine_readings_only() -> None:
         stale = status_snapshot(ctx)["workers"]["decode"][0]["ranks"][0]["engine"]
         assert stale is None  # an old reading is unknown, as the router treats it
         assert json.loads(json.dumps(status_snapshot(ctx)))["engine"] == "sglang"
+
+
+async def test_snapshot_shows_admission_against_its_limits_and_open_pair_breakers() -> None:
+    prefill_url, decode_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    settings = settings_for(
+        "sglang",
+        [(prefill_url, None)],
+        [decode_url],
+        load={"interval_s": 0},
+        admission={"max_concurrent_requests": 1, "max_queued_requests": 4, "queue_timeout_s": 9},
+        breaker={"pair_failure_threshold": 2},
+    )
+    async with open_context(settings, RankTables(), RouterLifecycle()) as ctx:
+        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await ctx.admission.acquire(never)
+        waiting = asyncio.create_task(ctx.admission.acquire(never))
+        await await_until(lambda: ctx.admission.queued == 1, 5, "one request queued")
+        assert status_snapshot(ctx)["admission"] == {
+            "inflight": 1,
+            "queued": 1,
+            "limit": 1,
+            "max_queued": 4,
+            "queue_timeout_s": 9.0,
+        }
+        ctx.admission.release()  # the slot passes to the queued request
+        await waiting
+        ctx.admission.release()
+        assert status_snapshot(ctx)["admission"]["inflight"] == 0
+
+        prefill, decode = ctx.pool.prefill[0], ctx.pool.decode[0]
+        for _ in range(2):
+            ctx.pipeline.circuits.pair_failure(prefill, decode, "kv_timeout")
+        [pair] = status_snapshot(ctx)["circuits"]
+        assert set(pair) == {"scope", "prefill", "decode"} | BREAKER_KEYS
+        assert (pair["scope"], pair["prefill"], pair["decode"]) == ("pair", prefill_url, decode_url)
+        assert pair["state"] == "open" and "last: kv_timeout" in pair["reason"]
+        shown = status_snapshot(ctx)["workers"]
+        assert shown["prefill"][0]["circuit"] is None and shown["decode"][0]["circuit"] is None
+
+
+async def test_snapshot_says_no_admission_limit_as_null() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    settings = settings_for(
+        "sglang", [(url, None)], [url], admission={"max_concurrent_requests": 0}
+    )
+    async with open_context(settings, RankTables(), RouterLifecycle()) as ctx:
+        assert status_snapshot(ctx)["admission"]["limit"] is None
 
 
 # --- the page in headless Chromium against a running pd-cluster -------------------------------

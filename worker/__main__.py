@@ -82,6 +82,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; '
         "DP rank r publishes on port+r",
     )
+    parser.add_argument(
+        "--fault-api",
+        action="store_true",
+        help="serve POST/GET /debug/fault to inject 5xx answers and slow decoding (soak tests "
+        "only; off by default)",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
 
@@ -142,7 +148,7 @@ def _kv_events(text: str | None) -> KVEventsConfig | None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
-    app = create_app(build(args))
+    app = create_app(build(args), fault_api=args.fault_api)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
 
 

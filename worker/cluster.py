@@ -5,7 +5,8 @@ namespace, served on a namespace port (``--bootstrap-namespace pI=PORT``): SGLan
 (the port is the ``bootstrap_port`` decoders get) or, with ``--engine vllm-mooncake``, vLLM's
 ``POST /register`` (decoders get ``http://127.0.0.1:PORT`` as ``remote_bootstrap_addr``).
 Everything runs on 127.0.0.1 as child processes in one process group per child; Ctrl-C/SIGTERM
-stops them all (SIGTERM, then SIGKILL after a grace period).
+stops them all (SIGTERM, then SIGKILL after a grace period), and so does any child exiting, unless
+``--restart-workers`` (soak tests) starts an exited worker again on its ports.
 
 Every prefill publishes KV cache events (unless ``--no-kv-events``): prefill ``i`` gets a free
 event port and replay port for its rank 0 (rank ``r`` uses port + ``r``, all checked free), its
@@ -110,6 +111,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--router-arg=--load-interval --router-arg=0.5)",
     )
     parser.add_argument(
+        "--restart-workers",
+        action="store_true",
+        help="start a worker that exited again, same command and ports (soak tests; default: "
+        "any child exiting stops the cluster)",
+    )
+    parser.add_argument(
         "worker_args",
         nargs=argparse.REMAINDER,
         help="after --: extra pd-worker arguments (e.g. --pages 512)",
@@ -126,6 +133,10 @@ class _Children:
 
     def dead(self) -> subprocess.Popen[bytes] | None:
         return next((p for p in self.procs if p.poll() is not None), None)
+
+    def restart(self, proc: subprocess.Popen[bytes]) -> None:
+        """Start the exited ``proc``'s command again in its place."""
+        self.procs[self.procs.index(proc)] = subprocess.Popen(proc.args, start_new_session=True)
 
     def stop(self, grace_s: float = 5.0) -> None:
         for proc in self.procs:
@@ -225,6 +236,21 @@ def _terminating() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _supervise(children: _Children, restart_workers: bool) -> None:
+    """Return when a child exits; with ``restart_workers``, a worker (any child but the router,
+    the first) is started again instead, at most once a second."""
+    while True:
+        time.sleep(0.5)
+        dead = children.dead()
+        if dead is None:
+            continue
+        if not restart_workers or dead is children.procs[0]:
+            return
+        print(f"pd-cluster: {dead.args!r} exited with {dead.returncode}; restarting", flush=True)
+        time.sleep(0.5)
+        children.restart(dead)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
     if min(args.prefill, args.decode, args.dp) < 1:
@@ -251,8 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 '-d \'{"model": "sim-model", "prompt": "Hello", "max_tokens": 16}\'',
                 flush=True,
             )
-            while children.dead() is None:
-                time.sleep(0.5)
+            _supervise(children, args.restart_workers)
             print("pd-cluster: a child exited; stopping", file=sys.stderr)
         except KeyboardInterrupt:
             pass

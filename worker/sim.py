@@ -36,14 +36,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import zmq.asyncio
 
 from transfer.config import ReceiverConfig, SenderConfig
 from transfer.engine.base import TransferEngine
 from transfer.errors import TransferError
-from transfer.receiver import KVReceiver, ReceiveFailed
+from transfer.receiver import KVReceiver, ReceiveFailed, ReceiveResult
 from transfer.rendezvous import PrefillRank
 from transfer.sender import KVSender
 from worker.block_hash import BlockHasher, block_hasher
@@ -60,6 +60,7 @@ __all__ = ["Completion", "EngineFactory", "SimWorker", "WorkerConfig", "WorkerEr
 logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode", "both"]
+_T = TypeVar("_T")
 EngineFactory = Callable[[], Awaitable[TransferEngine]]
 
 
@@ -327,24 +328,19 @@ class SimWorker:
         return rank.lease(seq.tokens, self._hasher(seq.tokens, self.config.shape.page_size))
 
     @contextlib.contextmanager
-    def _pages(self, rank: Rank, seq: Seq) -> Iterator[list[int]]:
-        """Pages for ``seq`` on ``rank``, released afterwards (quarantined when unsafe)."""
+    def _pages(self, rank: Rank, seq: Seq) -> Iterator[_Held]:
+        """Pages for ``seq`` on ``rank``, released afterwards (quarantined when not ``safe``)."""
         try:
-            pages = rank.pool.allocate(len(seq.tokens))
+            held = _Held(rank.pool.allocate(len(seq.tokens)))
         except PoolExhausted as exc:
             raise WorkerError(503, str(exc)) from exc
         try:
-            yield pages
-        except _Unsafe as exc:
-            if not exc.pages_safe:
-                rank.pool.quarantine(pages)
-                raise
-            rank.pool.release(pages)
-            raise
-        except BaseException:
-            rank.pool.release(pages)
-            raise
-        rank.pool.release(pages)
+            yield held
+        finally:
+            if held.safe:
+                rank.pool.release(held.pages)
+            else:
+                rank.pool.quarantine(held.pages)
 
     async def _local(self, rank: Rank, seq: Seq, max_new: int) -> Completion:
         with self._lease(rank, seq) as lease:
@@ -391,36 +387,54 @@ class SimWorker:
             )
         if not rank.aux_free:
             raise WorkerError(503, "no free aux slot")
-        with self._pages(rank, seq) as pages, rank.receiving():
-            aux_index = rank.aux_free.pop()
-            try:
-                got = await rank.receiver.request(
-                    seq.room,
-                    seq.bootstrap,
-                    pages,
-                    aux_index,
-                    self.config.transfer_timeout_s,
-                    dp_rank=seq.source_dp_rank,
-                    engine_id=seq.engine_id,
-                )
-            except ReceiveFailed as exc:
-                if exc.pages_safe:
-                    rank.aux_free.append(aux_index)
-                raise _Unsafe(exc.pages_safe, f"KV transfer failed: {exc}") from exc
-            except (TransferError, ValueError) as exc:
-                rank.aux_free.append(aux_index)
-                raise WorkerError(500, f"KV transfer failed: {exc}") from exc
-            rank.aux_free.append(aux_index)
+        with self._pages(rank, seq) as held, rank.receiving():
+            got = await self._receive(rank, rank.receiver, seq, held)
             length, _, cached = struct.unpack("<QQQ", got.aux[:AUX_LEN])
             if length != len(seq.tokens):
                 raise WorkerError(500, "aux from the prefill names another prompt length")
             rank.stats.received_tokens += length
-            done = self._decode_tokens(rank.pool, seq, pages, max_new, got.kv_bytes, got.elapsed_s)
+            done = self._decode_tokens(
+                rank.pool, seq, held.pages, max_new, got.kv_bytes, got.elapsed_s
+            )
             if self.config.protocol == "vllm-mooncake":
                 # vLLM's Mooncake decode counts what it did not compute: every received token
                 # (the router writes its kv_transfer_params: no remote_prefill_cached_tokens)
                 cached = length
             return dataclasses.replace(done, cached_tokens=cached)
+
+    async def _receive(
+        self, rank: Rank, receiver: KVReceiver, seq: Seq, held: _Held
+    ) -> ReceiveResult:
+        """``seq``'s KV into ``held``'s pages through an aux slot; ``held.safe`` and the aux slot
+        follow the transfer's outcome (``WorkerError`` 500 when it failed).
+
+        Cancelled (the client went away, a sibling sequence failed), it fails the room at once:
+        the receiver aborts it at the prefill and learns whether the pages are safe (within its
+        drain timeout) before ``CancelledError`` goes on, so the pages come back now rather than
+        at the transfer deadline, and never while a write may still land in them.
+        """
+        room = seq.room
+        assert room is not None and seq.bootstrap is not None
+        aux_index = rank.aux_free.pop()
+        request = asyncio.ensure_future(
+            receiver.request(
+                room,
+                seq.bootstrap,
+                held.pages,
+                aux_index,
+                self.config.transfer_timeout_s,
+                dp_rank=seq.source_dp_rank,
+                engine_id=seq.engine_id,
+            )
+        )
+        try:
+            return await _settled(request, lambda: receiver.cancel(room, _CANCELLED))
+        except (TransferError, ValueError) as exc:  # ReceiveFailed included
+            raise WorkerError(500, f"KV transfer failed: {exc}") from exc
+        finally:
+            held.safe = _pages_safe(request)
+            if held.safe:
+                rank.aux_free.append(aux_index)
 
     def _decode_tokens(
         self,
@@ -438,9 +452,35 @@ class SimWorker:
         return Completion(detokenize(tokens), len(seq.tokens), len(tokens), kv_bytes, transfer_s)
 
 
-class _Unsafe(WorkerError):
-    """A failed receive; ``pages_safe`` False keeps the request's pages out of the pool."""
+_CANCELLED = "the decode request was cancelled (its client went away)"
 
-    def __init__(self, pages_safe: bool, message: str) -> None:
-        super().__init__(500, message)
-        self.pages_safe = pages_safe
+
+@dataclass(slots=True)
+class _Held:
+    """A decode request's pages; not ``safe`` (a transfer may still write them): withheld."""
+
+    pages: list[int]
+    safe: bool = True
+
+
+async def _settled(work: asyncio.Future[_T], stop: Callable[[], object]) -> _T:
+    """``work``'s result; when the caller is cancelled, ``stop()`` and wait for ``work`` to end
+    (it must end soon after ``stop``; further cancellations wait too) before re-raising."""
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        stop()
+        while not work.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({work})
+        if not work.cancelled():
+            work.exception()  # retrieved: the caller learns the outcome from the future
+        raise
+
+
+def _pages_safe(request: asyncio.Future[ReceiveResult]) -> bool:
+    """Whether a receive's destination pages (and aux slot) may be reused now."""
+    if not request.done() or request.cancelled():
+        return False  # the receiver aborts a cancelled request in the background
+    error = request.exception()
+    return not isinstance(error, ReceiveFailed) or error.pages_safe

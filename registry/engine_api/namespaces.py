@@ -22,11 +22,13 @@ from registry.models import NAMESPACE_RE
 
 __all__ = [
     "DEFAULT_NAMESPACE",
+    "ENGINE_PATHS",
     "NAMESPACE_PREFIX",
     "ROUTE_PREFIXES",
     "NamespaceTables",
     "Resolver",
     "check_namespace",
+    "is_engine_path",
     "namespace_of",
     "single_namespace",
     "unknown_namespace",
@@ -36,6 +38,8 @@ DEFAULT_NAMESPACE = "default"
 NAMESPACE_PREFIX = "/bootstrap/{namespace}"
 # Every engine path is served twice: plain (namespace "default") and under the namespace prefix.
 ROUTE_PREFIXES = ("", NAMESPACE_PREFIX)
+# the engines' plain paths (SGLang, vLLM); every /bootstrap/... path is an engine path too
+ENGINE_PATHS = frozenset({"/route", "/register_dp_rank", "/query_dp_ranks", "/register", "/query"})
 
 T = TypeVar("T")
 Resolver: TypeAlias = Callable[[str], T]
@@ -61,6 +65,11 @@ def check_namespace(namespace: str) -> str:
     if not _valid(namespace):
         raise ValueError(f"invalid bootstrap namespace {namespace!r}: use [A-Za-z0-9_.-], max 128")
     return namespace
+
+
+def is_engine_path(path: str) -> bool:
+    """Whether ``path`` is one of the engine bootstrap APIs (plain or under a namespace)."""
+    return path in ENGINE_PATHS or path.startswith("/bootstrap/")
 
 
 def unknown_namespace(namespace: str) -> NotFound:

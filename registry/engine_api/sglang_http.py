@@ -20,6 +20,7 @@ Answers are the engine's, byte for byte where decoders parse them, with these de
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable, Coroutine
@@ -30,13 +31,24 @@ from fastapi.responses import PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import JsonValue
 
+from registry.engine_api.http_errors import error_json
 from registry.engine_api.namespaces import NAMESPACE_PREFIX, ROUTE_PREFIXES, Resolver, namespace_of
+from registry.engine_api.openapi_doc import (
+    SGLANG_ROUTE_BODY,
+    json_body,
+    openapi_extra,
+    responses,
+)
+from registry.engine_api.rank_checks import RankClaim, RegistrationGuard, RegistrationRefused
 from registry.engine_api.sglang_payloads import (
     SERVER_INFO_EXTRAS,
     DpRankQuery,
     DpRankRegistration,
     QueryForm,
+    RankRegistration,
     RouteQuery,
+    check_room_count,
+    parse_route_payload,
     parse_route_query,
     validate_body,
 )
@@ -119,6 +131,8 @@ class _SglangRoute(APIRoute):
                 return _text(str(exc), 400)
             except NotFound as exc:
                 return _text(str(exc), 404)
+            except RegistrationRefused as exc:
+                return error_json(exc.status, str(exc))
             except RegistryUnavailable as exc:
                 logger.warning("sglang bootstrap: store unavailable: %s", exc)
                 return _text(f"Bootstrap registry unavailable: {exc}", 503)
@@ -127,11 +141,44 @@ class _SglangRoute(APIRoute):
         return guarded
 
 
-async def _json_body(request: Request) -> object:
+_THREAD_PARSE_BYTES = 256 * 1024  # larger bodies are parsed off the event loop
+
+
+def _parse_json(body: bytes) -> object:
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except ValueError as exc:
         raise BadEngineApiRequest("Invalid request body: not JSON") from exc
+    except RecursionError as exc:
+        raise BadEngineApiRequest("Invalid request body: JSON nested too deeply") from exc
+
+
+async def _json_body(request: Request) -> object:
+    body = await request.body()  # bounded by the hosting app (body_limit.BodyLimit)
+    if len(body) > _THREAD_PARSE_BYTES:
+        return await asyncio.to_thread(_parse_json, body)
+    return _parse_json(body)
+
+
+async def _claim(table: SglangRankTable, registration: RankRegistration) -> RankClaim:
+    dp, cp, tp, pp = registration.coords
+    previous = await table.rank_address(dp, tp, pp, cp)
+    address = registration.address
+    return RankClaim(
+        namespace=table.namespace,
+        rank=f"dp_rank={dp} cp_rank={cp} tp_rank={tp} pp_rank={pp}",
+        host=address.rank_ip,
+        port=address.rank_port,
+        previous=None if previous is None else (previous.rank_ip, previous.rank_port),
+    )
+
+
+async def _check_dp_rank(table: SglangRankTable, dp_rank: int) -> None:
+    dp_size = await table.dp_size()
+    if dp_size is not None and dp_rank >= dp_size:
+        raise BadEngineApiRequest(
+            f"Invalid register_dp_rank body: dp_rank={dp_rank} >= the prefill's dp_size={dp_size}"
+        )
 
 
 async def answer_route_query(table: SglangRankTable, query: RouteQuery) -> Response:
@@ -152,18 +199,28 @@ async def answer_route_query(table: SglangRankTable, query: RouteQuery) -> Respo
     return _json({"rank_ip": address.rank_ip, "rank_port": address.rank_port})
 
 
-def sglang_routes(resolve: Resolver[SglangRankTable]) -> APIRouter:
+def sglang_routes(
+    resolve: Resolver[SglangRankTable], guard: RegistrationGuard | None = None
+) -> APIRouter:
     """The SGLang bootstrap paths: plain (namespace ``"default"``) and ``/bootstrap/{namespace}``.
 
     ``resolve`` maps a namespace name to its table and raises ``NotFound`` for an unknown one
-    (answered 404). Plain ``/health`` is left to the hosting app (``app.namespace_app``).
+    (answered 404). Plain ``/health`` is left to the hosting app (``app.namespace_app``). With
+    a ``guard`` every rank registration is checked first (``rank_checks``) and a
+    ``register_dp_rank`` naming a DP rank beyond the registered ``dp_size`` is 400; without one
+    (the bare protocol, for tests and benchmarks) nothing is.
     """
 
     def table_of(request: Request) -> SglangRankTable:
         return resolve(namespace_of(request))
 
     async def put_route(request: Request) -> Response:
-        await table_of(request).register(await _json_body(request))
+        table = table_of(request)
+        registration = parse_route_payload(await _json_body(request))
+        if guard is not None and registration is not None:
+            authorization = request.headers.get("authorization", "")
+            await guard.admit(await _claim(table, registration), authorization)
+        await table.register_rank(registration)
         return _text("OK", 200)
 
     async def get_route(request: Request) -> Response:
@@ -177,34 +234,61 @@ def sglang_routes(resolve: Resolver[SglangRankTable]) -> APIRouter:
     async def register_dp_rank(request: Request) -> Response:
         table = table_of(request)
         body = validate_body(DpRankRegistration, await _json_body(request), "register_dp_rank body")
+        if guard is not None:
+            await _check_dp_rank(table, body.dp_rank)
         await table.register_dp_rank(body.bootstrap_room, body.dp_rank)
         return _text("OK", 200)
 
     async def query_dp_ranks(request: Request) -> Response:
         table = table_of(request)
-        body = validate_body(DpRankQuery, await _json_body(request), "query_dp_ranks body")
+        data = await _json_body(request)
+        check_room_count(data)
+        body = validate_body(DpRankQuery, data, "query_dp_ranks body")
         return _json(await table.query_dp_ranks(body.bootstrap_rooms))
 
     async def health(request: Request) -> Response:
         table_of(request)  # 404 for an unknown namespace
         return _text("OK", 200)
 
-    router = APIRouter(route_class=_SglangRoute)
+    router = APIRouter(route_class=_SglangRoute, tags=["engine bootstrap (SGLang)"])
     for prefix in ROUTE_PREFIXES:
         add = _adder(router, prefix)
-        add("/route", put_route, "PUT")
-        add("/route", get_route, "GET")
+        add("/route", put_route, "PUT", doc=_PUT_ROUTE_DOC, body=SGLANG_ROUTE_BODY)
+        add("/route", get_route, "GET", doc=_GET_ROUTE_DOC)
         add("/route", other_route, "POST", "DELETE", "PATCH", "OPTIONS")
-        add("/register_dp_rank", register_dp_rank, "POST")
-        add("/query_dp_ranks", query_dp_ranks, "POST")
-    _adder(router, NAMESPACE_PREFIX)("/health", health, "GET")
+        add("/register_dp_rank", register_dp_rank, "POST", doc=_DP_RANK_DOC, body=_DP_RANK_BODY)
+        add("/query_dp_ranks", query_dp_ranks, "POST", doc=_ROOMS_DOC, body=_ROOMS_BODY)
+    _adder(router, NAMESPACE_PREFIX)("/health", health, "GET", doc=_HEALTH_DOC)
     return router
 
 
+_PUT_ROUTE_DOC = responses(200, 400, 404, 409, 413, 503, ok_text=True, engine_text=True)
+_GET_ROUTE_DOC = responses(200, 400, 404, 503, engine_text=True)
+_DP_RANK_DOC = responses(200, 400, 404, 413, 503, ok_text=True, engine_text=True)
+_ROOMS_DOC = responses(200, 400, 404, 413, 503, engine_text=True)
+_HEALTH_DOC = responses(200, 404, ok_text=True, engine_text=True)
+_DP_RANK_BODY = json_body(DpRankRegistration)
+_ROOMS_BODY = json_body(DpRankQuery)
+
+
 def _adder(router: APIRouter, prefix: str) -> Callable[..., None]:
-    def add(path: str, endpoint: Callable[..., Any], *methods: str) -> None:
+    """``add(path, endpoint, *methods, doc=statuses, body=...)``; undocumented routes (no
+    ``doc``) stay out of the schema."""
+
+    def add(
+        path: str,
+        endpoint: Callable[..., Any],
+        *methods: str,
+        doc: dict[int | str, dict[str, Any]] | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> None:
         router.add_api_route(
-            prefix + path, endpoint, methods=list(methods), include_in_schema=False
+            prefix + path,
+            endpoint,
+            methods=list(methods),
+            include_in_schema=bool(doc),
+            responses=doc,
+            openapi_extra=openapi_extra(prefix + path, body),
         )
 
     return add

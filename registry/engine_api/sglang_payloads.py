@@ -44,12 +44,14 @@ __all__ = [
     "SERVER_INFO_EXTRAS",
     "Coords",
     "DpRankQuery",
+    "MAX_QUERY_ROOMS",
     "DpRankRegistration",
     "ParallelConfig",
     "QueryForm",
     "RankAddress",
     "RankRegistration",
     "RouteQuery",
+    "check_room_count",
     "parse_route_payload",
     "parse_route_query",
     "validate_body",
@@ -261,17 +263,33 @@ def parse_route_payload(data: object) -> RankRegistration | None:
 # --- /register_dp_rank, /query_dp_ranks ------------------------------------------------------
 
 
+# Rooms are SGLang's 64-bit random ids. A decoder asks about the rooms of the requests it is
+# admitting, a batch at a time: far fewer than this; more is 400 (each room is a store read).
+MAX_QUERY_ROOMS = 4096
+Room = Annotated[int, Field(ge=0, le=2**64 - 1)]
+
+
 class DpRankRegistration(BaseModel):
     """``POST /register_dp_rank``: the prefill DP rank serving one bootstrap room."""
 
-    bootstrap_room: NonNegativeInt
+    bootstrap_room: Room
     dp_rank: NonNegativeInt
 
 
 class DpRankQuery(BaseModel):
-    """``POST /query_dp_ranks``: the rooms a decoder asks about."""
+    """``POST /query_dp_ranks``: the rooms a decoder asks about (at most ``MAX_QUERY_ROOMS``)."""
 
-    bootstrap_rooms: list[int]
+    bootstrap_rooms: list[int] = Field(max_length=MAX_QUERY_ROOMS)
+
+
+def check_room_count(data: object) -> None:
+    """400 for a ``query_dp_ranks`` body naming too many rooms, before validating any of them."""
+    rooms = data.get("bootstrap_rooms") if isinstance(data, dict) else None
+    if isinstance(rooms, list) and len(rooms) > MAX_QUERY_ROOMS:
+        raise BadEngineApiRequest(
+            f"Invalid query_dp_ranks body: {len(rooms)} bootstrap_rooms, at most "
+            f"{MAX_QUERY_ROOMS} per query"
+        )
 
 
 # --- GET /route ------------------------------------------------------------------------------

@@ -18,6 +18,13 @@ beyond the engines' own behaviour:
   decode-side ``target_*`` fields: serve those with ``server_info_decode_fields=False``.
 * The store seam has no transactions: routers sharing one store resolve concurrent configuration
   changes by last writer wins; ordinary registrations touch disjoint keys.
+* Store outages (``registry.engine_api.last_good``): the reads (parallel info, rank addresses,
+  ``query_dp_ranks``) answer from the last table read or written here while the store is
+  unavailable. Rank registrations (``PUT /route``) answer ``RegistryUnavailable`` (503: engines
+  retry). A ``register_dp_rank`` the store refuses is kept in this process for ``room_ttl`` and
+  answered by ``query_dp_ranks`` (a room is short-lived and its decode asks this same port); it
+  is never written back. Meanwhile ``query_dp_ranks`` leaves out rooms this process never saw
+  (as for rooms not registered yet) instead of failing the rooms it knows.
 
 Store keys, under ``bootstrap/sglang/<namespace>/`` (kept as older routers wrote them):
 ``layout`` (the generation and its parallel configuration),
@@ -36,11 +43,13 @@ import msgspec
 from pydantic import JsonValue
 
 from registry.backends.base import RegistryStore
+from registry.engine_api.last_good import LastGoodStore
 from registry.engine_api.namespaces import DEFAULT_NAMESPACE, check_namespace
 from registry.engine_api.sglang_payloads import (
     Coords,
     ParallelConfig,
     RankAddress,
+    RankRegistration,
     parse_route_payload,
 )
 from registry.errors import Conflict, RegistryUnavailable
@@ -87,7 +96,8 @@ class SglangRankTable:
     """One namespace's SGLang rank table (one prefill instance), kept in a store.
 
     Safe to use from several routers over one shared store (see the module notes on races).
-    Store failures surface as ``RegistryUnavailable``.
+    Reads answer from the last known table while the store is unavailable (see the module notes
+    on outages); other store failures surface as ``RegistryUnavailable``.
     """
 
     def __init__(
@@ -99,8 +109,8 @@ class SglangRankTable:
         room_ttl: float = ROOM_TTL_S,
         server_info_decode_fields: bool = True,
     ) -> None:
-        self._store = store
         self._namespace = check_namespace(namespace)
+        self._store = LastGoodStore(store, f"sglang namespace {namespace!r}")
         self._root = f"{KEY_ROOT}{namespace}/"
         self._rank_ttl = rank_ttl
         self._room_ttl = room_ttl
@@ -123,7 +133,10 @@ class SglangRankTable:
         that contradicts a partly registered table. Re-sending the same body refreshes the rank's
         lease.
         """
-        registration = parse_route_payload(payload)
+        return await self.register_rank(parse_route_payload(payload))
+
+    async def register_rank(self, registration: RankRegistration | None) -> bool:
+        """``register`` for a body already parsed (``parse_route_payload``; None: ignored)."""
         if registration is None:
             logger.debug("sglang bootstrap %s: non-prefill registration ignored", self._namespace)
             return False
@@ -170,16 +183,33 @@ class SglangRankTable:
         rank = _decode(raw, _RankRecord)
         return None if rank is None else RankAddress(rank.rank_ip, rank.rank_port)
 
+    async def dp_size(self) -> int | None:
+        """The registered configuration's DP size; None before any."""
+        record = await self._record()
+        return None if record is None or record.config is None else record.config.dp_size
+
     async def register_dp_rank(self, room: int, dp_rank: int) -> None:
         """Remember which prefill DP rank serves ``room``, for ``room_ttl`` seconds."""
-        await self._store.put(self._room_key(room), str(dp_rank).encode(), ttl=self._room_ttl)
+        key, value = self._room_key(room), str(dp_rank).encode()
+        try:
+            await self._store.put(key, value, ttl=self._room_ttl)
+        except RegistryUnavailable:
+            self._store.accept_locally(key, value, self._room_ttl)
 
     async def query_dp_ranks(self, rooms: Iterable[int]) -> dict[str, int]:
         """``{"<room>": dp_rank}`` for the rooms registered (and not expired)."""
         wanted = list(dict.fromkeys(rooms))
-        values = await asyncio.gather(*(self._store.get(self._room_key(r)) for r in wanted))
+        values = await asyncio.gather(*(self._room(room) for room in wanted))
         pairs = zip(wanted, values, strict=True)
         return {str(room): int(raw) for room, raw in pairs if raw is not None and raw.isdigit()}
+
+    async def _room(self, room: int) -> bytes | None:
+        """A room's DP rank; None when unknown, also while the store is down and this process
+        has not seen the room (the decode asks again, as for a room not registered yet)."""
+        try:
+            return await self._store.get(self._room_key(room), keep_s=self._room_ttl)
+        except RegistryUnavailable:
+            return None
 
     async def reset(self) -> None:
         """Forget the configuration and every rank (an operator's way out of a stuck table)."""

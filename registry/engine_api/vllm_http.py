@@ -30,7 +30,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
+from registry.engine_api.http_errors import error_json
 from registry.engine_api.namespaces import ROUTE_PREFIXES, Resolver, namespace_of
+from registry.engine_api.openapi_doc import openapi_extra, responses
+from registry.engine_api.rank_checks import (
+    RankClaim,
+    RegistrationGuard,
+    RegistrationRefused,
+    parse_tcp_address,
+)
 from registry.engine_api.vllm_payloads import RegisterWorkerPayload
 from registry.engine_api.vllm_table import VllmRankTable
 from registry.errors import Conflict, NotFound, RegistryUnavailable
@@ -59,6 +67,8 @@ class _VllmRoute(APIRoute):
                 return _detail(str(exc), 400)
             except NotFound as exc:
                 return _detail(str(exc), 404)
+            except RegistrationRefused as exc:
+                return error_json(exc.status, str(exc))
             except RegistryUnavailable as exc:
                 logger.warning("vllm bootstrap: store unavailable: %s", exc)
                 return _detail(f"Bootstrap registry unavailable: {exc}", 503)
@@ -67,27 +77,62 @@ class _VllmRoute(APIRoute):
         return guarded
 
 
-def vllm_routes(resolve: Resolver[VllmRankTable]) -> APIRouter:
+async def _claim(table: VllmRankTable, payload: RegisterWorkerPayload) -> RankClaim:
+    host, port = parse_tcp_address(payload.addr)
+    previous = await table.address_of(payload.dp_rank, payload.tp_rank, payload.pp_rank)
+    before = None
+    if previous is not None:
+        try:
+            before = parse_tcp_address(previous)
+        except RegistrationRefused:
+            before = (previous, 0)  # stored by an unchecked writer: never equal, never alive
+    return RankClaim(
+        namespace=table.namespace,
+        rank=f"dp_rank={payload.dp_rank} tp_rank={payload.tp_rank} pp_rank={payload.pp_rank}",
+        host=host,
+        port=port,
+        previous=before,
+    )
+
+
+def vllm_routes(
+    resolve: Resolver[VllmRankTable], guard: RegistrationGuard | None = None
+) -> APIRouter:
     """``/register`` and ``/query`` (namespace ``"default"``) and ``/bootstrap/{namespace}/...``.
 
     ``resolve`` maps a namespace name to its table and raises ``NotFound`` for an unknown one
-    (answered 404).
+    (answered 404). With a ``guard`` every registration is checked first (``rank_checks``;
+    ``addr`` must then be ``tcp://host:port``); without one (the bare protocol) nothing is.
     """
 
     def table_of(request: Request) -> VllmRankTable:
         return resolve(namespace_of(request))
 
     async def register(payload: RegisterWorkerPayload, request: Request) -> JSONResponse:
-        await table_of(request).register(payload)
+        table = table_of(request)
+        if guard is not None:
+            authorization = request.headers.get("authorization", "")
+            await guard.admit(await _claim(table, payload), authorization)
+        await table.register(payload)
         return JSONResponse({"status": "ok"})
 
     async def query(request: Request) -> JSONResponse:
         return JSONResponse(await table_of(request).query())
 
-    router = APIRouter(route_class=_VllmRoute)
+    router = APIRouter(route_class=_VllmRoute, tags=["engine bootstrap (vLLM)"])
     for prefix in ROUTE_PREFIXES:
         router.add_api_route(
-            prefix + "/register", register, methods=["POST"], include_in_schema=False
+            prefix + "/register",
+            register,
+            methods=["POST"],
+            responses=responses(200, 400, 404, 409, 413, 422, 503),
+            openapi_extra=openapi_extra(prefix),
         )
-        router.add_api_route(prefix + "/query", query, methods=["GET"], include_in_schema=False)
+        router.add_api_route(
+            prefix + "/query",
+            query,
+            methods=["GET"],
+            responses=responses(200, 404, 503),
+            openapi_extra=openapi_extra(prefix),
+        )
     return router

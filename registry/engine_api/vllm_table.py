@@ -24,6 +24,10 @@ remote TP from ``len(worker_addr)``. Ranks outside the given sizes, and negative
 The store seam has no transactions: routers sharing one store may both accept registrations that
 race for one dp rank; such a dp rank (two engine ids) never counts as complete.
 
+Store outages (``registry.engine_api.last_good``): ``query``, ``snapshot`` and ``address_of``
+answer from the last table read (or written) here while the store is unavailable;
+``register`` and ``reset`` answer ``RegistryUnavailable`` (503: engines retry).
+
 Store keys, under ``bootstrap/vllm/<namespace>/``: ``epoch`` and ``workers/<epoch>/<dp>/<tp>/<pp>``.
 """
 
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from registry.backends.base import RegistryStore
+from registry.engine_api.last_good import LastGoodStore
 from registry.engine_api.namespaces import DEFAULT_NAMESPACE, check_namespace
 from registry.engine_api.vllm_payloads import EngineEntry, RegisterWorkerPayload
 from registry.errors import Conflict, RegistryUnavailable
@@ -77,8 +82,10 @@ class _DpEntry:
 class VllmRankTable:
     """One namespace's vLLM Mooncake rank table (one prefill instance), kept in a store.
 
-    Sizes are optional (see the module notes on completeness). Store failures surface as
-    ``RegistryUnavailable``; refused registrations as ``Conflict`` (answered 400).
+    Sizes are optional (see the module notes on completeness). Reads answer from the last known
+    table while the store is unavailable (``last_good``); a failure they cannot cover, and every
+    failed write, surfaces as ``RegistryUnavailable``; refused registrations as ``Conflict``
+    (answered 400).
     """
 
     def __init__(
@@ -93,8 +100,8 @@ class VllmRankTable:
         for name, size in (("tp_size", tp_size), ("pp_size", pp_size), ("dp_size", dp_size)):
             if size is not None and size < 1:
                 raise ValueError(f"{name} must be >= 1, got {size}")
-        self._store = store
         self._namespace = check_namespace(namespace)
+        self._store = LastGoodStore(store, f"vllm namespace {namespace!r}")
         self._root = f"{KEY_ROOT}{namespace}/"
         self._sizes = (dp_size, tp_size, pp_size)
         self._lock = asyncio.Lock()  # serializes this process's check-then-write
@@ -131,6 +138,17 @@ class VllmRankTable:
             payload.pp_rank,
             payload.addr,
         )
+
+    async def address_of(self, dp_rank: int, tp_rank: int, pp_rank: int) -> str | None:
+        """The address registered for one rank in the current epoch, or None."""
+        key = f"{self._workers_prefix(await self.epoch())}{dp_rank}/{tp_rank}/{pp_rank}"
+        raw = await self._store.get(key)
+        if raw is None:
+            return None
+        try:
+            return msgspec.json.decode(raw, type=_WorkerRecord).addr
+        except msgspec.MsgspecError:
+            return None
 
     async def query(self) -> dict[str, EngineEntry]:
         """``GET /query``: the complete dp ranks, ``{dp: {engine_id, worker_addr}}``."""

@@ -14,8 +14,9 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from registry.admin import authorizer, read_bounded_body
+from registry.admin import ADMIN_RESPONSES, authorizer, read_bounded_body
 from registry.settings import RegistrySettings
+from router.api.completions_doc import error_response
 from router.api.health import get_context
 from router.errors import InvalidRequest
 from router.schemas import Endpoint, RequestLimits, parse_request
@@ -23,10 +24,25 @@ from router.schemas import Endpoint, RequestLimits, parse_request
 __all__ = ["explain_routes"]
 
 
-def explain_routes(settings: RegistrySettings) -> APIRouter:
-    routes = APIRouter(prefix="/admin", dependencies=[Depends(authorizer(settings))])
+# documented only: the route reads its body itself (bounded), after auth
+_COMPLETION_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
+}
 
-    @routes.post("/explain")
+
+def explain_routes(settings: RegistrySettings) -> APIRouter:
+    routes = APIRouter(
+        prefix="/admin", dependencies=[Depends(authorizer(settings))], responses=ADMIN_RESPONSES
+    )
+
+    @routes.post(
+        "/explain",
+        openapi_extra=_COMPLETION_BODY,
+        responses={413: error_response("Body over --max-body-bytes")},
+    )
     async def explain(request: Request) -> JSONResponse:
         """The route a completion body would take now, with every candidate's scores."""
         ctx = get_context(request)

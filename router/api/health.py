@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from registry.models import redact_url
+from router.api.completions_doc import error_response
 from router.context import AppContext
 from router.errors import NoWorkerAvailable, UpstreamError, error_body
 from router.workers import Role, Worker
@@ -38,19 +39,25 @@ async def health() -> Response:
     return Response(status_code=200)
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
+)
 async def metrics(ctx: Context) -> Response:
     """The router's Prometheus metrics (requests, stages, routing, workers, pairs, feeds)."""
     return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@router.get("/ready")
+@router.get("/ready", responses={503: {"description": "Not ready (the same body)"}})
 async def ready(ctx: Context) -> JSONResponse:
     """200 once at least one healthy prefill and one healthy decode worker exist, else 503 (and
     503 from the moment the router begins shutting down).
 
-    The body lists every worker with its health, in-flight requests and DP layout; URLs are
-    shown without credentials (this route needs no auth).
+    The body lists every worker with its health, in-flight requests and DP layout, and the
+    circuit breakers that are open or half-open (a worker or a prefill->decode pair, the reason,
+    seconds until the next trial); URLs are shown without credentials (this route needs no
+    auth). An open breaker does not make the router not ready: it is retried by itself.
     """
     pool = ctx.pool
     registry = ctx.discovery.status
@@ -62,6 +69,8 @@ async def ready(ctx: Context) -> JSONResponse:
         "decode": [_describe(w) for w in pool.decode],
         "registry": {"url": redact_url(registry.url), "ok": registry.ok, "error": registry.error},
         # P<->D pairs whose decode recomputed the prompt lately: PD did not happen there
+        # circuit breakers that keep traffic away now (open or half-open), with the reason
+        "circuits": [t.describe() for t in ctx.pipeline.circuits.tripped()],
         "suspect_pairs": [
             {
                 "prefill": redact_url(pair.prefill_url),
@@ -91,10 +100,17 @@ def _describe(worker: Worker) -> dict[str, Any]:
     return info
 
 
-@router.get("/v1/models")
+@router.get(
+    "/v1/models",
+    responses={
+        502: error_response("No decode worker answered with a model list"),
+        503: error_response("No healthy decode worker"),
+        504: error_response("A decode worker timed out"),
+    },
+)
 async def models(ctx: Context) -> Response:
     """The union of the healthy decode workers' ``/v1/models`` lists."""
-    decodes = ctx.pool.available_decode()
+    decodes = ctx.pool.usable_decode()
     if not decodes:
         unavailable = NoWorkerAvailable("no healthy decode worker to list models from")
         return Response(

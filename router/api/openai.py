@@ -17,6 +17,7 @@ from router.errors import (
     BodyTooLarge,
     InvalidRequest,
     MethodNotAllowed,
+    Overloaded,
     RouterError,
     ShuttingDown,
 )
@@ -62,11 +63,7 @@ async def handle_completion(
         request = await _read_request(ctx, scope, receive, endpoint, content_length, bad_id)
         stream = request.stream
         headers = _upstream_headers(request_id, authorization, trace_context)
-        disconnected = asyncio.ensure_future(receive())
-        try:
-            await ctx.pipeline.handle(request, headers, responder, disconnected, receipt, span)
-        finally:
-            disconnected.cancel()
+        await _admit_and_route(ctx, request, headers, responder, receive, receipt, span)
         status = responder.status or 500
     except (ClientDisconnected, _ClientGone):
         status = _CLIENT_GONE
@@ -80,7 +77,9 @@ async def handle_completion(
         await responder.fail(stopped)
     except RouterError as exc:
         status = exc.status
-        if exc.status >= 500:
+        if isinstance(exc, Overloaded):  # shed: counted, not logged (a line each under overload)
+            ctx.metrics.count(ctx.metrics.admission_rejected, exc.reason)
+        elif exc.status >= 500:
             logger.warning("request failed: %s", exc.message)
         await responder.fail(exc)
     except Exception:  # noqa: BLE001 - the one catch-all: log it, answer 500, keep serving
@@ -95,6 +94,28 @@ async def handle_completion(
         if span is not None:
             _end_span(span, status)
         REQUEST_ID.reset(token)
+
+
+async def _admit_and_route(
+    ctx: AppContext,
+    request: ParsedRequest,
+    headers: dict[str, str],
+    responder: Responder,
+    receive: Receive,
+    receipt: RoutingReceipt,
+    span: TraceSpan | None,
+) -> None:
+    """Wait for an admission slot (429 when overloaded), then route; the slot is held until the
+    response ended (a stream's last byte), whatever happens."""
+    disconnected = asyncio.ensure_future(receive())  # the client leaving, queued or served
+    try:
+        await ctx.admission.acquire(disconnected)
+        try:
+            await ctx.pipeline.handle(request, headers, responder, disconnected, receipt, span)
+        finally:
+            ctx.admission.release()
+    finally:
+        disconnected.cancel()
 
 
 def _upstream_headers(

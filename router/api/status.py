@@ -29,7 +29,7 @@ async def root() -> RedirectResponse:
     return RedirectResponse("/status", status_code=307)
 
 
-@router.get("/status")
+@router.get("/status", response_class=HTMLResponse)
 async def status_page() -> HTMLResponse:
     """The status page (it fetches its data from ``/status/data``)."""
     return HTMLResponse(_PAGE, headers=_NO_STORE)

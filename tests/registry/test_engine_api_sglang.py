@@ -20,8 +20,19 @@ from registry.engine_api import (
     namespace_app,
     sglang_routes,
 )
+from registry.engine_api.app import BootstrapProtection
+from registry.engine_api.rank_checks import RegistrationGuard
 from registry.errors import NotFound
+from registry.settings import DEFAULT_BOOTSTRAP_ALLOW
 from testkit.servers import run_server
+from tests.registry.test_engine_api_vllm import Outage
+
+# the protocol on a real listener: loopback allowed, the test's made-up rank addresses unchecked
+PROTOCOL_ONLY = BootstrapProtection(
+    allow=DEFAULT_BOOTSTRAP_ALLOW,
+    max_body_bytes=1 << 20,
+    guard=RegistrationGuard(check_reachable=False),
+)
 
 INFO_04 = "/route?engine_rank=-1&target_dp_group=-1"
 INFO_051 = "/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1"
@@ -598,10 +609,54 @@ async def test_routers_sharing_a_store_see_one_table(store: RegistryStore) -> No
 
 
 def test_namespace_app_on_a_real_socket() -> None:
-    app = namespace_app(SglangRankTable(MemoryStore(), "p7"), None)  # used on the server's loop
+    app = namespace_app(SglangRankTable(MemoryStore(), "p7"), None, PROTOCOL_ONLY)  # server loop
     with run_server(app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
         assert client.put("/route", json=v0510(0, tp=1)).text == "OK"
         assert client.get(INFO_0510).json()["attn_tp_size"] == 1
         assert client.get("/bootstrap/p7" + lookup(0, 0)).json()["rank_port"] == 7200
         assert client.get("/health").text == "OK"
         assert client.get("/bootstrap/other/health").status_code == 404
+
+
+# --- store outages (registry/engine_api/last_good.py) ---------------------------------------------
+
+
+async def test_lookups_answer_the_last_known_ranks_while_the_store_is_down(
+    mem: MemoryStore,
+) -> None:
+    """Issue 11 item 4: a decode's first lookups during an etcd outage (parallel info, a rank it
+    never asked for) get the last known table; rank registrations stay 503 (engines retry)."""
+    store = Outage(mem)
+    table = SglangRankTable(store, "default")
+    async with client_for(table) as client:
+        await put_all(client, [v0510(tp, dp=2, dp_rank=dp) for dp in (0, 1) for tp in (0, 1)])
+        info = await client.get(INFO_0510)  # what the router's layout probe reads
+        store.down = True
+        for _ in range(3):
+            again = await client.get(INFO_0510)
+            assert (again.status_code, again.text) == (200, info.text)
+            rank = await client.get(lookup(1, 1))
+            assert rank.json() == {"rank_ip": "10.0.0.6", "rank_port": 7301}, rank.text
+        assert (await client.get(lookup(2, 0))).status_code == 404  # the table knows it has none
+        refused = await client.put("/route", json=v0510(0, dp=2, dp_rank=0, rank_port=9999))
+        assert refused.status_code == 503, refused.text
+        assert refused.text.startswith("Bootstrap registry unavailable")
+
+
+async def test_dp_rank_rooms_registered_during_an_outage_are_kept_locally(
+    mem: MemoryStore,
+) -> None:
+    """``register_dp_rank`` is accepted while the store is down (the room lives here for
+    ``room_ttl``) and ``query_dp_ranks`` answers it, during the outage and after it."""
+    store = Outage(mem)
+    table = SglangRankTable(store, "default")
+    async with client_for(table) as client:
+        before = await client.post("/register_dp_rank", json={"bootstrap_room": 1, "dp_rank": 1})
+        store.down = True
+        during = await client.post("/register_dp_rank", json={"bootstrap_room": 2, "dp_rank": 0})
+        assert [r.status_code for r in (before, during)] == [200, 200], during.text
+        query = {"bootstrap_rooms": [1, 2, 3]}
+        answer = await client.post("/query_dp_ranks", json=query)
+        assert (answer.status_code, answer.json()) == (200, {"1": 1, "2": 0}), answer.text
+        store.down = False
+        assert (await client.post("/query_dp_ranks", json=query)).json() == {"1": 1, "2": 0}

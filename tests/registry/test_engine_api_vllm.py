@@ -6,6 +6,7 @@ Answers are compared byte for byte with a copy of vLLM 0.32's own FastAPI server
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from registry.backends import MemoryStore, RegistryStore
+from registry.backends.base import WatchEvent
 from registry.engine_api import (
     RegisterWorkerPayload,
     SglangRankTable,
@@ -25,8 +27,18 @@ from registry.engine_api import (
     namespace_app,
     vllm_routes,
 )
-from registry.errors import NotFound
+from registry.engine_api.app import BootstrapProtection
+from registry.engine_api.rank_checks import RegistrationGuard
+from registry.errors import NotFound, RegistryUnavailable
+from registry.settings import DEFAULT_BOOTSTRAP_ALLOW
 from testkit.servers import run_server
+
+# the protocol on a real listener: loopback allowed, the test's made-up rank addresses unchecked
+PROTOCOL_ONLY = BootstrapProtection(
+    allow=DEFAULT_BOOTSTRAP_ALLOW,
+    max_body_bytes=1 << 20,
+    guard=RegistrationGuard(check_reachable=False),
+)
 
 
 def worker(
@@ -406,7 +418,7 @@ async def test_unreachable_store_is_503(mem: MemoryStore, client: httpx.AsyncCli
 
 def test_namespace_app_serves_both_engines_on_a_real_socket() -> None:
     store = MemoryStore()  # used on the server's event loop only
-    app = namespace_app(SglangRankTable(store, "p3"), VllmRankTable(store, "p3"))
+    app = namespace_app(SglangRankTable(store, "p3"), VllmRankTable(store, "p3"), PROTOCOL_ONLY)
     with run_server(app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
         assert client.post("/register", json=worker(0, 0)).json() == {"status": "ok"}
         assert client.get("/query").json()["0"]["engine_id"] == "eng-a_dp0"
@@ -417,4 +429,90 @@ def test_namespace_app_serves_both_engines_on_a_real_socket() -> None:
 
 def test_namespace_app_needs_a_table() -> None:
     with pytest.raises(ValueError, match="needs an SGLang or a vLLM"):
-        namespace_app(None, None)
+        namespace_app(None, None, PROTOCOL_ONLY)
+
+
+# --- store outages (registry/engine_api/last_good.py) ---------------------------------------------
+
+
+class Outage:
+    """A store that can be taken down: every call raises ``RegistryUnavailable`` meanwhile."""
+
+    def __init__(self, store: RegistryStore) -> None:
+        self.store = store
+        self.down = False
+        self.refused = 0  # calls made while down
+
+    def _check(self) -> None:
+        if self.down:
+            self.refused += 1
+            raise RegistryUnavailable("etcd get failed: connection refused")
+
+    async def put(self, key: str, value: bytes, *, ttl: float | None = None) -> None:
+        self._check()
+        await self.store.put(key, value, ttl=ttl)
+
+    async def refresh(self, key: str) -> bool:
+        self._check()
+        return await self.store.refresh(key)
+
+    async def get(self, key: str) -> bytes | None:
+        self._check()
+        return await self.store.get(key)
+
+    async def list(self, prefix: str) -> dict[str, bytes]:
+        self._check()
+        return await self.store.list(prefix)
+
+    async def delete(self, key: str) -> bool:
+        self._check()
+        return await self.store.delete(key)
+
+    def watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+        return self.store.watch(prefix)
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+async def test_lookups_answer_the_last_known_table_while_the_store_is_down(
+    mem: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 11 item 4: decodes looking a prefill up during an etcd outage get the last known
+    table (vLLM ``GET /query``), including this router's own writes never read back; the store is
+    asked again at most about once a second meanwhile; registrations stay 503 (vLLM retries)."""
+    caplog.set_level(logging.INFO, logger="registry.engine_api.last_good")
+    store = Outage(mem)
+    table = VllmRankTable(store, "default", dp_size=2)
+    async with client_for(table) as client:
+        await register_ok(client, worker(0, 0), worker(1, 0))  # written here, never queried
+        store.down = True
+        answers = [await client.get("/query") for _ in range(20)]
+        first = answers[0].text
+        assert {(a.status_code, a.text) for a in answers} == {(200, first)}, first
+        assert set(answers[0].json()) == {"0", "1"}
+        assert store.refused < 10  # not once per lookup: the snapshot answers meanwhile
+        assert (await table.snapshot()).engine_ids == ("eng-a_dp0", "eng-a_dp1")
+        assert await table.address_of(1, 0, 0) == worker(1, 0)["addr"]  # from the listed table
+        refused = await client.post("/register", json=worker(1, 1))
+        assert refused.status_code == 503, refused.text
+
+        store.down = False
+        await register_ok(client, worker(1, 1))
+        assert (await client.get("/query")).json()["1"]["worker_addr"] == {
+            "0": {"0": worker(1, 0)["addr"]},
+            "1": {"0": worker(1, 1)["addr"]},
+        }
+    outage_logs = [r.getMessage() for r in caplog.records if "last_good" in r.name]
+    assert len(outage_logs) == 2, outage_logs  # one when it went down, one when it came back
+    assert "store unavailable" in outage_logs[0]
+    assert "reachable again" in outage_logs[1]
+
+
+async def test_a_lookup_the_snapshot_cannot_answer_is_still_503(mem: MemoryStore) -> None:
+    store = Outage(mem)
+    async with client_for(VllmRankTable(store, "default")) as client:
+        store.down = True
+        response = await client.get("/query")
+    assert response.status_code == 503
+    assert response.json()["detail"].startswith("Bootstrap registry unavailable")
