@@ -305,6 +305,7 @@ def test_a_peer_gone_before_the_half_close_ends_the_connection_quietly(
     answer's send and the half-close (it happened on a loaded 2-core CI machine: shutdown()
     raised ENOTCONN inside the timer callback). The half-close is made to fail that way here:
     the connection still ends, nothing is logged as an error, and the server serves on."""
+
     def peer_gone(self: object) -> None:
         raise OSError(107, "Transport endpoint is not connected")
 
