@@ -288,6 +288,9 @@ class FakeEngine:
         return Call(chat, body, record.headers, record, server_address(scope), shape)
 
     async def _answer(self, call: Call, admission: Admission, out: Output) -> None:
+        # read when the request arrives: a knob set after the answer has left (the client saw
+        # it, the handler has not yet resumed) belongs to the next request, not to this one
+        die_after_answer = self.config.die_after_answer
         if self.config.headers_delay > 0:
             await asyncio.sleep(self.config.headers_delay)
         completion = plan_completion(call, admission, self.config)
@@ -295,7 +298,7 @@ class FakeEngine:
             await self._stream(completion, out, call.record)
         else:
             await out.whole(200, full_body(completion))
-        if self.role == "prefill" and self.config.die_after_answer and out.complete:
+        if self.role == "prefill" and die_after_answer and out.complete:
             self.kill()  # right after the answer left: the KV it promised never will
 
     async def _stream(self, completion: Completion, out: Output, record: Received) -> None:
