@@ -48,7 +48,7 @@ class WorkerRecord(msgspec.Struct, kw_only=True, frozen=True):
     engine: str | None = None
     draining: bool = False
     epoch: int = 1
-    source: Literal["static", "admin", "engine"] = "admin"
+    source: Literal["static", "admin", "engine", "kubernetes"] = "admin"
     # the prefill's KV cache event stream (DP rank 0; rank r at port + r) and its replay
     # endpoint, ``tcp://host:port``; None: not advertised (older records decode as None)
     kv_events: str | None = None

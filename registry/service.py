@@ -47,7 +47,7 @@ class RegistryService:
         bootstrap_port: int | None = None,
         bootstrap_namespace: str | None = None,
         engine: str | None = None,
-        source: Literal["static", "admin", "engine"] = "admin",
+        source: Literal["static", "admin", "engine", "kubernetes"] = "admin",
         ttl: float | None = None,
         kv_events: str | None = None,
         kv_events_replay: str | None = None,

@@ -81,6 +81,12 @@ _FLAG_OF = {
     ("tracing", "otlp_endpoint"): "--otlp-endpoint",
     ("tracing", "service_name"): "--otel-service-name",
     ("tracing", "sample_ratio"): "--trace-sample-ratio",
+    ("discovery",): "--discovery",
+    ("kubernetes",): "--discovery",
+    ("kubernetes", "namespace"): "--k8s-namespace",
+    ("kubernetes", "prefill_selector"): "--k8s-prefill-selector",
+    ("kubernetes", "decode_selector"): "--k8s-decode-selector",
+    ("kubernetes", "kubeconfig"): "--k8s-kubeconfig",
 }
 
 
@@ -251,7 +257,35 @@ def _build_parser() -> _Parser:
     _add_scheduling_flags(p)
     _add_observability_flags(p)
     _add_admission_flags(p)
+    _add_kubernetes_flags(p)
     return p
+
+
+def _add_kubernetes_flags(p: _Parser) -> None:
+    """Workers from the Ready pods of a Kubernetes namespace (``router.kube``)."""
+    p.add_argument(
+        "--discovery",
+        choices=["static", "k8s"],
+        help="k8s: also follow the Ready pods matching --k8s-prefill-selector and "
+        "--k8s-decode-selector as workers (default static: --prefill/--decode and the registry)",
+    )
+    p.add_argument(
+        "--k8s-namespace",
+        help="namespace of the engine pods (default: the kubeconfig context's, or in a pod its "
+        "own, else default)",
+    )
+    p.add_argument(
+        "--k8s-prefill-selector", metavar="SELECTOR", help="label selector of the prefill pods"
+    )
+    p.add_argument(
+        "--k8s-decode-selector", metavar="SELECTOR", help="label selector of the decode pods"
+    )
+    p.add_argument(
+        "--k8s-kubeconfig",
+        metavar="PATH",
+        help="kubeconfig to reach the API server (default: in-cluster in a pod, else "
+        "$KUBECONFIG or ~/.kube/config)",
+    )
 
 
 def _add_observability_flags(p: _Parser) -> None:
@@ -427,6 +461,8 @@ def _overrides(parser: _Parser, args: argparse.Namespace) -> dict[str, Any]:
         out["decode"] = [{"url": url} for url in args.decode]
     if args.engine:
         out["engine"] = args.engine
+    if args.discovery:
+        out["discovery"] = args.discovery
     for path, flag in _FLAG_OF.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if len(path) == 2 and value is not None and path != ("registry", "bootstrap_ports"):

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from registry.backends import open_store
 from registry.engine_api import RankTables
@@ -34,6 +34,9 @@ from router.state_metrics import RouterStateCollector
 from router.tracing import Tracer, build_tracer
 from router.upstream import UpstreamPool
 
+if TYPE_CHECKING:
+    from router.kube.pod_watch import PodWatcher
+
 __all__ = ["AppContext", "open_context"]
 
 
@@ -54,6 +57,7 @@ class AppContext:
     tracer: Tracer | None
     lifecycle: RouterLifecycle
     admission: AdmissionGate
+    pod_watcher: PodWatcher | None = None  # --discovery k8s
 
     def live_view(self, worker_id: str) -> dict[str, Any] | None:
         """This router's live state of a worker, for the admin API."""
@@ -92,6 +96,16 @@ async def _background(*coros: Any) -> AsyncIterator[None]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _open_pod_watcher(
+    settings: RouterSettings, service: RegistryService
+) -> PodWatcher | None:
+    if settings.discovery != "k8s":
+        return None
+    from router.kube.pod_watch import open_pod_watcher  # noqa: PLC0415 - a slow import
+
+    return await open_pod_watcher(settings.kubernetes, service)
 
 
 @contextlib.asynccontextmanager
@@ -150,9 +164,14 @@ async def open_context(
         circuits=circuits,
     )
     tables.bind(store)
+    pod_watcher = None
     try:
         await discovery.seed()
-        background = _background(prober.run(), discovery.run(), load_monitor.run(), feed.run())
+        pod_watcher = await _open_pod_watcher(settings, service)
+        tasks = [prober.run(), discovery.run(), load_monitor.run(), feed.run()]
+        if pod_watcher is not None:
+            tasks.append(pod_watcher.run())
+        background = _background(*tasks)
         listeners = bootstrap_servers(tables, settings, pool_owner_hosts(pool))
         async with listeners, background:
             yield AppContext(
@@ -171,8 +190,11 @@ async def open_context(
                 tracer,
                 lifecycle,
                 AdmissionGate(admission, metrics),
+                pod_watcher,
             )
     finally:
+        if pod_watcher is not None:
+            await pod_watcher.aclose()
         if tracer is not None:
             await tracer.aclose()
         tables.bind(None)

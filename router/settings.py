@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -18,6 +19,7 @@ __all__ = [
     "CircuitBreakerSettings",
     "EngineProtocol",
     "HealthSettings",
+    "KubernetesDiscoverySettings",
     "LoadSettings",
     "LoggingSettings",
     "ObservabilitySettings",
@@ -241,6 +243,29 @@ class TracingSettings(BaseModel):
     sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)  # for traces the router starts
 
 
+def _in_kubernetes_pod() -> bool:
+    """What client-go's in-cluster config checks: the API server's address is in the env."""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+
+
+class KubernetesDiscoverySettings(BaseModel):
+    """``--discovery k8s``: workers are the Ready pods matching a label selector per role
+    (``router.kube``). The API server is reached with ``kubeconfig`` when given, else in-cluster
+    (the pod's service account) when running in a pod, else ``$KUBECONFIG`` / ``~/.kube/config``."""
+
+    # None: the kubeconfig context's namespace, or in a pod its own, else "default"
+    namespace: str | None = None
+    prefill_selector: str | None = None  # e.g. "app=llm,pd-role=prefill"
+    decode_selector: str | None = None
+    kubeconfig: str | None = None
+    in_cluster: bool = Field(default_factory=_in_kubernetes_pod)
+    watch_timeout_s: int = Field(default=300, ge=1)  # the server ends a watch after this
+    request_timeout_s: PositiveFloat = 30.0  # connect, a list page, a watch's silence beyond
+    list_page_size: int = Field(default=500, ge=1)  # pods per list page (limit/continue)
+    backoff_s: PositiveFloat = 0.5  # after a failure; doubled per failure up to max_backoff_s
+    max_backoff_s: PositiveFloat = 10.0
+
+
 class RouterSettings(BaseSettings):
     """Root of the settings tree. CLI flags are passed as init values and win over env."""
 
@@ -263,3 +288,28 @@ class RouterSettings(BaseSettings):
     logging: LoggingSettings = LoggingSettings()
     observability: ObservabilitySettings = ObservabilitySettings()
     tracing: TracingSettings = TracingSettings()
+    # where workers come from besides --prefill/--decode and the registry: "k8s" also follows
+    # the Ready pods of ``kubernetes`` (written to the registry as source "kubernetes")
+    discovery: Literal["static", "k8s"] = "static"
+    kubernetes: KubernetesDiscoverySettings = Field(
+        default_factory=KubernetesDiscoverySettings, validate_default=True
+    )
+
+    @field_validator("kubernetes")
+    @classmethod
+    def _check_selectors(
+        cls, value: KubernetesDiscoverySettings, info: ValidationInfo
+    ) -> KubernetesDiscoverySettings:
+        if info.data.get("discovery") != "k8s":
+            return value
+        missing = [
+            flag
+            for flag, selector in (
+                ("--k8s-prefill-selector", value.prefill_selector),
+                ("--k8s-decode-selector", value.decode_selector),
+            )
+            if not selector
+        ]
+        if missing:
+            raise ValueError(f"k8s needs a label selector per role: {' and '.join(missing)}")
+        return value

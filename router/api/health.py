@@ -68,6 +68,8 @@ async def ready(ctx: Context) -> JSONResponse:
         "prefill": [_describe(w) for w in pool.prefill],
         "decode": [_describe(w) for w in pool.decode],
         "registry": {"url": redact_url(registry.url), "ok": registry.ok, "error": registry.error},
+        # --discovery k8s: whether the engine pods are listed and watched now
+        **({} if ctx.pod_watcher is None else {"kubernetes": ctx.pod_watcher.status.as_dict()}),
         # P<->D pairs whose decode recomputed the prompt lately: PD did not happen there
         # circuit breakers that keep traffic away now (open or half-open), with the reason
         "circuits": [t.describe() for t in ctx.pipeline.circuits.tripped()],
