@@ -290,12 +290,15 @@ def test_worker_serving_requests_is_not_marked_down_by_failing_probes(
     prefill = cluster.prefills[0]
     prefill.config.health_delay = 0.5
     before = prefill.health_checks
-    deadline = time.monotonic() + 1.2
-    for _ in range(300):  # bounded; over a second of back-to-back requests
+    deadline = time.monotonic() + 15
+    # Back-to-back requests until 4 probes have reached the engine (3 whole failed probes, each
+    # 0.1 + 0.2 s), bounded in count and time: a slow machine runs fewer probes per second.
+    for _ in range(3000):
         assert post(cluster, "/v1/completions", COMPLETION).status_code == 200
-        if time.monotonic() > deadline:
+        if prefill.health_checks - before >= 4 or time.monotonic() > deadline:
             break
-    assert prefill.health_checks - before >= 4  # 3 whole failed probes (each 0.1 + 0.2 s)
+    assert prefill.health_checks - before >= 4
+    assert healthy(cluster)
     wait_until(lambda: not healthy(cluster), 3, "the idle prefill with failing probes out")
     cluster.wait_idle()
 

@@ -28,7 +28,7 @@ import pytest
 import uvicorn
 
 from router.http_limits import HttpLimits, limited_http_protocol
-from router.types import Receive, Scope, Send
+from router.types import ASGIApp, Receive, Scope, Send
 from testkit.fake_engine import FakeEngine
 from testkit.servers import TestServer, free_port, http_process, run_servers, serving
 from tests.test_protocols import COMPLETION
@@ -259,11 +259,10 @@ async def _slow_reader(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b"%d" % size})
 
 
-@pytest.mark.parametrize("expect_continue", [False, True])
-def test_a_body_the_application_has_not_read_yet_is_not_timed_out(expect_continue: bool) -> None:
-    limits = HttpLimits(header_timeout_s=TIMEOUT_S / 2, body_timeout_s=TIMEOUT_S / 2)
-    config = uvicorn.Config(
-        _slow_reader,
+def _limited_config(app: ASGIApp, limits: HttpLimits) -> uvicorn.Config:
+    """A loopback server for ``app`` with the router's HTTP limits protocol."""
+    return uvicorn.Config(
+        app,
         host="127.0.0.1",
         port=0,
         http=limited_http_protocol(limits),
@@ -271,6 +270,12 @@ def test_a_body_the_application_has_not_read_yet_is_not_timed_out(expect_continu
         log_config=None,
         access_log=False,
     )
+
+
+@pytest.mark.parametrize("expect_continue", [False, True])
+def test_a_body_the_application_has_not_read_yet_is_not_timed_out(expect_continue: bool) -> None:
+    limits = HttpLimits(header_timeout_s=TIMEOUT_S / 2, body_timeout_s=TIMEOUT_S / 2)
+    config = _limited_config(_slow_reader, limits)
     body = b"b" * 1_000_000  # uvicorn stops reading beyond 64 KiB until the application reads
     head = b"POST / HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: %d\r\n" % len(body)
     with (
@@ -310,15 +315,8 @@ def test_a_peer_gone_before_the_half_close_ends_the_connection_quietly(
         raise OSError(107, "Transport endpoint is not connected")
 
     monkeypatch.setattr("asyncio.selector_events._SelectorSocketTransport.write_eof", peer_gone)
-    limits = HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=0.3)
-    config = uvicorn.Config(
-        _echo_length,
-        host="127.0.0.1",
-        port=0,
-        http=limited_http_protocol(limits),
-        lifespan="off",
-        log_config=None,
-        access_log=False,
+    config = _limited_config(
+        _echo_length, HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=0.3)
     )
     head = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n"
     with serving([TestServer(config)], start_timeout=10) as (port,):
