@@ -14,6 +14,7 @@ from types import FrameType
 
 import uvicorn
 
+from registry.models import redact_url
 from router.app import create_app
 from router.cli import parse_args
 from router.gc_schedule import collect_periodically, tune_gc
@@ -98,8 +99,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logger.info(
         "pd-router: engine=%s prefill=%s decode=%s",
         settings.engine.value,
-        [w.url for w in settings.prefill],
-        [w.url for w in settings.decode],
+        [redact_url(w.url) for w in settings.prefill],
+        [redact_url(w.url) for w in settings.decode],
     )
     app = create_app(settings)
     grace_s = settings.server.graceful_shutdown_s

@@ -266,7 +266,7 @@ class EngineLoadMonitor:
             response = await self._get(worker, "/v1/loads?include=core", missing_ok=True)
             if response.status_code != 404:
                 return parse_sglang_loads(response.content)
-            logger.info("SGLang worker %s has no /v1/loads: reading /metrics", worker.url)
+            logger.info("SGLang worker %s has no /v1/loads: reading /metrics", worker.public_url)
             self._metrics_only.add(worker.id)
         return parse_sglang_metrics((await self._get(worker, "/metrics")).text)
 
@@ -282,8 +282,10 @@ class EngineLoadMonitor:
     def _note(self, worker: Worker, known: bool, detail: object) -> None:
         """INFO when the worker's load turns known or unknown; DEBUG for every other read."""
         if self._known.get(worker.id) is known:
-            logger.debug("load of %s worker %s: %s", worker.role.value, worker.url, detail)
+            logger.debug("load of %s worker %s: %s", worker.role.value, worker.public_url, detail)
             return
         self._known[worker.id] = known
         state = "known" if known else "unknown (in-flight counts stand in)"
-        logger.info("load of %s worker %s is %s: %s", worker.role.value, worker.url, state, detail)
+        logger.info(
+            "load of %s worker %s is %s: %s", worker.role.value, worker.public_url, state, detail
+        )

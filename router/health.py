@@ -90,7 +90,14 @@ class HealthProber:
             return
         needed = self._settings.healthy_threshold if worker.seen_healthy else 1
         if worker.probe_successes >= needed:
-            logger.info("%s worker %s is now healthy", worker.role.value, worker.url)
+            reason = (
+                f"{worker.probe_successes} probes in a row succeeded"
+                if worker.seen_healthy
+                else "its first probe succeeded"
+            )
+            logger.info(
+                "%s worker %s is now healthy: %s", worker.role.value, worker.public_url, reason
+            )
             worker.mark_up()
 
     def _probe_failed(self, worker: Worker, outcome: _Probe, started: float) -> None:
@@ -98,7 +105,9 @@ class HealthProber:
         if not worker.healthy:
             return
         if outcome is _Probe.FAILED and worker.last_success >= started - self._settings.interval_s:
-            logger.debug("probe of %s failed, but it is serving requests: ignored", worker.url)
+            logger.debug(
+                "probe of %s failed, but it is serving requests: ignored", worker.public_url
+            )
             return
         worker.probe_failures += 1
         threshold = self._settings.unhealthy_threshold
@@ -109,7 +118,7 @@ class HealthProber:
                 else f"{worker.probe_failures} probes in a row failed"
             )
             logger.warning(
-                "%s worker %s is now unhealthy: %s", worker.role.value, worker.url, reason
+                "%s worker %s is now unhealthy: %s", worker.role.value, worker.public_url, reason
             )
             worker.mark_down(reason)
             if worker.role is Role.PREFILL:
@@ -132,13 +141,13 @@ class HealthProber:
         try:
             response = await self._client.get(worker.url + "/health")
         except httpx.ConnectError as exc:
-            logger.debug("health probe of %s failed: %r", worker.url, exc)
+            logger.debug("health probe of %s failed: %r", worker.public_url, exc)
             return _Probe.REFUSED if connection_refused(exc) else _Probe.FAILED
         except httpx.HTTPError as exc:
-            logger.debug("health probe of %s failed: %r", worker.url, exc)
+            logger.debug("health probe of %s failed: %r", worker.public_url, exc)
             return _Probe.FAILED
         if response.status_code != 200:
-            logger.debug("health probe of %s: HTTP %d", worker.url, response.status_code)
+            logger.debug("health probe of %s: HTTP %d", worker.public_url, response.status_code)
             return _Probe.FAILED
         return _Probe.OK
 
@@ -154,15 +163,15 @@ class HealthProber:
             return self._keep_layout(worker, exc)
         except RankLayoutUnavailable as exc:
             if worker.healthy or worker.engine_ids:
-                logger.warning("prefill %s layout unavailable: %s", worker.url, exc)
+                logger.warning("prefill %s layout unavailable: %s", worker.public_url, exc)
             return _Probe.FAILED
         if worker.id in self._kept_layouts:
             self._kept_layouts.discard(worker.id)
-            logger.info("prefill %s layout readable again", worker.url)
+            logger.info("prefill %s layout readable again", worker.public_url)
         if layout.engine_ids != worker.engine_ids or layout.dp_size != worker.dp_size:
             logger.info(
                 "prefill %s layout: dp_size=%d engine_ids=%s",
-                worker.url,
+                worker.public_url,
                 layout.dp_size,
                 list(layout.engine_ids),
             )
@@ -182,7 +191,7 @@ class HealthProber:
             logger.warning(
                 "prefill %s: keeping its last known layout (dp_size=%d) while the registry is "
                 "unavailable: %s",
-                worker.url,
+                worker.public_url,
                 worker.dp_size,
                 exc,
             )

@@ -175,7 +175,7 @@ def test_cli_workers_may_use_an_unspecified_address_admin_ones_may_not() -> None
 
 
 def test_worker_credentials_never_show(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="router.discovery")
+    caplog.set_level(logging.DEBUG, logger="router")  # health probes log at DEBUG and INFO
     with _router_with_cli_workers("127.0.0.1", f"admin:{SECRET}") as url:
         assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
         ready = httpx.get(url + "/ready")
@@ -188,6 +188,8 @@ def test_worker_credentials_never_show(caplog: pytest.LogCaptureFixture) -> None
         for shown in (ready, httpx.get(url + "/admin/workers"), httpx.get(url + "/admin/layout")):
             assert shown.status_code == 200 and SECRET not in shown.text, shown.text
     assert any("***@" in r.getMessage() for r in caplog.records if r.name == "router.discovery")
+    healthy = [r.getMessage() for r in caplog.records if "is now healthy" in r.getMessage()]
+    assert any(line.startswith("decode worker http://***@") for line in healthy), healthy
     assert not [r for r in caplog.records if SECRET in r.getMessage()]
 
 

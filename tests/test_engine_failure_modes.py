@@ -251,10 +251,11 @@ def test_prefill_slow_to_answer_health_under_load_keeps_serving(
 
 
 def test_failing_health_marks_down_after_three_probes_and_up_after_two(
-    make_cluster: FakeClusterFactory,
+    make_cluster: FakeClusterFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """One bad probe is noise (a busy engine): three in a row take a worker out, two good ones
-    in a row bring it back."""
+    in a row bring it back; each transition is logged with its reason."""
+    caplog.set_level(logging.INFO, logger="router.health")
     cluster = make_cluster("vllm-mooncake", health=HEALTH)
     prefill = cluster.prefills[0]
     before = prefill.health_checks
@@ -267,6 +268,10 @@ def test_failing_health_marks_down_after_three_probes_and_up_after_two(
     wait_until(lambda: healthy(cluster), 3, "the prefill back")
     assert prefill.health_checks - before >= 2
     assert post(cluster, "/v1/completions", COMPLETION).status_code == 200
+    url = cluster.prefill_urls[0]
+    transitions = [r.getMessage() for r in caplog.records if url in r.getMessage()]
+    assert f"prefill worker {url} is now unhealthy: 3 probes in a row failed" in transitions
+    assert f"prefill worker {url} is now healthy: 2 probes in a row succeeded" in transitions
     cluster.wait_idle()
 
 
