@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cli import sigterm_raises
 from bench.cluster_ttft import BenchError
@@ -115,13 +116,31 @@ async def _warm_up(cfg: SoakConfig, cluster: SoakCluster) -> None:
         raise BenchError(cluster.child.describe(f"warm-up failed: {bad_samples(outcomes)}"))
 
 
+async def _router_stats(cluster: SoakCluster) -> ProcStats:
+    """The router process's resources with its asyncio task count (``pdr_event_loop_tasks``)."""
+    stats = cluster.router_stats()
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        text = (await http.get(f"{cluster.url}/metrics")).text
+    tasks = next(
+        (
+            int(sample.value)
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "pdr_event_loop_tasks"
+        ),
+        -1,
+    )
+    return dataclasses.replace(stats, tasks=tasks)
+
+
 async def _quiet_stats(cluster: SoakCluster, window_s: float) -> ProcStats:
-    """The router's resources with the fewest fds over ``window_s`` (idle connections close)."""
+    """The router's resources with the fewest fds (then tasks) over ``window_s`` (idle
+    connections close, probes end)."""
     deadline = time.monotonic() + window_s
-    best = cluster.router_stats()
+    best = await _router_stats(cluster)
     while time.monotonic() < deadline:
         await asyncio.sleep(0.5)
-        best = min(best, cluster.router_stats(), key=lambda stats: stats.fds)
+        best = min(best, await _router_stats(cluster), key=lambda stats: (stats.fds, stats.tasks))
     return best
 
 
@@ -139,8 +158,8 @@ async def _settle(
     the settle period."""
     deadline = time.monotonic() + cfg.settle_s
     while True:
-        after, inflight = cluster.router_stats(), await _inflight(cluster.url)
-        if after.fds <= before.fds + cfg.fd_slack and inflight == 0:
+        after, inflight = await _router_stats(cluster), await _inflight(cluster.url)
+        if after.fds <= before.fds + cfg.fd_slack and after.tasks <= before.tasks and not inflight:
             return after, inflight
         if time.monotonic() > deadline:
             return after, inflight
@@ -239,7 +258,12 @@ def _as_json(cfg: SoakConfig, phases: Sequence[PhaseResult]) -> dict[str, Any]:
     t = targets(phases)
     return {
         "phases": [
-            {**dataclasses.asdict(p), "fd_leak": p.fd_leak, "rss_drift": p.rss_drift}
+            {
+                **dataclasses.asdict(p),
+                "fd_leak": p.fd_leak,
+                "task_leak": p.task_leak,
+                "rss_drift": p.rss_drift,
+            }
             for p in phases
         ],
         "targets": dataclasses.asdict(t),

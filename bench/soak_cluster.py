@@ -44,6 +44,7 @@ class ProcStats:
     fds: int
     rss_kib: int
     threads: int
+    tasks: int = -1  # asyncio tasks in the router's loop (its /metrics); -1: not read
 
 
 def proc_stats(pid: int) -> ProcStats:

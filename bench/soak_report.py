@@ -59,6 +59,10 @@ class PhaseResult:
         return self.router_after.fds - self.router_before.fds
 
     @property
+    def task_leak(self) -> int:
+        return self.router_after.tasks - self.router_before.tasks
+
+    @property
     def rss_drift(self) -> float:
         return self.router_after.rss_kib / self.router_before.rss_kib - 1.0
 
@@ -127,6 +131,7 @@ class Targets:
     hung: int
     unclean: int
     fd_leak: int
+    task_leak: int
     rss_drift: float
     inflight_after: int
     unrecovered: int
@@ -136,6 +141,7 @@ class Targets:
             self.hung == 0
             and self.unclean == 0
             and self.fd_leak <= fd_slack
+            and self.task_leak <= 0
             and self.rss_drift <= 0.10
             and self.inflight_after == 0
             and self.unrecovered == 0
@@ -147,6 +153,7 @@ def targets(phases: Sequence[PhaseResult]) -> Targets:
         hung=sum(p.main["hung"] + p.fault_requests["hung"] for p in phases),
         unclean=sum(p.main["unclean"] + p.fault_requests["unclean"] for p in phases),
         fd_leak=max((p.fd_leak for p in phases), default=0),
+        task_leak=max((p.task_leak for p in phases), default=0),
         rss_drift=max((p.rss_drift for p in phases), default=0.0),
         inflight_after=sum(p.inflight_after for p in phases),
         unrecovered=sum(1 for p in phases for f in p.faults if f.recovery_s is None),
@@ -184,8 +191,9 @@ def _phase_lines(p: PhaseResult) -> list[str]:
         f"fault-sent requests: {p.fault_requests}; statuses {p.statuses}",
         f"  router fds {b.fds} -> {a.fds} (leak {p.fd_leak}), RSS {b.rss_kib / 1024:.1f} -> "
         f"{p.router_mid_rss_kib / 1024:.1f} (half-way) -> {a.rss_kib / 1024:.1f} MiB "
-        f"(drift {100 * p.rss_drift:+.1f}%), threads {b.threads} -> "
-        f"{a.threads}, requests in flight at the router after settling: {p.inflight_after}",
+        f"(drift {100 * p.rss_drift:+.1f}%), threads {b.threads} -> {a.threads}, asyncio tasks "
+        f"{b.tasks} -> {a.tasks} (leak {p.task_leak}), requests in flight at the router after "
+        f"settling: {p.inflight_after}",
         *(f"  {line}" for line in p.bad_samples),
         *(f"  {f.fault}: {f.top_error}" for f in p.faults if f.top_error),
     ]
@@ -202,11 +210,10 @@ def render(phases: Sequence[PhaseResult], fd_slack: int) -> str:
         *(line for p in phases for line in _phase_lines(p)),
         "",
         f"totals: hung {t.hung} (target 0), no clean outcome {t.unclean} (target 0), "
-        f"router fd leak {t.fd_leak} (target 0, slack {fd_slack}), RSS drift "
+        f"router fd leak {t.fd_leak} (target 0, slack {fd_slack}), task leak {t.task_leak} "
+        f"(target 0), RSS drift "
         f"{100 * t.rss_drift:+.1f}% (target <= 10%), in flight after settling "
         f"{t.inflight_after} (target 0), faults not recovered {t.unrecovered} (target 0): "
         f"{verdict}",
-        "asyncio tasks: the router exposes no task count; its threads and in-flight "
-        "requests are reported instead",
     ]
     return "\n".join(lines)

@@ -276,3 +276,22 @@ def test_a_stream_without_include_usage_is_not_given_usage(
     assert "stream_options" not in cluster.decodes[0].records[0].body
     pair = {"prefill": cluster.prefill_urls[0], "decode": cluster.decode_urls[0]}
     assert value(metrics, "pdr_pd_recompute_total", **pair) == 0
+
+
+def test_event_loop_tasks_are_exported_and_return_to_idle(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    """``pdr_event_loop_tasks`` counts the router's asyncio tasks (what the soak checks for
+    leaks): requests add tasks while they run, and the count comes back once they ended."""
+    cluster = make_cluster("sglang")
+    with cluster.client() as client:
+        idle = value(scrape(client), "pdr_event_loop_tasks")
+        assert idle is not None and idle >= 1
+        for index in range(10):
+            body = {**COMPLETION, "stream": bool(index % 2)}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        wait_until(
+            lambda: (value(scrape(client), "pdr_event_loop_tasks") or 0) <= idle,
+            5,
+            "the router's task count back at its idle level",
+        )

@@ -47,6 +47,7 @@ def test_short_soak_every_request_ends_cleanly_and_every_fault_recovers(tmp_path
     assert result["targets"]["hung"] == 0, report
     assert result["targets"]["unclean"] == 0, report
     assert phase["fd_leak"] <= 4, report
+    assert phase["router_before"]["tasks"] > 0 and phase["task_leak"] <= 0, report
     assert phase["inflight_after"] == 0, report
     rows = {row["fault"]: row for row in phase["faults"]}
     assert set(rows) == FAULTS, report
