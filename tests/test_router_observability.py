@@ -42,6 +42,9 @@ def test_metrics_count_requests_by_status_and_time_every_stage(
     make_cluster: FakeClusterFactory,
 ) -> None:
     cluster = make_cluster("vllm-mooncake")
+    # a real decode's first byte waits for the KV, so for the prefill's answer; the fake decode
+    # does not wait, and a stream it ended before the prefill answered has no KV wait to observe
+    cluster.decodes[0].config.headers_delay = 0.2
     with cluster.client() as client:
         assert client.post("/v1/completions", json=COMPLETION).status_code == 200
         streamed = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
