@@ -62,6 +62,7 @@ _FLAG_OF = {
     ("cache", "max_indexed_blocks"): "--max-indexed-blocks",
     ("cache", "prediction_ttl_s"): "--prediction-ttl",
     ("cache", "cache_threshold"): "--cache-threshold",
+    ("cache", "tier_weights"): "--cache-tier-weights",
     ("cache", "balance_abs_threshold"): "--balance-abs-threshold",
     ("cache", "balance_rel_threshold"): "--balance-rel-threshold",
     ("cache", "approx_tree_max_chars"): "--approx-tree-max-chars",
@@ -383,6 +384,13 @@ def _add_scheduling_flags(p: _Parser) -> None:
         type=float,
         help="cache_aware: a cached prefix counts only when it covers at least this fraction of "
         "the prompt (0.3); below it the rank with the least queued prefill work wins",
+    )
+    p.add_argument(
+        "--cache-tier-weights",
+        metavar="TIER=WEIGHT,...",
+        help="cache_aware with a tiered KV cache: what a cached block only in host memory "
+        "(CPU_PINNED, or CPU) or on DISK counts for, a GPU block being 1 "
+        "(e.g. CPU_PINNED=0.8,DISK=0.5, the defaults; each 0..1)",
     )
     p.add_argument(
         "--balance-abs-threshold",

@@ -5,7 +5,8 @@ known: ``Worker.kv_events`` (rank r at port + r), else ``kv_events_port`` on the
 replay likewise. A lifespan task reconciles the subscriptions with the pool every ``poll_s``:
 prefills added or removed, DP size changes, restarts (``epoch`` or engine ids change),
 draining and health. ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` are applied at
-(worker id, DP rank): the batch's own rank when it names a valid one, else the subscription's.
+(worker id, DP rank): the batch's own rank when it names a valid one, else the subscription's,
+in the cache tier the event's ``medium`` names (``router.kv_tiers``: GPU, host, disk).
 
 The index must never claim blocks an engine no longer holds, so a location is purged when it
 cannot be trusted: the publisher restarted (its seq went back), batches were lost after the
@@ -27,11 +28,11 @@ import httpx
 import zmq
 
 from router.kv_index import KVBlockIndex, Location
+from router.kv_tiers import tier_of_medium
 from router.prefix_tree import ApproxPrefixTree
 from router.settings import CacheAwareSettings
 from router.workers import Worker, format_host
 from transfer.events import (
-    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -266,18 +267,24 @@ class KVEventFeed:
         return follow.location
 
     def _apply(self, location: Location, event: Any) -> None:
+        """One event at ``location``, in the tier its ``medium`` names (events for a medium
+        without a tier, e.g. ``EXTERNAL``, are skipped); ``AllBlocksCleared`` clears every
+        tier."""
         if isinstance(event, BlockStored):
-            if event.medium in (None, MEDIUM_GPU):
+            tier = tier_of_medium(event.medium)
+            if tier is not None:
                 self._index.apply_stored(
                     location,
                     event.block_hashes,
                     event.parent_block_hash,
                     event.token_ids,
                     event.block_size,
+                    tier,
                 )
         elif isinstance(event, BlockRemoved):
-            if event.medium in (None, MEDIUM_GPU):
-                self._index.apply_removed(location, event.block_hashes)
+            tier = tier_of_medium(event.medium)
+            if tier is not None:
+                self._index.apply_removed(location, event.block_hashes, tier)
         elif isinstance(event, AllBlocksCleared):
             self._index.clear(location)
 

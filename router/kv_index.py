@@ -7,7 +7,9 @@ keys blocks by the router's *own* chained keys (``chain_keys``) computed from th
 every ``BlockStored`` carries, and keeps an engine-hash -> own-key map per location so that
 ``BlockRemoved`` and the next event's ``parent_block_hash`` can be resolved. A routing decision adds
 short-lived *predicted* entries (the race before the engine's first ``BlockStored``, as in Dynamo
-and llm-d). ``match`` answers, per location, how many leading blocks of a prompt are cached.
+and llm-d). ``match`` answers, per location, how many leading blocks of a prompt are cached on the
+GPU; ``match_tiers`` also counts the lower tiers of a tiered cache (``router.kv_tiers``: host
+memory, disk), each block at the best tier holding it.
 
 Layout, chosen for memory (about 150 bytes per indexed block with the engine-hash map):
 
@@ -20,11 +22,16 @@ Layout, chosen for memory (about 150 bytes per indexed block with the engine-has
   Engine hashes are folded to 60 bits, which keeps each int object at 32 bytes.
 * predictions: per slot ``dict`` own key -> deadline, a key -> slot-mask union for ``match`` and a
   deque of (deadline, slot, keys) swept lazily; deadlines are compared by identity, so a refreshed
-  prediction is not dropped by its older twin.
+  prediction is not dropped by its older twin. Predictions are GPU blocks.
+* lower tiers (host, disk), created on their first event (a GPU-only cluster has none and pays
+  nothing): per tier the same pair, own key -> slot mask and per slot engine hash -> own key. A
+  block in several tiers has an entry in each; removing it from one leaves the others, and a
+  parent hash resolves in any tier of its location.
 
-Beyond ``max_blocks`` entries (confirmed + predicted, all locations) the index evicts in batches
-from the location holding the most blocks (fair share), oldest stored first, then the oldest
-predictions. Pure data structure: no I/O, no locking (one event loop owns it), injectable clock.
+Beyond ``max_blocks`` entries (confirmed in every tier + predicted, all locations) the index evicts
+in batches from the (location, tier) holding the most blocks (fair share), oldest stored first,
+then the oldest predictions. Pure data structure: no I/O, no locking (one event loop owns it),
+injectable clock.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+
+from router.kv_tiers import Tier, TierMatch
 
 __all__ = ["KEY_BITS", "ROOT_KEY", "IndexStats", "KVBlockIndex", "Location", "chain_keys"]
 
@@ -79,7 +88,7 @@ class IndexStats:
     """A snapshot of the index's size and history, for metrics and the benchmark."""
 
     blocks: int
-    """Confirmed (location, block) entries over all locations."""
+    """Confirmed GPU (location, block) entries over all locations."""
     predicted: int
     """Unexpired predicted (location, block) entries."""
     locations: int
@@ -89,6 +98,8 @@ class IndexStats:
     """Entries dropped by the ``max_blocks`` cap (confirmed and predicted)."""
     bytes_estimate: int
     """Approximate memory held by the index (dict tables plus key objects)."""
+    lower_blocks: int = 0
+    """Confirmed (location, block) entries in the lower tiers (host, disk), all locations."""
 
 
 def _bit(slot: int) -> int:
@@ -102,6 +113,77 @@ def _slots_in(mask: int) -> Iterator[int]:
         low = mask & -mask
         yield low.bit_length() - 2
         mask ^= low
+
+
+def _record(
+    engine_map: dict[int, int],
+    present: dict[int, int],
+    bit: int,
+    block_hashes: Sequence[int],
+    keys: list[int],
+) -> None:
+    """Record each (engine hash, own key) in one tier of one slot, moving re-stored hashes to
+    the back of the eviction queue."""
+    for block_hash, key in zip(block_hashes, keys, strict=False):  # keys may be fewer
+        folded = block_hash & _KEY_MASK
+        engine_map.pop(folded, None)
+        engine_map[folded] = key
+        present[key] = present.get(key, 0) | bit
+
+
+def _clear_bit(present: dict[int, int], key: int, bit: int) -> None:
+    """Clear a slot's bit of ``key`` in one tier's ``present``; drop the key when no slot is
+    left."""
+    value = present.get(key)
+    if value is None:
+        return
+    value &= ~bit
+    if value & ~_REF:
+        present[key] = value
+    else:
+        del present[key]
+
+
+def _lower_masks(
+    host: dict[int, int], disk: dict[int, int], key: int, gpu: int, alive: int
+) -> tuple[int, int, int]:
+    """The slots of ``alive`` whose best tier holding ``key`` is the GPU (``gpu``: given), the
+    host or the disk; marks ``key`` referenced in the lower tier that counts it."""
+    rest = alive & ~gpu
+    value = host.get(key, 0)
+    on_host = value & rest
+    if on_host and not value & _REF:
+        host[key] = value | _REF
+    rest &= ~on_host
+    if not rest:
+        return gpu, on_host, 0
+    value = disk.get(key, 0)
+    on_disk = value & rest
+    if on_disk and not value & _REF:
+        disk[key] = value | _REF
+    return gpu, on_host, on_disk
+
+
+def _add_run(counts: dict[int, list[int]], run: tuple[int, int, int], length: int) -> None:
+    """Count ``length`` more blocks for each slot in ``run`` (a slot mask per ``Tier``), in
+    that tier."""
+    for tier, mask in enumerate(run):
+        for slot in _slots_in(mask):
+            counts[slot][tier] += length
+
+
+class _LowerTier:
+    """One lower tier's blocks, laid out like the GPU's: own key -> slot mask (bit 0: referenced),
+    and per slot engine hash -> own key in stored order (the set there and its eviction queue)."""
+
+    __slots__ = ("maps", "present")
+
+    def __init__(self) -> None:
+        self.present: dict[int, int] = {}
+        self.maps: dict[int, dict[int, int]] = {}
+
+    def blocks(self) -> int:
+        return sum(map(len, self.maps.values()))
 
 
 class KVBlockIndex:
@@ -131,6 +213,7 @@ class KVBlockIndex:
         self._predicted_by_slot: list[dict[int, float]] = []
         self._predicted: dict[int, int] = {}
         self._expiry: deque[tuple[float, int, tuple[int, ...]]] = deque()
+        self._lower: dict[Tier, _LowerTier] = {}  # created on a tier's first event
         self._orphaned = 0
         self._evicted = 0
 
@@ -143,58 +226,74 @@ class KVBlockIndex:
         parent_block_hash: int | None,
         token_ids: Sequence[int],
         block_size: int,
+        tier: Tier = Tier.GPU,
     ) -> None:
-        """An engine's ``BlockStored``: mark the blocks present at ``location``.
+        """An engine's ``BlockStored``: mark the blocks present in ``tier`` at ``location``.
 
-        Own keys chain from the own key of ``parent_block_hash`` at this location (``None``: the
-        root). An unknown parent cannot be chained: the blocks are counted as ``orphaned`` and
-        skipped. Only full blocks that have a hash are used when ``token_ids`` and
-        ``block_hashes`` disagree in length. A stored block replaces a prediction for it, and
-        ``block_size`` becomes the location's block size.
+        Own keys chain from the own key of ``parent_block_hash`` at this location, in any tier
+        (``None``: the root). An unknown parent cannot be chained: the blocks are counted as
+        ``orphaned`` and skipped. Only full blocks that have a hash are used when ``token_ids``
+        and ``block_hashes`` disagree in length. A block stored on the GPU replaces a prediction
+        for it, and ``block_size`` becomes the location's block size.
         """
         if block_size <= 0:
             return
         slot = self._slot_for(location)
         self._block_sizes[slot] = block_size
-        engine_map = self._engine_maps[slot]
         if parent_block_hash is None:
             parent = ROOT_KEY
         else:
-            found = engine_map.get(parent_block_hash & _KEY_MASK)
+            found = self._parent_key(slot, parent_block_hash & _KEY_MASK)
             if found is None:
                 self._orphaned += len(block_hashes)
                 return
             parent = found
         count = min(len(block_hashes), len(token_ids) // block_size)
         keys = chain_keys(token_ids[: count * block_size], block_size, parent)
-        self._store(slot, block_hashes, keys)
+        if tier is Tier.GPU:
+            self._store(slot, block_hashes, keys)
+        else:
+            lower = self._lower.get(tier) or self._lower.setdefault(tier, _LowerTier())
+            engine_map = lower.maps.setdefault(slot, {})
+            _record(engine_map, lower.present, _bit(slot), block_hashes, keys)
         self._enforce_cap()
 
-    def apply_removed(self, location: Location, block_hashes: Sequence[int]) -> None:
-        """An engine's ``BlockRemoved``: forget those blocks at ``location`` (unknown ones are
-        ignored)."""
+    def apply_removed(
+        self, location: Location, block_hashes: Sequence[int], tier: Tier = Tier.GPU
+    ) -> None:
+        """An engine's ``BlockRemoved``: forget those blocks in ``tier`` at ``location`` (unknown
+        ones are ignored); the other tiers keep theirs."""
         slot = self._slots.get(location)
         if slot is None:
             return
-        engine_map = self._engine_maps[slot]
-        clear_bit = self._clear_bit
+        if tier is Tier.GPU:
+            engine_map, present = self._engine_maps[slot], self._present
+        else:
+            lower = self._lower.get(tier)
+            found = None if lower is None else lower.maps.get(slot)
+            if lower is None or found is None:
+                return
+            engine_map, present = found, lower.present
         bit = _bit(slot)
         for block_hash in block_hashes:
             key = engine_map.pop(block_hash & _KEY_MASK, None)
             if key is not None:
-                clear_bit(key, bit)
+                _clear_bit(present, key, bit)
 
     def clear(self, location: Location) -> None:
         """``AllBlocksCleared``, or purging a worker rank (reconnect, restart, drain, removal):
-        forget every block, prediction, the engine-hash map and the block size of ``location``,
-        and free its slot for reuse."""
+        forget every block in every tier, prediction, the engine-hash maps and the block size of
+        ``location``, and free its slot for reuse."""
         slot = self._slots.pop(location, None)
         if slot is None:
             return
         bit = _bit(slot)
-        clear_bit = self._clear_bit
+        present = self._present
         for key in self._engine_maps[slot].values():
-            clear_bit(key, bit)
+            _clear_bit(present, key, bit)
+        for lower in self._lower.values():
+            for key in lower.maps.pop(slot, {}).values():
+                _clear_bit(lower.present, key, bit)
         predicted = self._predicted
         for key in self._predicted_by_slot[slot]:
             self._drop_predicted_bit(predicted, key, bit)
@@ -260,12 +359,44 @@ class KVBlockIndex:
         found = self._scan(keys, alive)
         return self._by_location(found)
 
+    def match_tiers(
+        self,
+        keys: Sequence[int],
+        block_size: int,
+        locations: Collection[Location] | None = None,
+    ) -> dict[Location, TierMatch]:
+        """Like ``match``, but the leading run of ``keys`` held in any tier (GPU, predicted,
+        host or disk) at each location, with its blocks counted per tier, each at the best tier
+        holding it there. Without lower tiers it costs what ``match`` does."""
+        alive = self._candidates(block_size, locations)
+        if not alive:
+            return {}
+        self._sweep(self._clock())
+        if not self._lower:
+            found = self._scan(keys, alive)
+            return {loc: TierMatch((n, 0, 0)) for loc, n in self._by_location(found).items()}
+        result: dict[Location, TierMatch] = {}
+        for slot, counts in self._scan_tiers(keys, alive).items():
+            location = self._slot_locations[slot]
+            if location is not None and any(counts):
+                result[location] = TierMatch((counts[0], counts[1], counts[2]))
+        return result
+
     # -- inspection ----------------------------------------------------------------------------
 
-    def block_count(self, location: Location) -> int:
-        """Confirmed blocks at ``location``."""
+    def block_count(self, location: Location, tier: Tier = Tier.GPU) -> int:
+        """Confirmed blocks in ``tier`` at ``location``."""
         slot = self._slots.get(location)
-        return 0 if slot is None else len(self._engine_maps[slot])
+        if slot is None:
+            return 0
+        if tier is Tier.GPU:
+            return len(self._engine_maps[slot])
+        lower = self._lower.get(tier)
+        return 0 if lower is None else len(lower.maps.get(slot, ()))
+
+    def tiers(self) -> list[Tier]:
+        """The tiers any event has stored blocks in (GPU always), best first."""
+        return [Tier.GPU, *sorted(self._lower)]
 
     def block_size_of(self, location: Location) -> int | None:
         """The block size ``location``'s events reported, ``None`` when none yet."""
@@ -289,6 +420,7 @@ class KVBlockIndex:
             orphaned=self._orphaned,
             evicted=self._evicted,
             bytes_estimate=self._bytes_estimate(blocks, predicted),
+            lower_blocks=sum(lower.blocks() for lower in self._lower.values()),
         )
 
     # -- internals -----------------------------------------------------------------------------
@@ -322,6 +454,44 @@ class KVBlockIndex:
             found[slot] = index + 1
         return found
 
+    def _scan_tiers(self, keys: Sequence[int], alive: int) -> dict[int, list[int]]:
+        """Slot -> leading keys held in any tier, counted per ``Tier``, for the slots in
+        ``alive``; marks the keys found as referenced in the tier that counts them. Per key: the
+        slot mask of each tier (a slot in its best tier only); counts are added when the masks
+        change (a slot drops out or moves tier), so a run in one tier costs no per-slot work,
+        and a key every remaining slot holds on the GPU costs what ``_scan`` pays. (Inlined:
+        this loop runs per prompt block.)"""
+        present = self._present
+        get = present.get
+        lower = self._lower
+        host, disk = (lower[t].present if t in lower else {} for t in (Tier.HOST, Tier.DISK))
+        predicted = self._predicted
+        counts = {slot: [0, 0, 0] for slot in _slots_in(alive)}
+        run = (alive, 0, 0)  # per tier, the slots whose current run is in it (empty so far)
+        start = 0
+        for index, key in enumerate(keys):
+            value = get(key, 0)
+            if value & alive and not value & _REF:
+                present[key] = value | _REF
+            if value & alive == alive:  # the common case: every remaining slot has it on GPU
+                if run[0] == alive:
+                    continue  # and the run was all GPU already: nothing changes
+                masks = (alive, 0, 0)
+            else:
+                if predicted:
+                    value |= predicted.get(key, 0)
+                masks = _lower_masks(host, disk, key, value & alive, alive)
+                if masks == run:
+                    continue
+            _add_run(counts, run, index - start)
+            run, start = masks, index
+            alive = masks[0] | masks[1] | masks[2]
+            if not alive:
+                break
+        else:
+            _add_run(counts, run, len(keys) - start)
+        return counts
+
     def _by_location(self, found: dict[int, int]) -> dict[Location, int]:
         result: dict[Location, int] = {}
         for slot, count in found.items():
@@ -346,34 +516,27 @@ class KVBlockIndex:
         self._slots[location] = slot
         return slot
 
+    def _parent_key(self, slot: int, folded: int) -> int | None:
+        """The own key of engine hash ``folded`` at ``slot``, in any tier."""
+        found = self._engine_maps[slot].get(folded)
+        if found is None:
+            for lower in self._lower.values():
+                found = lower.maps.get(slot, {}).get(folded)
+                if found is not None:
+                    break
+        return found
+
     def _store(self, slot: int, block_hashes: Sequence[int], keys: list[int]) -> None:
-        """Record each (engine hash, own key) at ``slot``, moving re-stored hashes to the back of
-        the eviction queue, and confirm any prediction for those keys."""
+        """Record each (engine hash, own key) on the GPU at ``slot`` and confirm any prediction
+        for those keys."""
         bit = _bit(slot)
-        engine_map = self._engine_maps[slot]
-        present = self._present
-        for block_hash, key in zip(block_hashes, keys, strict=False):  # keys may be fewer
-            folded = block_hash & _KEY_MASK
-            engine_map.pop(folded, None)
-            engine_map[folded] = key
-            present[key] = present.get(key, 0) | bit
+        _record(self._engine_maps[slot], self._present, bit, block_hashes, keys)
         by_slot = self._predicted_by_slot[slot]
         if by_slot:
             predicted = self._predicted
             for key in keys:
                 if by_slot.pop(key, None) is not None:
                     self._drop_predicted_bit(predicted, key, bit)
-
-    def _clear_bit(self, key: int, bit: int) -> None:
-        present = self._present
-        value = present.get(key)
-        if value is None:
-            return
-        value &= ~bit
-        if value & ~_REF:
-            present[key] = value
-        else:
-            del present[key]
 
     @staticmethod
     def _drop_predicted_bit(predicted: dict[int, int], key: int, bit: int) -> None:
@@ -414,32 +577,49 @@ class KVBlockIndex:
         return dropped
 
     def _enforce_cap(self) -> None:
-        """Evict beyond ``max_blocks``: confirmed blocks from the fullest location first, then the
-        oldest predictions. Frees a batch past the cap so the work is O(1) amortised."""
+        """Evict beyond ``max_blocks``: confirmed blocks from the fullest (location, tier) first,
+        then the oldest predictions. Frees a batch past the cap so the work is O(1) amortised."""
         total = sum(map(len, self._engine_maps)) + sum(map(len, self._predicted_by_slot))
+        if self._lower:
+            total += sum(lower.blocks() for lower in self._lower.values())
         if total <= self._max_blocks:
             return
         self._sweep(self._clock())
         excess = total - self._max_blocks + self._max_blocks // _EVICT_FRACTION
-        for _ in range(len(self._engine_maps) * 4 + 4):  # bounded: each pass frees or stops
+        queues = self._eviction_queues()
+        for _ in range(len(queues) * 4 + 4):  # bounded: each pass frees or stops
             if excess <= 0:
                 return
-            slot = max(range(len(self._engine_maps)), key=lambda s: len(self._engine_maps[s]))
-            if not self._engine_maps[slot]:
+            fullest = max(queues, key=lambda queue: len(queue[0]))
+            if not fullest[0]:
                 break
-            excess -= self._evict_confirmed(slot, excess, second_chance=True)
-        for slot in range(len(self._engine_maps)):  # last resort: no second chances
+            excess -= self._evict_confirmed(*fullest, excess, second_chance=True)
+        for queue in queues:  # last resort: no second chances
             if excess > 0:
-                excess -= self._evict_confirmed(slot, excess, second_chance=False)
+                excess -= self._evict_confirmed(*queue, excess, second_chance=False)
         while excess > 0 and self._expiry:
             excess -= self._expire(*self._expiry.popleft())
 
-    def _evict_confirmed(self, slot: int, wanted: int, *, second_chance: bool) -> int:
-        """Evict up to ``wanted`` blocks at ``slot``, oldest stored first; with
-        ``second_chance``, keys that ``match`` referenced are moved to the back instead, their
-        reference cleared (CLOCK)."""
-        engine_map = self._engine_maps[slot]
-        present = self._present
+    def _eviction_queues(self) -> list[tuple[dict[int, int], dict[int, int], int]]:
+        """(engine-hash map, its tier's ``present``, slot bit) of every tier at every slot, GPU
+        first in slot order."""
+        queues = [(m, self._present, _bit(slot)) for slot, m in enumerate(self._engine_maps)]
+        for lower in self._lower.values():
+            queues += [(m, lower.present, _bit(slot)) for slot, m in lower.maps.items()]
+        return queues
+
+    def _evict_confirmed(
+        self,
+        engine_map: dict[int, int],
+        present: dict[int, int],
+        bit: int,
+        wanted: int,
+        *,
+        second_chance: bool,
+    ) -> int:
+        """Evict up to ``wanted`` blocks of one tier at one slot (``engine_map``, ``present``,
+        ``bit``), oldest stored first; with ``second_chance``, keys that a match referenced are
+        moved to the back instead, their reference cleared (CLOCK)."""
         victims: list[tuple[int, int]] = []
         spared: list[tuple[int, int]] = []
         limit = wanted * _SCAN_FACTOR if second_chance else wanted
@@ -452,10 +632,9 @@ class KVBlockIndex:
                 victims.append(entry)
                 if len(victims) >= wanted:
                     break
-        bit = _bit(slot)
         for block_hash, key in victims:
             del engine_map[block_hash]
-            self._clear_bit(key, bit)
+            _clear_bit(present, key, bit)
         for block_hash, key in spared:
             del engine_map[block_hash]
             engine_map[block_hash] = key
@@ -467,4 +646,7 @@ class KVBlockIndex:
         tables += sum(map(sys.getsizeof, self._engine_maps))
         tables += sum(map(sys.getsizeof, self._predicted_by_slot))
         objects = (len(self._present) + blocks * 2) * _INT_BYTES
+        for lower in self._lower.values():
+            tables += sys.getsizeof(lower.present) + sum(map(sys.getsizeof, lower.maps.values()))
+            objects += (len(lower.present) + lower.blocks() * 2) * _INT_BYTES
         return tables + objects + predicted * _PRED_ENTRY_BYTES

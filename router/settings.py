@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from registry.models import NAMESPACE_PATTERN, check_worker_url
 from registry.settings import RegistrySettings
+from router.kv_tiers import DEFAULT_TIER_WEIGHTS, check_tier_weights, parse_tier_weights
 
 __all__ = [
     "AdmissionSettings",
@@ -170,6 +171,11 @@ class CacheAwareSettings(BaseModel):
     # the cache decides only when the best rank holds at least this fraction of the prompt
     # (SMG's cache_threshold): a shared template header alone must not pull every request along
     cache_threshold: float = Field(default=0.3, ge=0.0, le=1.0)
+    # tiered KV caches: a matched block found only in host memory (CPU_PINNED, or CPU) or on
+    # DISK counts as this share of a GPU block (router.kv_tiers); a tier not given keeps its
+    # default. Defaults are PLACEHOLDERS: set from bench/kv_tiers.py results. The CLI takes
+    # "CPU_PINNED=0.8,DISK=0.5", the env JSON ({"DISK": 0.5}).
+    tier_weights: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
     balance_abs_threshold: float = Field(default=32.0, ge=0)  # load wins when max-min > this
     balance_rel_threshold: float = Field(default=1.5, ge=1.0)  # ... and max > this * min
     approx_tree_max_chars: int = Field(default=16 * 1024 * 1024, gt=0)  # per worker
@@ -180,6 +186,16 @@ class CacheAwareSettings(BaseModel):
     # vLLM protocols: when every prefill reports at least this many waiting requests, the
     # decode prefills locally; None never skips for load
     prefill_saturated_waiting: int | None = Field(default=None, ge=1)
+
+    @field_validator("tier_weights", mode="before")
+    @classmethod
+    def _parse_tier_weights(cls, value: object) -> object:
+        return parse_tier_weights(value) if isinstance(value, str) else value
+
+    @field_validator("tier_weights")
+    @classmethod
+    def _check_tier_weights(cls, value: dict[str, float]) -> dict[str, float]:
+        return check_tier_weights(value)
 
 
 class HealthSettings(BaseModel):

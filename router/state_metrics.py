@@ -123,8 +123,11 @@ class RouterStateCollector(Collector):
             labels,
         )
         blocks = _gauge(
-            "pdr_kv_index_blocks", "KV blocks the router's index holds for the rank", labels
+            "pdr_kv_index_blocks",
+            "KV blocks the router's index holds for the rank, per cache tier (medium)",
+            [*labels, "medium"],
         )
+        tiers = self._index.tiers()  # GPU, and the lower tiers once an event named them
         counters = {
             key: CounterMetricFamily(f"pdr_kv_events_{key}", doc, labels=labels)
             for key, doc in (
@@ -138,7 +141,9 @@ class RouterStateCollector(Collector):
             for rank in range(len(w.rank_inflight)):
                 values = [w.public_url, str(rank)]
                 pending.add_metric(values, float(w.pending_tokens(rank)))
-                blocks.add_metric(values, float(self._index.block_count((w.id, rank))))
+                for tier in tiers:
+                    count = self._index.block_count((w.id, rank), tier)
+                    blocks.add_metric([*values, tier.medium], float(count))
                 stats = self._feed.stats((w.id, rank))
                 if stats is not None:
                     for key, family in counters.items():

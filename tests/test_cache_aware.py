@@ -16,6 +16,7 @@ from registry.models import worker_id
 from router import create_app
 from router.adapters import VllmNixlAdapter
 from router.kv_index import KVBlockIndex, chain_keys
+from router.kv_tiers import Tier
 from router.policies import build_policies, build_policy
 from router.policies.cache_aware import CacheAware
 from router.prefix_tree import ApproxPrefixTree
@@ -49,9 +50,11 @@ def policy(**settings: Any) -> CacheAware:
     return CacheAware(cache, index=KVBlockIndex(10_000), tree=ApproxPrefixTree(1 << 20))
 
 
-def store(chooser: CacheAware, location: tuple[str, int], blocks: int) -> None:
+def store(
+    chooser: CacheAware, location: tuple[str, int], blocks: int, tier: Tier = Tier.GPU
+) -> None:
     hashes = list(range(1, blocks + 1))
-    chooser.index.apply_stored(location, hashes, None, TOKENS[: blocks * 4], 4)
+    chooser.index.apply_stored(location, hashes, None, TOKENS[: blocks * 4], 4, tier)
 
 
 def test_precise_the_longest_cached_prefix_wins() -> None:
@@ -101,6 +104,54 @@ def test_a_busy_home_loses_the_request_once_its_queue_costs_more_than_the_whole_
         assert (choice.worker, choice.how, choice.cached_tokens) == (idle, "load", 0)
     assert home.pending_tokens(0) == 0  # released with the legs
     assert chooser.choose_prefill([home, idle], features).worker is home
+
+
+def test_a_prefix_on_the_gpu_beats_the_same_prefix_on_disk_which_beats_nothing() -> None:
+    chooser = policy()  # DISK weighs 0.5 by default
+    on_disk, on_gpu = prefills(2)
+    features = RequestFeatures(text="x", tokens=TOKENS)
+    store(chooser, ("p0", 0), 4, Tier.DISK)
+    choice = chooser.choose_prefill([on_disk, on_gpu], features)
+    assert (choice.worker, choice.how, choice.cached_tokens) == (on_disk, "precise", 8)
+    store(chooser, ("p1", 0), 4)
+    for _ in range(3):  # equal load: no round-robin tie between them
+        choice = chooser.choose_prefill([on_disk, on_gpu], features)
+        assert (choice.worker, choice.how, choice.cached_tokens) == (on_gpu, "precise", 16)
+
+
+def test_credited_tokens_weigh_against_queued_work_and_the_threshold() -> None:
+    """A rank holding the prompt on the GPU costs its queue; one holding it on disk costs the
+    uncredited share (16 - 0.25 * 16 = 12 tokens); too little credit does not count at all."""
+    chooser = policy(tier_weights="DISK=0.25")
+    home, spare = prefills(2)
+    store(chooser, ("p0", 0), 4)
+    store(chooser, ("p1", 0), 4, Tier.DISK)
+    features = RequestFeatures(text="x", tokens=TOKENS)
+    with home.load(0, tokens=11):  # 11 < 12
+        assert chooser.choose_prefill([home, spare], features).worker is home
+    with home.load(0, tokens=13):  # 13 > 12
+        choice = chooser.choose_prefill([home, spare], features)
+        assert (choice.worker, choice.how, choice.cached_tokens) == (spare, "precise", 4)
+    thin = policy(tier_weights={"DISK": 0.25}, cache_threshold=0.3)
+    store(thin, ("p1", 0), 4, Tier.DISK)  # 4 of 16 tokens credited: under the threshold
+    assert thin.choose_prefill([home, spare], features).how == "load"
+
+
+def test_scores_show_matched_blocks_per_tier_and_their_credit() -> None:
+    chooser = policy(tier_weights="CPU_PINNED=0.75,DISK=0.5")
+    a, b = prefills(2)
+    store(chooser, ("p0", 0), 2)
+    chooser.index.apply_stored(("p0", 0), [3, 4], 2, TOKENS[8:], 4, Tier.HOST)
+    chooser.index.apply_stored(("p0", 0), [1, 2, 3, 4], None, TOKENS, 4, Tier.DISK)
+    mode, rows = chooser.scores([a, b], RequestFeatures(text="x", tokens=TOKENS))
+    assert mode == "precise"
+    by_worker = {row["worker"]: row for row in rows}
+    held, empty = by_worker[a.url], by_worker[b.url]
+    assert held["cached_blocks_by_tier"] == {"GPU": 2, "CPU_PINNED": 2, "DISK": 0}
+    assert held["credited_blocks"] == 3.5 and held["predicted_cached_tokens"] == 14
+    assert held["cost_tokens"] == 16 - 14
+    assert empty["cached_blocks_by_tier"] == {"GPU": 0, "CPU_PINNED": 0, "DISK": 0}
+    assert empty["credited_blocks"] == 0 and empty["cost_tokens"] == 16
 
 
 def test_without_cache_the_rank_with_the_least_queued_prefill_work_wins() -> None:

@@ -82,6 +82,9 @@ def test_flags_override_env_and_env_fills_the_rest(monkeypatch: pytest.MonkeyPat
         (["--decode", "not a url"], "--decode"),
         (["--connect-timeout", "-1"], "--connect-timeout"),
         (["--log-level", "loud"], "--log-level"),
+        (["--cache-tier-weights", "NVME=0.5"], "--cache-tier-weights"),
+        (["--cache-tier-weights", "DISK=1.5"], "--cache-tier-weights"),
+        (["--cache-tier-weights", "DISK"], "--cache-tier-weights"),
     ],
 )
 def test_bad_flag_exits_with_one_line_naming_it(
@@ -93,6 +96,33 @@ def test_bad_flag_exits_with_one_line_naming_it(
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert flag in err
+
+
+def test_cache_tier_weights_from_the_flag_or_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_args([]).cache.tier_weights == {"CPU_PINNED": 0.8, "DISK": 0.5}
+    given = parse_args(["--cache-tier-weights", "cpu=0.6, DISK=0"])  # CPU: vLLM's name for host
+    assert given.cache.tier_weights == {"CPU_PINNED": 0.6, "DISK": 0.0}
+    monkeypatch.setenv("PDR_CACHE__TIER_WEIGHTS", '{"DISK": 0.25}')  # a tier not given: default
+    assert parse_args([]).cache.tier_weights == {"CPU_PINNED": 0.8, "DISK": 0.25}
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("NVME=0.5", "unknown KV cache tier 'NVME'; known tiers: GPU, CPU_PINNED, DISK, CPU"),
+        ("DISK=-0.1", "the weight of tier 'DISK' must be within 0..1, got -0.1"),
+        ("DISK=0.4,disk=0.3", "tier DISK is given twice ('disk')"),
+        ("CPU=0.4,CPU_PINNED=0.3", "tier CPU_PINNED is given twice ('CPU_PINNED')"),
+        ("GPU=0.9", "the GPU tier's weight is always 1.0"),
+        ("DISK:0.4", "expected TIER=WEIGHT (e.g. DISK=0.4), got 'DISK:0.4'"),
+    ],
+)
+def test_bad_cache_tier_weights_stop_startup_with_a_clear_message(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--cache-tier-weights", value])
+    assert capsys.readouterr().err == f"router: error: argument --cache-tier-weights: {message}\n"
 
 
 def test_console_script_reports_bad_flag() -> None:

@@ -19,6 +19,7 @@ import zmq
 from registry.models import WorkerRecord, decode_worker, encode_worker, worker_id
 from router.kv_event_feed import KVEventFeed, rank_endpoint
 from router.kv_index import KVBlockIndex, chain_keys
+from router.kv_tiers import Tier, TierMatch
 from router.prefix_tree import ApproxPrefixTree
 from router.settings import CacheAwareSettings
 from router.workers import Role, Worker
@@ -108,6 +109,35 @@ async def test_stored_removed_and_cleared_events_reach_the_index() -> None:
             stats = feed.stats(loc)
             assert stats is not None and stats["endpoint"] == pub.endpoint
             assert stats["batches"] + stats["replayed"] >= 3 and stats["purges"] == 0
+
+
+async def test_host_and_disk_events_reach_their_tiers() -> None:
+    """A tiered cache (SGLang HiCache, vLLM's offloading connector): write-through copies to
+    host and disk, an eviction from one tier, a medium without a tier, and a full clear."""
+    async with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        worker = prefill(kv_events=pub.endpoint, kv_events_replay=pub.replay_endpoint)
+        async with feeding([worker]) as (_, index, _):
+            loc, keys = (worker.id, 0), chain_keys(TOKENS, BLOCK)
+            await publish_until(
+                pub,
+                [
+                    stored(HASHES[:2], TOKENS[:8]),
+                    BlockStored(HASHES[:2], None, TOKENS[:8], BLOCK, None, medium="CPU_PINNED"),
+                    BlockStored(HASHES[2:], 12, TOKENS[8:], BLOCK, None, medium="CPU"),  # vLLM
+                    BlockStored(HASHES, None, TOKENS, BLOCK, None, medium="DISK"),
+                    BlockStored([99], 13, list(range(4)), BLOCK, None, medium="EXTERNAL"),
+                ],
+                lambda: index.block_count(loc, Tier.DISK) == 3,
+                "3 blocks on disk",
+            )
+            assert [index.block_count(loc, tier) for tier in Tier] == [2, 3, 3]
+            assert index.match_tiers(keys, BLOCK) == {loc: TierMatch((2, 1, 0))}
+            await pub.publish([BlockRemoved(HASHES, medium="CPU_PINNED")])
+            await await_until(lambda: index.block_count(loc, Tier.HOST) == 0, TIMEOUT, "host")
+            assert index.match_tiers(keys, BLOCK) == {loc: TierMatch((2, 0, 1))}
+            await pub.publish([AllBlocksCleared()])
+            await await_until(lambda: not index.match_tiers(keys, BLOCK), TIMEOUT, "cleared")
+            assert [index.block_count(loc, tier) for tier in Tier] == [0, 0, 0]
 
 
 async def test_a_router_joining_an_idle_engine_learns_what_it_already_holds() -> None:
@@ -353,6 +383,19 @@ async def test_admin_api_advertises_endpoints_and_draining_purges_the_live_view(
         rank = await _live_rank(client, wid)
         assert rank is not None and rank["kv_blocks"] == 3
         assert rank["kv_events"]["endpoint"] == pub.endpoint
+        # the index's blocks per rank and tier (medium); a GPU-only rank has only GPU series
+        series = 'pdr_kv_index_blocks{{dp_rank="0",medium="{1}",worker="{0}"}} {2}'.format
+        metrics = (await client.get("/metrics")).text
+        assert series(cluster.prefill_urls[0], "GPU", "3.0") in metrics
+        assert 'medium="DISK"' not in metrics
+        await pub.publish([BlockStored(HASHES[:2], None, TOKENS[:8], BLOCK, None, medium="DISK")])
+        disk = series(cluster.prefill_urls[0], "DISK", "2.0")
+        for _ in range(int(TIMEOUT / 0.05)):
+            metrics = (await client.get("/metrics")).text
+            if disk in metrics:
+                break
+            await asyncio.sleep(0.05)
+        assert disk in metrics and series(cluster.prefill_urls[0], "GPU", "3.0") in metrics
         assert (await client.post(f"/admin/workers/{wid}/drain")).status_code == 202
         for _ in range(int(TIMEOUT / 0.05)):
             if await blocks() == 0:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from router import kv_index
 from router.kv_index import KEY_BITS, ROOT_KEY, KVBlockIndex, Location, chain_keys
+from router.kv_tiers import Tier, TierMatch
 
 BS = 4
 A: Location = ("a", 0)
@@ -303,3 +304,149 @@ def test_matches_agree_with_a_brute_force_model() -> None:
                 have = set(stored[loc].values()) | live
                 expected[loc] = next((i for i, k in enumerate(query) if k not in have), len(query))
             assert index.match(query, BS) == {loc: n for loc, n in expected.items() if n}
+
+
+# --------------------------------------------------------------------------- tiered caches
+
+
+def tiered(*counts: int) -> TierMatch:
+    """A TierMatch of (GPU, host, disk) block counts."""
+    return TierMatch((counts[0], counts[1], counts[2]))
+
+
+def test_a_block_in_several_tiers_leaves_them_one_at_a_time() -> None:
+    index = KVBlockIndex(max_blocks=100)
+    tokens = prompt(1, 3)
+    keys = chain_keys(tokens, BS)
+    for tier in (Tier.GPU, Tier.HOST, Tier.DISK):  # write-through: the same blocks everywhere
+        index.apply_stored(A, [1, 2, 3], None, tokens, BS, tier)
+    assert index.match_tiers(keys, BS) == {A: tiered(3, 0, 0)}  # each block at its best tier
+    assert [index.block_count(A, tier) for tier in Tier] == [3, 3, 3]
+    index.apply_removed(A, [3], Tier.GPU)
+    assert index.match_tiers(keys, BS) == {A: tiered(2, 1, 0)}
+    assert index.match(keys, BS) == {A: 2}  # match: the GPU only
+    index.apply_removed(A, [3], Tier.HOST)
+    assert index.match_tiers(keys, BS) == {A: tiered(2, 0, 1)}
+    index.apply_removed(A, [3], Tier.DISK)
+    assert index.match_tiers(keys, BS) == {A: tiered(2, 0, 0)}
+    assert [index.block_count(A, tier) for tier in Tier] == [2, 2, 2]
+    assert index.stats.blocks == 2 and index.stats.lower_blocks == 4
+
+
+def test_leading_runs_cross_tiers_and_stop_at_a_block_no_tier_holds() -> None:
+    index = KVBlockIndex(max_blocks=100)
+    tokens = prompt(1, 6)
+    keys = chain_keys(tokens, BS)
+    index.apply_stored(A, [1, 2], None, tokens[:8], BS, Tier.GPU)
+    index.apply_stored(A, [3, 4], 2, tokens[8:16], BS, Tier.HOST)  # parent found on the GPU
+    index.apply_stored(A, [6], 5, tokens[20:], BS, Tier.DISK)  # parent 5 unknown: orphaned
+    assert index.stats.orphaned == 1
+    assert index.match_tiers(keys, BS) == {A: tiered(2, 2, 0)}
+    index.apply_stored(A, [5, 6], 4, tokens[16:], BS, Tier.DISK)  # parent found on the host
+    assert index.match_tiers(keys, BS) == {A: tiered(2, 2, 2)}
+    index.apply_removed(A, [2], Tier.GPU)  # a hole on the GPU no other tier fills
+    assert index.match_tiers(keys, BS) == {A: tiered(1, 0, 0)}
+    index.apply_stored(B, [7], None, tokens[:4], BS, Tier.HOST)
+    index.apply_stored(B, [8, 9, 10], 7, tokens[4:16], BS, Tier.GPU)  # parent on the host only
+    index.apply_stored(B, [11], 10, tokens[16:20], BS, Tier.DISK)
+    assert index.match_tiers(keys, BS) == {A: tiered(1, 0, 0), B: tiered(3, 1, 1)}
+    assert index.match_tiers(keys, BS, locations=[B]) == {B: tiered(3, 1, 1)}
+    assert index.match(keys, BS) == {A: 1}  # B's first block is not on its GPU
+
+
+def test_clear_forgets_every_tier() -> None:
+    index = KVBlockIndex(max_blocks=100)
+    tokens = prompt(1, 2)
+    index.apply_stored(A, [1], None, tokens[:4], BS, Tier.HOST)
+    index.apply_stored(A, [2], 1, tokens[4:], BS, Tier.DISK)
+    index.apply_stored(B, [1, 2], None, tokens, BS, Tier.DISK)
+    index.clear(A)
+    assert index.match_tiers(chain_keys(tokens, BS), BS) == {B: tiered(0, 0, 2)}
+    assert [index.block_count(A, tier) for tier in Tier] == [0, 0, 0]
+    index.apply_stored(A, [3], 2, prompt(2, 1), BS, Tier.DISK)  # the hash maps went with it
+    assert index.stats.orphaned == 1 and index.stats.lower_blocks == 2
+
+
+def test_predictions_count_as_gpu_blocks_in_tier_matches() -> None:
+    index = KVBlockIndex(max_blocks=100, clock=FakeClock())
+    tokens = prompt(1, 4)
+    keys = chain_keys(tokens, BS)
+    index.apply_stored(A, [1, 2, 3, 4], None, tokens, BS, Tier.DISK)
+    index.predict(A, keys[:3], BS)  # routed here: the engine loads them back to the GPU
+    assert index.match_tiers(keys, BS) == {A: tiered(3, 0, 1)}
+
+
+def test_a_gpu_only_index_keeps_no_lower_tier_state() -> None:
+    index = KVBlockIndex(max_blocks=100)
+    tokens = prompt(1, 2)
+    store(index, A, tokens, [1, 2])
+    index.apply_removed(A, [2], Tier.DISK)  # nothing there: no tier is created
+    assert index.tiers() == [Tier.GPU]
+    assert index.match_tiers(chain_keys(tokens, BS), BS) == {A: tiered(2, 0, 0)}
+    index.apply_stored(A, [1], None, tokens[:4], BS, Tier.DISK)
+    assert index.tiers() == [Tier.GPU, Tier.DISK]
+
+
+def test_the_cap_counts_lower_tiers_and_takes_from_the_fullest_first() -> None:
+    index = KVBlockIndex(max_blocks=200)
+    hot = prompt(0, 10)
+    store(index, A, hot, list(range(1, 11)))
+    for number in range(1, 40):  # a disk tier far larger than the GPU's
+        index.apply_stored(
+            A, [number * 100 + i for i in range(8)], None, prompt(number, 8), BS, Tier.DISK
+        )
+    stats = index.stats
+    assert stats.blocks + stats.lower_blocks <= 200 and stats.evicted > 0
+    assert index.block_count(A) == 10  # the GPU's blocks stay
+    assert index.match_tiers(chain_keys(hot, BS), BS) == {A: tiered(10, 0, 0)}
+    assert index.match_tiers(chain_keys(prompt(39, 8), BS), BS) == {A: tiered(0, 0, 8)}
+    assert index.match_tiers(chain_keys(prompt(1, 8), BS), BS) == {}  # oldest disk blocks gone
+
+
+def test_tier_matches_agree_with_a_brute_force_model() -> None:
+    rng = random.Random(7)
+    locations: list[Location] = [("a", 0), ("a", 1), ("b", 0)]
+    sequences = [[rng.randrange(3) for _ in range(16)] for _ in range(6)]
+    for _ in range(30):  # bounded: 30 indexes of 80 steps
+        index = KVBlockIndex(max_blocks=10**6)
+        # per location and tier: engine hash -> own key
+        held: dict[tuple[Location, Tier], dict[int, int]] = {
+            (loc, tier): {} for loc in locations for tier in Tier
+        }
+        for _ in range(80):
+            location, tokens, tier = (
+                rng.choice(locations),
+                rng.choice(sequences),
+                rng.choice(list(Tier)),
+            )
+            keys, roll = chain_keys(tokens, BS), rng.random()
+            mine = held[location, tier]
+            if roll < 0.6:
+                first, count = rng.randint(0, 2), rng.randint(1, 3)
+                hashes = [hash((location, tuple(tokens[: (i + 1) * BS]))) for i in range(4)]
+                parent = hashes[first - 1] if first else None
+                known = parent is None or any(parent in held[location, t] for t in Tier)
+                chunk = tokens[first * BS : (first + count) * BS]
+                index.apply_stored(location, hashes[first : first + count], parent, chunk, BS, tier)
+                if known:
+                    mine.update(zip(hashes[first : first + count], keys[first:], strict=False))
+            elif roll < 0.85 and mine:
+                removed = rng.choice(list(mine))
+                index.apply_removed(location, [removed], tier)
+                del mine[removed]
+            elif roll < 0.9:
+                index.clear(location)
+                for t in Tier:
+                    held[location, t] = {}
+            query = chain_keys(rng.choice(sequences), BS)
+            expected = {}
+            for loc in locations:
+                by_tier = [0, 0, 0]
+                for key in query:
+                    best = next((t for t in Tier if key in held[loc, t].values()), None)
+                    if best is None:
+                        break
+                    by_tier[best] += 1
+                if any(by_tier):
+                    expected[loc] = tiered(*by_tier)
+            assert index.match_tiers(query, BS) == expected

@@ -2,8 +2,10 @@
 
 Takes a completion body (``messages``: chat, else completions), computes its prompt features as
 a request would (tokenizing it when the policy needs token ids) and returns the candidates with
-what the policies weigh (load, prefill tokens pending, predicted cached tokens, cost) and the
-route the router would choose now. Admin auth, like the rest of ``/admin``.
+what the policies weigh (load, prefill tokens pending, predicted cached tokens, cost; with
+precise ``cache_aware`` also the matched blocks per cache tier, ``cached_blocks_by_tier``, and
+their tier-weighted worth, ``credited_blocks``) and the route the router would choose now. Admin
+auth, like the rest of ``/admin``.
 """
 
 from __future__ import annotations

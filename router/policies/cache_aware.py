@@ -5,7 +5,10 @@ Two ways to know what a rank holds (PROTOCOLS.md 11.2):
 * precise: the engines' KV cache events fill a :class:`KVBlockIndex` of chained block keys per
   (worker, DP rank); the request's token ids, chained the same way, are matched against it.
   Used when the request's token ids are known, every candidate has an event stream and one of
-  them has reported its block size (sent an event).
+  them has reported its block size (sent an event). With a tiered KV cache a rank's cached
+  prefix is its leading run of blocks held in any tier, each block credited by the best tier
+  holding it (``tier_weights``: a GPU block 1, host memory and disk less, since the engine must
+  load them back): the cached tokens below are these credited tokens.
 * approximate: an :class:`ApproxPrefixTree` of the request texts this router sent to each rank
   (SGLang router / SMG style); used otherwise.
 
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.kv_index import KVBlockIndex, Location
+from router.kv_tiers import TierMatch, TierWeights
 from router.prefix_tree import ApproxPrefixTree
 from router.prompt_tokens import RequestFeatures
 from router.settings import CacheAwareSettings
@@ -44,18 +48,29 @@ __all__ = ["APPROXIMATE", "LOAD", "PRECISE", "CacheAware", "PrefillChoice"]
 PRECISE = "precise"
 APPROXIMATE = "approximate"
 LOAD = "load"
+_NO_MATCH = TierMatch((0, 0, 0))
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillChoice:
     """The chosen prefill and DP rank, how they were chosen, and the prompt tokens predicted to
-    be cached there (0 when unknown)."""
+    be cached there (0 when unknown; precise: credited by cache tier)."""
 
     worker: Worker
     rank: int
     how: str  # "precise" | "approximate" | "load" (imbalance, or too little cached to decide)
     cached_tokens: int = 0
     mode: str = LOAD  # how the cache was judged: what ``CacheAware.record`` remembers
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    """How the cache was judged and, per place, the prompt tokens predicted cached there
+    (precise: credited by tier) and, precise only, the matched blocks per tier."""
+
+    mode: str
+    tokens: list[int]
+    matches: list[TierMatch] | None = None
 
 
 def _all_locations(candidates: Sequence[Worker]) -> list[tuple[Worker, int]]:
@@ -78,6 +93,7 @@ class CacheAware:
         self.settings = settings = settings or CacheAwareSettings()
         self.index = index or KVBlockIndex(settings.max_indexed_blocks, settings.prediction_ttl_s)
         self.tree = tree or ApproxPrefixTree(settings.approx_tree_max_chars)
+        self.tier_weights = TierWeights.from_mapping(settings.tier_weights)
         self._has_stream = has_stream or self._configured_stream
         self._turn = itertools.count()
 
@@ -93,7 +109,8 @@ class CacheAware:
         """The prefill and DP rank for a request, among available ``candidates`` (non-empty)."""
         places = _all_locations(candidates)
         loads = [worker.load_score(rank) for worker, rank in places]
-        mode, cached = self._cached(places, features)
+        judged = self._cached(places, features)
+        mode, cached = judged.mode, judged.tokens
         top = max(cached)
         following = self._worth_following(top, features)
         prompt = features.prompt_tokens
@@ -119,15 +136,17 @@ class CacheAware:
         self, candidates: Sequence[Worker], features: RequestFeatures
     ) -> tuple[str, list[dict[str, Any]]]:
         """How the cache is judged, and per prefill and DP rank what ``choose_prefill`` weighs:
-        load, prefill tokens pending, predicted cached tokens and the cost in tokens (None
-        without a prompt size). Reads only (``POST /admin/explain``)."""
+        load, prefill tokens pending, predicted cached tokens (precise: credited by tier, with
+        the matched blocks per tier and their credited worth in blocks) and the cost in tokens
+        (None without a prompt size). Reads only (``POST /admin/explain``)."""
         places = _all_locations(candidates)
-        mode, cached = self._cached(places, features)
+        judged = self._cached(places, features)
+        cached = judged.tokens
         following = self._worth_following(max(cached), features)
         prompt = features.prompt_tokens
-        return mode, [
+        rows = [
             {
-                "worker": worker.url,
+                "worker": worker.public_url,
                 "dp_rank": rank,
                 "load": worker.load_score(rank),
                 "pending_prefill_tokens": worker.pending_tokens(rank),
@@ -138,6 +157,10 @@ class CacheAware:
             }
             for i, (worker, rank) in enumerate(places)
         ]
+        if judged.matches is not None:
+            for row, match in zip(rows, judged.matches, strict=True):
+                row.update(self._tier_view(match))
+        return judged.mode, rows
 
     def record(self, choice: PrefillChoice, features: RequestFeatures) -> None:
         """The request goes to ``choice``: remember what its rank is about to hold, so the
@@ -160,9 +183,7 @@ class CacheAware:
     def _configured_stream(self, worker: Worker) -> bool:
         return worker.kv_events is not None or self.settings.kv_events_port is not None
 
-    def _cached(
-        self, places: list[tuple[Worker, int]], features: RequestFeatures
-    ) -> tuple[str, list[int]]:
+    def _cached(self, places: list[tuple[Worker, int]], features: RequestFeatures) -> _Cached:
         """How the cache is judged, and each place's predicted cached prompt tokens. Precise
         needs every candidate's event stream and a block size reported by at least one of them
         (before any event there is nothing to chain keys by: the text tree stands in)."""
@@ -171,23 +192,33 @@ class CacheAware:
             and all(self._has_stream(w) for w, _ in places)
             and any(self.index.block_size_of((w.id, rank)) for w, rank in places)
         ):
-            return PRECISE, self._precise(places, features)
+            return self._precise(places, features)
         if features.text:
-            return APPROXIMATE, self._approximate(places, features.text, features)
-        return LOAD, [0] * len(places)
+            return _Cached(APPROXIMATE, self._approximate(places, features.text, features))
+        return _Cached(LOAD, [0] * len(places))
 
-    def _precise(self, places: list[tuple[Worker, int]], features: RequestFeatures) -> list[int]:
-        """Cached tokens per place from the index. A place whose block size is not known yet
-        (only predictions there) is matched at every block size seen among the others."""
+    def _precise(self, places: list[tuple[Worker, int]], features: RequestFeatures) -> _Cached:
+        """Credited cached tokens and tier matches per place from the index. A place whose
+        block size is not known yet (only predictions there) is matched at every block size
+        seen among the others; the best credited match counts."""
         locations = [(worker.id, rank) for worker, rank in places]
         sizes = {self.index.block_size_of(location) for location in locations}
-        cached: dict[Location, int] = {}
+        best: dict[Location, tuple[float, TierMatch]] = {}
         for size in sizes - {None}:
             assert size is not None
             group = [loc for loc in locations if self.index.block_size_of(loc) in (size, None)]
-            for location, blocks in self.index.match(features.keys(size), size, group).items():
-                cached[location] = max(cached.get(location, 0), blocks * size)
-        return [cached.get(location, 0) for location in locations]
+            keys = features.keys(size)
+            for location, match in self.index.match_tiers(keys, size, group).items():
+                credited = match.credited(self.tier_weights) * size
+                if location not in best or credited > best[location][0]:
+                    best[location] = (credited, match)
+        found = [best.get(location, (0.0, _NO_MATCH)) for location in locations]
+        return _Cached(PRECISE, [round(credited) for credited, _ in found], [m for _, m in found])
+
+    def _tier_view(self, match: TierMatch) -> dict[str, Any]:
+        """A place's matched blocks per tier and their credited worth in blocks (explain)."""
+        credited = round(match.credited(self.tier_weights), 3)
+        return {"cached_blocks_by_tier": match.as_dict(), "credited_blocks": credited}
 
     def _approximate(
         self, places: list[tuple[Worker, int]], text: str, features: RequestFeatures
