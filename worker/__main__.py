@@ -13,12 +13,18 @@ from transfer.engine.fake import LoopbackNetwork
 from worker.app import EngineFactory, SimWorker, WorkerConfig, create_app
 from worker.kv import PoolShape
 from worker.kv_events import KVEventsConfig
+from worker.tier_config import TierConfig
 from worker.tokenizer import TokenizerError
 
-__all__ = ["main", "parse_args"]
+__all__ = ["build_parser", "main", "parse_args"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """pd-worker's argument parser."""
     parser = argparse.ArgumentParser(prog="pd-worker", description="simulated PD engine worker")
     parser.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -73,7 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--hash-seed",
         help="vLLM protocol: prefix-cache block hash seed, like PYTHONHASHSEED "
-        "(default: random per process)",
+        "(default: random per process; give the same seed across restarts for pages kept in "
+        "--hicache-storage-dir to match again)",
     )
     parser.add_argument(
         "--kv-events-config",
@@ -88,8 +95,99 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="serve POST/GET /debug/fault to inject 5xx answers and slow decoding (soak tests "
         "only; off by default)",
     )
+    _add_hicache_args(parser)
     parser.add_argument("--log-level", default="warning")
-    return parser.parse_args(argv)
+    return parser
+
+
+def _add_hicache_args(parser: argparse.ArgumentParser) -> None:
+    """The tiered KV cache (``worker.cache_controller``), named after SGLang's --hicache-*."""
+    group = parser.add_argument_group("tiered KV cache (HiCache)")
+    add = group.add_argument
+    add("--hicache-host-pages", type=int, default=0, help="L2 host pool pages (0: no tiers)")
+    add(
+        "--hicache-write-policy",
+        choices=["write_through", "write_through_selective", "write_back"],
+        default="write_through",
+    )
+    add(
+        "--hicache-selective-hits",
+        type=int,
+        default=2,
+        help="write_through_selective: hits before a page is backed up",
+    )
+    add("--hicache-storage-backend", choices=["none", "file", "mooncake"], default="none")
+    add(
+        "--hicache-storage-dir",
+        metavar="DIR",
+        help="file backend directory (DP rank i of a --dp > 1 prefill: DIR/rank<i>); a worker "
+        "restarted on it serves what it holds (vLLM protocol: with the same --hash-seed)",
+    )
+    add("--hicache-storage-pages", type=int, default=0, help="L3 capacity (0: unbounded)")
+    add("--hicache-storage-fsync", choices=["never", "page"], default="never")
+    add("--hicache-mooncake-master", metavar="HOST:PORT", help="mooncake backend: the master")
+    add("--hicache-mooncake-metadata", default="P2PHANDSHAKE", help="mooncake metadata server")
+    add(
+        "--hicache-prefetch-policy",
+        choices=["best_effort", "wait_complete", "timeout"],
+        default="best_effort",
+    )
+    add(
+        "--hicache-prefetch-threshold",
+        type=int,
+        default=256,
+        metavar="TOKENS",
+        help="prefetch an L3 hit from this many tokens on",
+    )
+    add("--hicache-prefetch-timeout", type=float, default=1.0, metavar="S")
+    add(
+        "--hicache-prefetch-rate",
+        type=float,
+        default=0.0,
+        metavar="BYTES_PER_S",
+        help="prefetch rate limit (0: none)",
+    )
+    add(
+        "--hicache-host-bandwidth",
+        type=float,
+        default=25e9,
+        metavar="BYTES_PER_S",
+        help="modelled L1<->L2 link (PCIe 4.0 x16 ~ 25 GB/s; 0: free)",
+    )
+    add(
+        "--hicache-storage-bandwidth",
+        type=float,
+        default=0.0,
+        metavar="BYTES_PER_S",
+        help="cap on L3 I/O (0: only the real I/O)",
+    )
+    add(
+        "--hicache-layerwise",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="load L2/L3 hits layer by layer under the forward pass",
+    )
+
+
+def _tiers(args: argparse.Namespace) -> TierConfig:
+    return TierConfig(
+        host_pages=args.hicache_host_pages,
+        write_policy=args.hicache_write_policy,
+        selective_hits=args.hicache_selective_hits,
+        storage_backend=args.hicache_storage_backend,
+        storage_dir=args.hicache_storage_dir,
+        storage_pages=args.hicache_storage_pages,
+        storage_fsync=args.hicache_storage_fsync,
+        mooncake_master=args.hicache_mooncake_master,
+        mooncake_metadata=args.hicache_mooncake_metadata,
+        prefetch_policy=args.hicache_prefetch_policy,
+        prefetch_threshold_tokens=args.hicache_prefetch_threshold,
+        prefetch_timeout_s=args.hicache_prefetch_timeout,
+        prefetch_rate=args.hicache_prefetch_rate,
+        host_bandwidth=args.hicache_host_bandwidth,
+        storage_bandwidth=args.hicache_storage_bandwidth,
+        layerwise=args.hicache_layerwise,
+    )
 
 
 def _engine(name: str, host: str) -> EngineFactory:
@@ -134,6 +232,7 @@ def build(args: argparse.Namespace) -> SimWorker:
             tokenizer=args.tokenizer,
             hash_seed=args.hash_seed,
             kv_events=_kv_events(args.kv_events_config),
+            tiers=_tiers(args),
             **extra,
         )
         return SimWorker(config, _engine(args.engine, args.host))

@@ -3,7 +3,8 @@
 ``create_app(worker)`` serves one ``worker.sim.SimWorker``: ``/v1/completions`` and
 ``/v1/chat/completions`` (JSON, or SSE with one event per generated token; ``usage`` carries
 ``prompt_tokens_details.cached_tokens`` as vLLM and SGLang report it), ``/v1/models``,
-``/health`` (pages, open rooms, prefill queues, KV bytes sent, KV event endpoints),
+``/health`` (pages, open rooms, prefill queues, KV bytes sent, KV event endpoints, and with a
+tiered cache ``hicache``: pages per tier, whether L3's start-up scan is done),
 ``/metrics`` (``worker.metrics``), ``/v1/loads`` (``worker.loads``) and
 ``POST /reset_prefix_cache`` (vLLM) / ``/flush_cache`` (SGLang), which empty the prefix cache.
 Opt-in only (``create_app(worker, fault_api=True)``, ``pd-worker --fault-api``), for soak
@@ -227,6 +228,20 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _health(worker: SimWorker) -> dict[str, Any]:
+    return {
+        "status": "ok",
+        "role": worker.config.role,
+        "free_pages": sum(pool.free_pages for pool in worker.pools),
+        "quarantined_pages": sum(pool.quarantined for pool in worker.pools),
+        "open_rooms": worker.open_rooms,
+        "queues": worker.queues,
+        "kv_bytes_sent": worker.kv_bytes_sent,
+        "cached_pages": sum(pool.cache.cached_pages for pool in worker.pools),
+        "kv_events": [{"endpoint": e, "replay": r} for e, r in worker.event_endpoints],
+    }
+
+
 def create_app(worker: SimWorker, *, fault_api: bool = False) -> FastAPI:
     """The worker's ASGI app; its lifespan runs ``worker.run()``; ``fault_api``: the
     ``/debug/fault`` routes (soak tests only)."""
@@ -241,17 +256,11 @@ def create_app(worker: SimWorker, *, fault_api: bool = False) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "role": worker.config.role,
-            "free_pages": sum(pool.free_pages for pool in worker.pools),
-            "quarantined_pages": sum(pool.quarantined for pool in worker.pools),
-            "open_rooms": worker.open_rooms,
-            "queues": worker.queues,
-            "kv_bytes_sent": worker.kv_bytes_sent,
-            "cached_pages": sum(pool.cache.cached_pages for pool in worker.pools),
-            "kv_events": [{"endpoint": e, "replay": r} for e, r in worker.event_endpoints],
-        }
+        answer = _health(worker)
+        tiers = worker.tier_status()
+        if tiers is not None:
+            answer["hicache"] = tiers
+        return answer
 
     @app.get("/metrics")
     async def metrics() -> Response:

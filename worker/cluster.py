@@ -15,6 +15,11 @@ names them. ``--policy``/``--prefill-policy``/``--decode-policy`` and ``--tokeni
 router (``--tokenizer`` to every worker too); any other router flag goes through one
 ``--router-arg=FLAG`` each (e.g. ``--router-arg=--load-interval --router-arg=0.5``); worker flags
 go after ``--``.
+
+``--hicache-storage-dir DIR`` (given to pd-cluster, or among the worker flags after ``--``) gives
+each worker its own L3 directory, ``DIR/prefill-<i>`` and ``DIR/decode-<j>``: the same on every
+start, so a restarted cluster serves what its workers stored before (the workers also need
+``--hicache-host-pages`` and ``--hicache-storage-backend file`` after ``--``).
 """
 
 from __future__ import annotations
@@ -117,11 +122,41 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "any child exiting stops the cluster)",
     )
     parser.add_argument(
+        "--hicache-storage-dir",
+        metavar="DIR",
+        help="L3 root: worker flag --hicache-storage-dir DIR/prefill-<i> or DIR/decode-<j>, "
+        "stable across restarts",
+    )
+    parser.add_argument(
         "worker_args",
         nargs=argparse.REMAINDER,
         help="after --: extra pd-worker arguments (e.g. --pages 512)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.worker_args, root = _take_storage_dir(args.worker_args)
+    if root is not None:
+        if args.hicache_storage_dir not in (None, root):
+            parser.error("--hicache-storage-dir given twice, with different directories")
+        args.hicache_storage_dir = root
+    return args
+
+
+_STORAGE_DIR = "--hicache-storage-dir"
+
+
+def _take_storage_dir(worker_args: list[str]) -> tuple[list[str], str | None]:
+    """``worker_args`` without ``--hicache-storage-dir DIR`` (or ``=DIR``), and that DIR."""
+    rest: list[str] = []
+    root = None
+    items = iter(worker_args)
+    for item in items:
+        if item == _STORAGE_DIR:
+            root = next(items, None)
+        elif item.startswith(_STORAGE_DIR + "="):
+            root = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    return rest, root
 
 
 class _Children:
@@ -206,22 +241,34 @@ def _router_args(args: argparse.Namespace, layout: _Layout) -> list[str]:
     return out + list(args.router_arg)
 
 
-def _worker_args(args: argparse.Namespace) -> list[str]:
-    """Flags every worker gets: the protocol, the tokenizer, then the user's after ``--``."""
+def _worker_args(args: argparse.Namespace, name: str) -> list[str]:
+    """Flags every worker gets: the protocol, the tokenizer, its L3 directory (``name``: its
+    subdirectory), then the user's after ``--``."""
     out = ["--protocol", args.engine]
     if args.tokenizer is not None:
         out += ["--tokenizer", args.tokenizer]
+    if args.hicache_storage_dir is not None:
+        out += [_STORAGE_DIR, os.path.join(args.hicache_storage_dir, name)]
     return out + [a for a in args.worker_args if a != "--"]
 
 
 def _prefill_args(
-    args: argparse.Namespace, port: int, ns_port: int, events: tuple[int, int] | None
+    args: argparse.Namespace,
+    port: int,
+    ns_port: int,
+    events: tuple[int, int] | None,
+    index: int = 0,
 ) -> list[str]:
     out = ["worker", "--role", "prefill", "--port", str(port)]
     out += ["--registry", f"{_HOST}:{ns_port}", "--dp", str(args.dp)]
     if events is not None:
         out += ["--kv-events-config", _kv_events_config(*events)]
-    return out + _worker_args(args)
+    return out + _worker_args(args, f"prefill-{index}")
+
+
+def _decode_args(args: argparse.Namespace, port: int, index: int) -> list[str]:
+    out = ["worker", "--role", "decode", "--port", str(port)]
+    return out + _worker_args(args, f"decode-{index}")
 
 
 @contextlib.contextmanager
@@ -263,12 +310,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             children.start(_router_args(args, layout))
             _wait(f"{router}/health", children, args.ready_timeout)
             rows = zip(layout.prefills, layout.namespaces, layout.events, strict=True)
-            for port, ns_port, events in rows:
-                children.start(_prefill_args(args, port, ns_port, events))
-            for port in layout.decodes:
-                children.start(
-                    ["worker", "--role", "decode", "--port", str(port)] + _worker_args(args)
-                )
+            for index, (port, ns_port, events) in enumerate(rows):
+                children.start(_prefill_args(args, port, ns_port, events, index))
+            for index, port in enumerate(layout.decodes):
+                children.start(_decode_args(args, port, index))
             _wait(f"{router}/ready", children, args.ready_timeout)
             dp = f", DP={args.dp}" if args.dp > 1 else ""
             print(f"pd-cluster ready: {router}  ({args.prefill}P{args.decode}D{dp}, {args.engine})")

@@ -72,6 +72,7 @@ class KVPool:
         probe = self._layout(0)
         self.data = bytearray(probe.total_bytes)
         self._pin = (ctypes.c_char * len(self.data)).from_buffer(self.data)
+        self._view = memoryview(self.data)
         self.layout = self._layout(ctypes.addressof(self._pin))
         self.cache = PrefixCache(shape.pages, shape.page_size)
         self.quarantined = 0  # pages withheld after a transfer whose writes may still land
@@ -103,6 +104,27 @@ class KVPool:
     def quarantine(self, pages: Sequence[int]) -> None:
         """Withhold ``pages`` for good (a transfer may still write them): never released."""
         self.quarantined += len(pages)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one whole page: its slice of every region (K and V of every layer)."""
+        return self.layout.page_bytes * self.layout.num_regions
+
+    def copy_page_out(self, page: int, dest: memoryview) -> None:
+        """``page``'s KV into ``dest`` (``page_bytes`` long), regions in pool order: the layout of
+        ``worker.page_store.StoredPage.data``."""
+        size = self.layout.page_bytes
+        for region in range(self.layout.num_regions):
+            start = self._offset(region, page, 0)
+            dest[region * size : (region + 1) * size] = self._view[start : start + size]
+
+    def copy_layer_in(self, page: int, layer: int, src: memoryview) -> None:
+        """Layer ``layer``'s K and V slices of a stored page (``src``, as ``copy_page_out``
+        writes it) into ``page``."""
+        size = self.layout.page_bytes
+        for region in (layer, layer + self.shape.layers):
+            start = self._offset(region, page, 0)
+            self._view[start : start + size] = src[region * size : (region + 1) * size]
 
     def _offset(self, region: int, page: int, slot: int) -> int:
         layout = self.layout

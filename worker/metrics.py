@@ -23,7 +23,9 @@ SGLang (``sglang``), labels ``model_name`` and ``dp_rank``: ``sglang:num_running
   ``sglang:time_to_first_token_seconds``.
 
 Prompt and cache counts cover the requests that consult the prefix cache: a prefill's, and
-those computed locally (``--role both``, a vLLM decode without ``kv_transfer_params``).
+those computed locally (``--role both``, a vLLM decode without ``kv_transfer_params``). With a
+tiered cache, cached tokens include those served from L2/L3, and the tier metrics of
+``worker.tier_metrics`` (``pd_worker_hicache_*``) join the same registry (``tiers``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from worker.tier_metrics import TierMetrics
 
 __all__ = ["CONTENT_TYPE", "RankSnapshot", "WorkerMetrics"]
 
@@ -75,10 +79,16 @@ class RankSnapshot:
 
 
 class WorkerMetrics:
-    """The worker's registry: ``observe_ttft`` per request, ``exposition()`` per scrape."""
+    """The worker's registry: ``observe_ttft`` per request, ``exposition()`` per scrape;
+    ``tiers``: the tiered cache's families (with ``tiers=True``)."""
 
     def __init__(
-        self, protocol: str, model: str, snapshots: Callable[[], Sequence[RankSnapshot]]
+        self,
+        protocol: str,
+        model: str,
+        snapshots: Callable[[], Sequence[RankSnapshot]],
+        *,
+        tiers: bool = False,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._vllm = protocol != "sglang"
@@ -92,6 +102,7 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.registry.register(_RankCollector(model, snapshots, self._vllm))
+        self.tiers = TierMetrics(self.registry, model, rank_label) if tiers else None
 
     def observe_ttft(self, rank: int, seconds: float) -> None:
         self._ttft.labels(self._model, str(rank)).observe(seconds)

@@ -12,6 +12,12 @@ A request moves through four queues; ``counts`` shows how many are in each:
                waits for the next chunk) and goes back to ``waiting`` for the next chunk
     inflight   the last chunk and the aux slot are written; waits for Success or Failed
 
+With a tiered cache (``worker.cache_controller``) a job carries ``tiers``: it applies the
+late-prefetch policy before the job first queues for the forward pass, and at the first chunk's
+forward pass says where computing starts (the prefix loaded from L2/L3 is skipped) and which
+load the pass waits for, layer by layer (``worker.layer_loading``); the compute time of a chunk is
+split evenly over the layers then.
+
 vLLM's MooncakeConnector has no bootstrap queue: the prefill computes at once, answers the HTTP
 request, and serves the decode's pull afterwards (``hand_off``: an inflight task that waits for
 the transfer info, writes and reports, bounded by the sender's timeouts).
@@ -29,13 +35,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from transfer.errors import TransferError
 from transfer.sender import KVSender
 from worker.kv import KVPool
+from worker.layer_loading import LayerLoad, simulate_forward
 
-__all__ = ["PrefillJob", "PrefillScheduler", "Stage"]
+__all__ = ["PrefillJob", "PrefillScheduler", "Stage", "TierStart"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,25 +50,45 @@ Stage = Literal["bootstrap", "waiting", "forward", "inflight"]
 STAGES: tuple[Stage, ...] = ("bootstrap", "waiting", "forward", "inflight")
 
 
+class TierStart(Protocol):
+    """A job's tiered-cache steps (``worker.rank.Progress``)."""
+
+    async def ready(self) -> None:
+        """Before the job first queues for the forward pass."""
+        ...
+
+    async def begin(self) -> tuple[int, LayerLoad | None]:
+        """At its first forward pass: where computing starts, and the load to wait on."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillJob:
     """One prompt to prefill: positions ``[start, len(tokens))`` are computed (the rest came
-    from the prefix cache); ``computed(end)`` runs after each forward chunk (KV of positions
-    ``[0, end)`` now written), e.g. to cache the full pages."""
+    from the prefix cache; with ``tiers``, ``tiers.begin()`` says where instead);
+    ``computed(end)`` runs after each forward chunk (KV of positions ``[0, end)`` now written),
+    e.g. to cache the full pages. ``aux()`` is the aux slot's bytes, read when sent."""
 
     room: int
     tokens: Sequence[int]
     pages: Sequence[int]
-    aux: bytes
+    aux: Callable[[], bytes]
     start: int = 0
     computed: Callable[[int], None] | None = None
+    tiers: TierStart | None = None
 
 
 class PrefillScheduler:
     """Runs prefill jobs through the lifecycle on one rank's pool and sender."""
 
     def __init__(
-        self, pool: KVPool, sender: KVSender, *, chunk_tokens: int, compute_s_per_token: float = 0.0
+        self,
+        pool: KVPool,
+        sender: KVSender,
+        *,
+        chunk_tokens: int,
+        compute_s_per_token: float = 0.0,
+        layerwise: bool = True,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -69,6 +96,7 @@ class PrefillScheduler:
         self._sender = sender
         self._chunk = chunk_tokens
         self._compute = compute_s_per_token
+        self._layerwise = layerwise
         self._forward = asyncio.Lock()  # FIFO: the waiting queue
         self._counts: Counter[Stage] = Counter()
         self._handed_off: set[asyncio.Task[None]] = set()
@@ -86,14 +114,19 @@ class PrefillScheduler:
             await self._sender.bootstrap(job.room)
             started = time.monotonic()
             try:
-                for start in range(job.start, len(job.tokens), self._chunk):
-                    end = min(start + self._chunk, len(job.tokens))
-                    await self._forward_chunk(job, start, end, stage)
-                    last = end == len(job.tokens)
+                await self._ready(job, stage)
+                end, first = job.start, True
+                while first or end < len(job.tokens):
+                    end = await self._forward_chunk(job, end, stage, first)
+                    first, last = False, end == len(job.tokens)
                     if last:
                         stage("inflight")
                     await self._sender.send(
-                        job.room, job.pages, end, is_last_chunk=last, aux=job.aux if last else None
+                        job.room,
+                        job.pages,
+                        end,
+                        is_last_chunk=last,
+                        aux=job.aux() if last else None,
                     )
             except BaseException:
                 self._sender.abort(job.room, "the prefill request ended early")
@@ -103,10 +136,11 @@ class PrefillScheduler:
     async def compute(self, job: PrefillJob) -> None:
         """vLLM: the forward pass over the whole prompt, chunk by chunk, sending nothing yet."""
         with self._stage("waiting") as stage:
-            for start in range(job.start, len(job.tokens), self._chunk):
-                await self._forward_chunk(
-                    job, start, min(start + self._chunk, len(job.tokens)), stage
-                )
+            await self._ready(job, stage)
+            end, first = job.start, True
+            while first or end < len(job.tokens):
+                end = await self._forward_chunk(job, end, stage, first)
+                first = False
 
     def hand_off(self, job: PrefillJob, done: Callable[[], None]) -> None:
         """vLLM: serve the decode's pull of a computed ``job`` in the background; ``done`` runs
@@ -116,7 +150,7 @@ class PrefillScheduler:
             with self._stage("inflight"):
                 try:
                     await self._sender.send(
-                        job.room, job.pages, len(job.tokens), is_last_chunk=True, aux=job.aux
+                        job.room, job.pages, len(job.tokens), is_last_chunk=True, aux=job.aux()
                     )
                 except TransferError as exc:
                     # the room failed (its decode has been told, the sender logged the reason
@@ -141,18 +175,29 @@ class PrefillScheduler:
             task.cancel()
         await asyncio.gather(*self._handed_off, return_exceptions=True)
 
+    async def _ready(self, job: PrefillJob, stage: Callable[[Stage], None]) -> None:
+        if job.tiers is not None:
+            stage("waiting")
+            await job.tiers.ready()
+
     async def _forward_chunk(
-        self, job: PrefillJob, start: int, end: int, stage: Callable[[Stage], None]
-    ) -> None:
+        self, job: PrefillJob, start: int, stage: Callable[[Stage], None], first: bool
+    ) -> int:
+        """One forward chunk from ``start`` (the first: from where ``tiers`` says); its end."""
         stage("waiting")
         async with self._forward:
             stage("forward")
-            if self._compute:
-                await asyncio.sleep(self._compute * (end - start))
+            load = None
+            if first and job.tiers is not None:
+                start, load = await job.tiers.begin()
+            end = min(start + self._chunk, len(job.tokens))
+            compute_s = self._compute * (end - start)
+            await simulate_forward(compute_s, self._pool.shape.layers, load, self._layerwise)
             self._pool.write(job.pages, job.tokens, start, end)
             if job.computed is not None:
                 job.computed(end)
         stage("waiting")
+        return end
 
     @contextlib.contextmanager
     def _stage(self, first: Stage) -> Iterator[Callable[[Stage], None]]:

@@ -18,6 +18,10 @@ A referenced page is never evicted, so pages still being read or written by a tr
 until the transfer ends, or forever when quarantined) are safe. Pages that receive KV from a
 prefill are plain ``allocate``d pages, never cached.
 
+``on_evict`` (if set; the tiered cache's controller, ``worker.cache_controller``) hears of every
+evicted page with its key, synchronously, before the page is handed out again (its KV is still
+there to copy), and ``commit`` returns the lease positions it newly cached.
+
 Every change to the cached set is reported to ``events`` (if set) as one list per call:
 ``BlockStored`` per newly cached run of a request's pages, ``BlockRemoved`` for evictions and
 ``AllBlocksCleared`` for ``clear``. Not thread-safe: one event loop owns it.
@@ -32,9 +36,11 @@ from dataclasses import dataclass
 from transfer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from worker.block_hash import BlockKey
 
-__all__ = ["EventSink", "Lease", "PoolExhausted", "PrefixCache"]
+__all__ = ["EventSink", "EvictSink", "Lease", "PoolExhausted", "PrefixCache"]
 
 EventSink = Callable[[list[KVEvent]], None]
+EvictSink = Callable[[list[tuple[int, BlockKey]]], None]
+"""Called with ``(page, key)`` of each page evicted by one allocation, before any is reused."""
 
 
 class PoolExhausted(Exception):
@@ -61,6 +67,7 @@ class PrefixCache:
         self.num_pages = num_pages
         self.page_size = page_size
         self.events: EventSink | None = None
+        self.on_evict: EvictSink | None = None
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() takes page 0 first
         self._refs: dict[int, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, oldest first
@@ -108,8 +115,9 @@ class PrefixCache:
             raise
         return Lease(shared + own, tokens, list(keys), reusable * size, committed=reusable)
 
-    def commit(self, lease: Lease, computed_tokens: int) -> None:
-        """Cache ``lease``'s full pages within the first ``computed_tokens`` (KV written)."""
+    def commit(self, lease: Lease, computed_tokens: int) -> list[int]:
+        """Cache ``lease``'s full pages within the first ``computed_tokens`` (KV written);
+        returns the positions (page indices in the lease) newly cached."""
         full = min(computed_tokens // self.page_size, len(lease.keys))
         stored: list[int] = []
         for index in range(lease.committed, full):
@@ -120,23 +128,26 @@ class PrefixCache:
                 stored.append(index)
         lease.committed = max(lease.committed, full)
         self._emit(self._stored_events(lease, stored))
+        return stored
 
     def allocate(self, count: int) -> list[int]:
         """``count`` private pages, evicting LRU cached pages when the free list is short."""
         if count > self.free_pages:
             raise PoolExhausted(f"{count} KV pages needed, {self.free_pages} free")
-        evicted: list[int] = []
+        evicted: list[tuple[int, BlockKey]] = []
         while len(self._free) < count:
             page, _ = self._lru.popitem(last=False)
             key = self._key_of.pop(page)
             del self._index[key.digest]
-            evicted.append(key.event_id)
+            evicted.append((page, key))
             self._free.append(page)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         pages = [self._free.pop() for _ in range(count)]
         for page in pages:
             self._refs[page] = 1
         if evicted:
-            self._emit([BlockRemoved(block_hashes=evicted)])
+            self._emit([BlockRemoved(block_hashes=[key.event_id for _, key in evicted])])
         return pages
 
     def release(self, pages: Sequence[int]) -> None:

@@ -1,5 +1,12 @@
 """One DP rank of a simulated engine: its KV pool and prefix cache, its side of the transfer, its
-KV event feed, and the request and token counters its load report is made of."""
+KV event feed, its tiered-cache controller (``worker.cache_controller``, None without tiers), and
+the request and token counters its load report is made of.
+
+A leased prompt's ``Progress`` runs its forward pass in three steps: ``await ready()`` before it
+queues for the forward pass (the late-prefetch policy), ``await begin()`` when the pass starts
+(the prefix served from L2/L3 joins the cached prefix; returns where computing starts and the
+layer-by-layer load to wait on), ``computed(end)`` after each chunk. Without tiers the first two
+do nothing."""
 
 from __future__ import annotations
 
@@ -10,12 +17,15 @@ from dataclasses import dataclass, field
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from worker.block_hash import BlockKey
+from worker.cache_controller import CacheController
 from worker.kv import KVPool, PoolExhausted
 from worker.kv_events import RankEvents
+from worker.layer_loading import LayerLoad
 from worker.metrics import RankSnapshot
 from worker.prefill import PrefillScheduler
 from worker.prefix_cache import Lease
 from worker.protocol import WorkerError
+from worker.tier_fetch import TierFetch
 
 __all__ = ["AUX_LEN", "AUX_SLOTS", "Progress", "Rank", "RankStats"]
 
@@ -45,6 +55,7 @@ class Rank:
     receiver: KVReceiver | None = None
     scheduler: PrefillScheduler | None = None
     events: RankEvents | None = None
+    tiers: CacheController | None = None
     stats: RankStats = field(default_factory=RankStats)
     aux_free: list[int] = field(default_factory=lambda: list(range(AUX_SLOTS)))
 
@@ -64,8 +75,12 @@ class Rank:
         self.stats.hit_tokens += lease.cached_tokens
         self.stats.pending_tokens += len(tokens) - lease.cached_tokens
         try:
+            if self.tiers is not None:
+                progress.fetch = self.tiers.fetch(lease)
             yield progress
         finally:
+            if progress.fetch is not None:
+                progress.fetch.close()
             self.stats.pending_tokens -= len(tokens) - progress.done
             self.pool.release(lease.pages)
 
@@ -110,6 +125,7 @@ class Progress:
     rank: Rank
     lease: Lease
     done: int  # positions [0, done) have KV
+    fetch: TierFetch | None = None  # the prefix beyond L1 (tiers only)
 
     @property
     def pages(self) -> list[int]:
@@ -119,9 +135,28 @@ class Progress:
     def cached_tokens(self) -> int:
         return self.lease.cached_tokens
 
+    async def ready(self) -> None:
+        """Before queueing for the forward pass: the late-prefetch policy (tiers only)."""
+        if self.fetch is not None:
+            await self.fetch.ready()
+
+    async def begin(self) -> tuple[int, LayerLoad | None]:
+        """At the forward pass: where computing starts, and the load of the tier-served
+        prefix to wait on layer by layer (None: nothing to load)."""
+        if self.fetch is None:
+            return self.done, None
+        served, load = await self.fetch.begin()
+        stats = self.rank.stats
+        stats.hit_tokens += served
+        stats.pending_tokens -= served
+        self.done += served
+        return self.done, load
+
     def computed(self, end: int) -> None:
         stats = self.rank.stats
         stats.computed_tokens += end - self.done
         stats.pending_tokens -= end - self.done
         self.done = end
-        self.rank.pool.cache.commit(self.lease, end)
+        stored = self.rank.pool.cache.commit(self.lease, end)
+        if self.rank.tiers is not None:
+            self.rank.tiers.committed(self.lease, stored)

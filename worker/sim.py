@@ -23,6 +23,13 @@ NIXL decode report it; vLLM's Mooncake decode counts every received token), and
 (vLLM protocols, chat answers) ``created_cache_tokens`` the prompt tokens computed in this process,
 as vLLM 0.32 reports them. ``snapshots()`` and
 ``metrics`` give the load and cache signals (``worker.metrics``, ``worker.loads``).
+
+With ``tiers`` (``worker.tier_config.TierConfig``, host pages > 0) every rank also has a tiered
+cache controller (``worker.cache_controller``): L2 host memory and optionally an L3 page store,
+opened in ``run()`` (its scan announces what a restarted worker already holds). A locally
+computed request or a prefill then serves the prefix beyond its L1 hit from L2/L3 where it can:
+the load runs layer by layer under the simulated forward pass (``worker.layer_loading``).
+Without tiers nothing of this runs.
 """
 
 from __future__ import annotations
@@ -47,21 +54,35 @@ from transfer.receiver import KVReceiver, ReceiveFailed, ReceiveResult
 from transfer.rendezvous import PrefillRank
 from transfer.sender import KVSender
 from worker.block_hash import BlockHasher, block_hasher
+from worker.cache_controller import CacheController
 from worker.kv import KVPool, PoolExhausted, PoolShape, detokenize, generate
 from worker.kv_events import KVEventsConfig, open_rank_events
+from worker.layer_loading import simulate_forward
 from worker.metrics import RankSnapshot, WorkerMetrics
+from worker.page_store import EvictCallback, PageStore
 from worker.prefill import PrefillJob, PrefillScheduler
 from worker.protocol import PDProtocol, Seq, WorkerError
 from worker.rank import AUX_LEN, AUX_SLOTS, Progress, Rank
+from worker.tier_config import TierConfig, open_rank_store
 from worker.tokenizer import PromptTokenizer, load_tokenizer
 
-__all__ = ["Completion", "EngineFactory", "SimWorker", "WorkerConfig", "WorkerError"]
+__all__ = [
+    "Completion",
+    "EngineFactory",
+    "SimWorker",
+    "StoreFactory",
+    "TierConfig",
+    "WorkerConfig",
+    "WorkerError",
+]
 
 logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode", "both"]
 _T = TypeVar("_T")
 EngineFactory = Callable[[], Awaitable[TransferEngine]]
+StoreFactory = Callable[[int, EvictCallback], PageStore]
+"""``(dp_rank, on_evict) -> that rank's L3 page store``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +104,7 @@ class WorkerConfig:
     tokenizer: str | None = None  # a Hugging Face tokenizer directory (None: bytes)
     hash_seed: str | None = None  # vLLM block hash root seed (None: random per process)
     kv_events: KVEventsConfig | None = None  # --kv-events-config
+    tiers: TierConfig = field(default_factory=TierConfig)  # --hicache-* (default: none)
 
     def __post_init__(self) -> None:
         if self.dp_size < 1 or (self.dp_size > 1 and self.role != "prefill"):
@@ -111,13 +133,41 @@ class Completion:
 class SimWorker:
     """One simulated engine instance; ``run()`` opens its engines, pools and transfer sides."""
 
-    def __init__(self, config: WorkerConfig, engine: EngineFactory | None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: EngineFactory | None,
+        *,
+        page_store: StoreFactory | None = None,
+    ) -> None:
+        """``page_store``: each rank's L3 (default: the one ``config.tiers`` names)."""
         self.config = config
         self.ranks = [Rank(KVPool(config.shape)) for _ in range(config.dp_size)]
         self.tokenizer: PromptTokenizer = load_tokenizer(config.tokenizer)
-        self.metrics = WorkerMetrics(config.protocol, config.model, self.snapshots)
+        self.metrics = WorkerMetrics(
+            config.protocol, config.model, self.snapshots, tiers=config.tiers.enabled
+        )
         self._hasher: BlockHasher = block_hasher(config.protocol, config.hash_seed)
         self._engine_factory = engine
+        self._page_store = page_store or self._open_store
+        self._add_tiers()
+
+    def _add_tiers(self) -> None:
+        cfg, metrics = self.config, self.metrics.tiers
+        if metrics is None:
+            return
+        for index, rank in enumerate(self.ranks):
+            rank.tiers = CacheController(cfg.tiers, rank.pool, metrics.rank(index))
+        if cfg.tiers.storage and cfg.protocol != "sglang" and cfg.hash_seed is None:
+            logger.warning(
+                "vLLM block keys without --hash-seed change with every start: pages stored "
+                "by an earlier run will never match"
+            )
+
+    def _open_store(self, rank: int, on_evict: EvictCallback) -> PageStore:
+        cfg = self.config
+        prefix = f"{cfg.model}/{cfg.protocol}/"
+        return open_rank_store(cfg.tiers, rank, cfg.dp_size, prefix, on_evict)
 
     @property
     def pool(self) -> KVPool:
@@ -175,14 +225,23 @@ class SimWorker:
             if r.events is not None
         ]
 
+    def tier_status(self) -> list[dict[str, object]] | None:
+        """Each rank's tier occupancy (None without tiers), for ``/health``."""
+        if not self.config.tiers.enabled:
+            return None
+        return [rank.tiers.status() for rank in self.ranks if rank.tiers is not None]
+
     def snapshots(self) -> list[RankSnapshot]:
         """Every rank's load and cache counters now (``worker.metrics``)."""
         return [rank.snapshot(index) for index, rank in enumerate(self.ranks)]
 
     def reset_prefix_cache(self) -> None:
-        """Drop every rank's cached blocks (``AllBlocksCleared`` on each rank's feed)."""
+        """Drop every rank's cached blocks (``AllBlocksCleared`` on each rank's feed), L2 too;
+        L3 stays and is announced again."""
         for rank in self.ranks:
             rank.pool.cache.clear()
+            if rank.tiers is not None:
+                rank.tiers.clear()
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
@@ -196,16 +255,19 @@ class SimWorker:
 
     @contextlib.asynccontextmanager
     async def run(self) -> AsyncIterator[None]:
-        """Open the KV event publishers and the transfer sides; close them on exit."""
+        """Open the KV event publishers, the cache tiers and the transfer sides; close them on
+        exit."""
         events = self.config.kv_events
         transfer = self.config.role != "both" and self._engine_factory is not None
-        if not transfer and (events is None or not events.enabled):
+        tiers = self.config.tiers.enabled
+        if not transfer and not tiers and (events is None or not events.enabled):
             yield
             return
         context = zmq.asyncio.Context()
         try:
             async with contextlib.AsyncExitStack() as stack:
                 await self._open_events(stack, context)
+                await self._open_tiers(stack)
                 if transfer:
                     await self._open_transfer(stack, context)
                 yield
@@ -226,6 +288,21 @@ class SimWorker:
             rank.pool.cache.events = events.emit
             stack.callback(setattr, rank.pool.cache, "events", None)
             stack.callback(setattr, rank, "events", None)
+            if rank.tiers is not None:
+                rank.tiers.events = events.emit
+                stack.callback(setattr, rank.tiers, "events", None)
+
+    async def _open_tiers(self, stack: contextlib.AsyncExitStack) -> None:
+        """Start each rank's cache controller, with its L3 store when one is configured."""
+        for index, rank in enumerate(self.ranks):
+            tiers = rank.tiers
+            if tiers is None:
+                continue
+            store = None
+            if self.config.tiers.storage:
+                store = self._page_store(index, tiers.store_evicted)
+            await tiers.start(store)
+            stack.push_async_callback(tiers.aclose)
 
     async def _open_transfer(
         self, stack: contextlib.AsyncExitStack, context: zmq.asyncio.Context
@@ -263,6 +340,7 @@ class SimWorker:
                     sender,
                     chunk_tokens=cfg.chunk_tokens,
                     compute_s_per_token=cfg.compute_s_per_token,
+                    layerwise=cfg.tiers.layerwise,
                 )
                 rank.sender, rank.scheduler = sender, scheduler
                 try:
@@ -343,10 +421,12 @@ class SimWorker:
                 rank.pool.quarantine(held.pages)
 
     async def _local(self, rank: Rank, seq: Seq, max_new: int) -> Completion:
+        cfg = self.config
         with self._lease(rank, seq) as lease:
-            start = lease.cached_tokens
-            if self.config.compute_s_per_token:
-                await asyncio.sleep(self.config.compute_s_per_token * (len(seq.tokens) - start))
+            await lease.ready()
+            start, load = await lease.begin()
+            compute_s = cfg.compute_s_per_token * (len(seq.tokens) - start)
+            await simulate_forward(compute_s, cfg.shape.layers, load, cfg.tiers.layerwise)
             rank.pool.write(lease.pages, seq.tokens, start)
             lease.computed(len(seq.tokens))
             done = self._decode_tokens(rank.pool, seq, lease.pages, max_new, 0, 0.0)
@@ -365,10 +445,16 @@ class SimWorker:
         return Completion("", len(seq.tokens), 0, 0, transfer_s, lease.cached_tokens)
 
     def _job(self, seq: Seq, lease: Progress) -> PrefillJob:
-        assert seq.room is not None
-        cached = lease.cached_tokens
-        aux = struct.pack("<QQQ", len(seq.tokens), seq.room & ((1 << 64) - 1), cached)
-        return PrefillJob(seq.room, seq.tokens, lease.pages, aux, cached, lease.computed)
+        room = seq.room
+        assert room is not None
+
+        def aux() -> bytes:  # when sent: the cached count includes what came from L2/L3
+            return struct.pack("<QQQ", len(seq.tokens), room & ((1 << 64) - 1), lease.cached_tokens)
+
+        tiers = lease if lease.rank.tiers is not None else None
+        return PrefillJob(
+            room, seq.tokens, lease.pages, aux, lease.cached_tokens, lease.computed, tiers
+        )
 
     async def _prefill_and_hand_off(
         self, rank: Rank, scheduler: PrefillScheduler, seq: Seq
