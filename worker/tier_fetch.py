@@ -43,7 +43,7 @@ __all__ = ["PREFETCH_DEPTH", "TierFetch"]
 logger = logging.getLogger(__name__)
 
 _VERIFY_BATCH = 16  # pages checked between two event-loop yields
-PREFETCH_DEPTH = 4  # L3 reads in flight per prefetch (they arrive in order all the same)
+PREFETCH_DEPTH = 8  # L3 reads in flight per prefetch (they arrive in order all the same)
 
 
 class TierFetch:
