@@ -8,7 +8,8 @@ Three parts, printed in order (their modules' docstrings say exactly what each d
    recomputed, through ``pd-cluster`` 1P1D and the router, every sample confirmed by the
    prefill's own ``pd_worker_hicache_hit_tokens_total{tier}``; L2/L3 with layer-by-layer
    loading on and off; each tier's ratio to recompute, and the router tier weights they imply,
-   ``weight = (TTFT_recompute - TTFT_tier) / (TTFT_recompute - TTFT_L1)`` clipped to [0, 1],
+   ``weight = 1 - (TTFT_tier - TTFT_L1) / (TTFT_recompute - TTFT_L1)`` (paired per repeat),
+   clipped to [0, 1],
    printed as ``--cache-tier-weights``;
 2. ``bench.kv_tiers_workload``: the multi-turn chat trace through ``pd-cluster`` 2P1D
    (``cache_aware`` prefill routing, given part 1's weights) with device pools far below the

@@ -91,7 +91,7 @@ def render_ttft(result: TierTTFTResult) -> list[str]:
     else:
         flag = ",".join(f"{t}={weights[t]:.2f}" for t in (CPU_PINNED, DISK))
         lines.append(
-            "tier weights (TTFT_recompute - TTFT_tier) / (TTFT_recompute - TTFT_L1), clipped "
+            "tier weights 1 - over_L1(tier) / over_L1(recompute) (paired medians), clipped "
             f"to [0,1], layerwise-on cluster: suggested router flag --cache-tier-weights {flag}"
         )
     lines += [f"  failed: {line}" for failure in result.failures for line in _head(failure)]

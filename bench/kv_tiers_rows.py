@@ -77,16 +77,19 @@ def confirm(tier: str, hits: dict[str, float], expected: int) -> bool:
 
 
 def tier_weights(rows: Sequence[TierRow]) -> dict[str, float] | None:
-    """weight(tier) = (TTFT_recompute - TTFT_tier) / (TTFT_recompute - TTFT_L1), in [0, 1],
-    from the layer-by-layer cluster's rows (the worker's default); None without them."""
-    p50 = {row.tier: row.ttft_ms_p50 for row in rows if row.layerwise}
-    recompute, l1 = p50.get(RECOMPUTE), p50.get(GPU)
-    if recompute is None or l1 is None or recompute <= l1:
+    """weight(tier) = 1 - cost(tier) / cost(recompute), in [0, 1], where cost is the paired
+    median TTFT over the same repeat's L1 ask (``over_l1_ms_p50``: free of the drift between
+    repeats, which moved whole-TTFT p50s by 100-300 ms here), from the layer-by-layer
+    cluster's rows (the worker's default); None without them. Equal to
+    ``(TTFT_recompute - TTFT_tier) / (TTFT_recompute - TTFT_L1)`` without drift."""
+    over = {row.tier: row.over_l1_ms_p50 for row in rows if row.layerwise}
+    recompute = over.get(RECOMPUTE)
+    if recompute is None or recompute <= 0:
         return None
     weights = {}
     for tier in (CPU_PINNED, DISK):
-        value = p50.get(tier)
+        value = over.get(tier)
         if value is None:
             return None
-        weights[tier] = min(1.0, max(0.0, (recompute - value) / (recompute - l1)))
+        weights[tier] = min(1.0, max(0.0, 1.0 - value / recompute))
     return weights

@@ -390,7 +390,7 @@ def _add_scheduling_flags(p: _Parser) -> None:
         metavar="TIER=WEIGHT,...",
         help="cache_aware with a tiered KV cache: what a cached block only in host memory "
         "(CPU_PINNED, or CPU) or on DISK counts for, a GPU block being 1 "
-        "(e.g. CPU_PINNED=0.8,DISK=0.5, the defaults; each 0..1)",
+        "(e.g. CPU_PINNED=0.9,DISK=0.7, the defaults; each 0..1)",
     )
     p.add_argument(
         "--balance-abs-threshold",

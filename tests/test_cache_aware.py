@@ -107,7 +107,7 @@ def test_a_busy_home_loses_the_request_once_its_queue_costs_more_than_the_whole_
 
 
 def test_a_prefix_on_the_gpu_beats_the_same_prefix_on_disk_which_beats_nothing() -> None:
-    chooser = policy()  # DISK weighs 0.5 by default
+    chooser = policy(tier_weights="DISK=0.5")
     on_disk, on_gpu = prefills(2)
     features = RequestFeatures(text="x", tokens=TOKENS)
     store(chooser, ("p0", 0), 4, Tier.DISK)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from router.cli import parse_args
+from router.kv_tiers import DEFAULT_TIER_WEIGHTS
 from router.settings import EngineProtocol
 
 
@@ -99,11 +100,11 @@ def test_bad_flag_exits_with_one_line_naming_it(
 
 
 def test_cache_tier_weights_from_the_flag_or_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert parse_args([]).cache.tier_weights == {"CPU_PINNED": 0.8, "DISK": 0.5}
+    assert parse_args([]).cache.tier_weights == dict(DEFAULT_TIER_WEIGHTS)
     given = parse_args(["--cache-tier-weights", "cpu=0.6, DISK=0"])  # CPU: vLLM's name for host
     assert given.cache.tier_weights == {"CPU_PINNED": 0.6, "DISK": 0.0}
     monkeypatch.setenv("PDR_CACHE__TIER_WEIGHTS", '{"DISK": 0.25}')  # a tier not given: default
-    assert parse_args([]).cache.tier_weights == {"CPU_PINNED": 0.8, "DISK": 0.25}
+    assert parse_args([]).cache.tier_weights == {**DEFAULT_TIER_WEIGHTS, "DISK": 0.25}
 
 
 @pytest.mark.parametrize(

@@ -60,24 +60,27 @@ def test_a_row_is_confirmed_only_by_its_own_tier() -> None:
     assert not confirm("recompute", {GPU: 16}, 4096)
 
 
-def _row(label: str, tier: str, layerwise: bool, ms: float) -> TierRow:
-    samples = (TierSample(ms / 1e3, {}, 0.0, 0.0, True, 0.01), TierSample(ms / 1e3, {}, 0, 0, True))
+def _row(label: str, tier: str, layerwise: bool, ms: float, over_ms: float = 10.0) -> TierRow:
+    over = over_ms / 1e3
+    samples = (TierSample(ms / 1e3, {}, 0.0, 0.0, True, over), TierSample(ms / 1e3, {}, 0, 0, True))
     return TierRow(label, tier, layerwise, samples)
 
 
 def test_weights_scale_between_l1_and_recompute_and_clip() -> None:
+    # whole-TTFT p50s drifted (L2's is above recompute's); the paired costs over L1 did not
     rows = [
-        _row("recompute", "recompute", True, 1000.0),
-        _row("L1", GPU, True, 200.0),
-        _row("L2", CPU_PINNED, True, 240.0),
-        _row("L2 off", CPU_PINNED, False, 900.0),  # not the default: ignored
-        _row("L3", DISK, True, 1100.0),
+        _row("recompute", "recompute", True, 1000.0, over_ms=800.0),
+        _row("L1", GPU, True, 200.0, over_ms=0.0),
+        _row("L2", CPU_PINNED, True, 1040.0, over_ms=40.0),
+        _row("L2 off", CPU_PINNED, False, 900.0, over_ms=700.0),  # not the default: ignored
+        _row("L3", DISK, True, 1100.0, over_ms=900.0),
     ]
     weights = tier_weights(rows)
     assert weights == {CPU_PINNED: pytest.approx(0.95), DISK: 0.0}
-    assert rows[0].ttft_ms_p50 == pytest.approx(1000.0) and rows[0].over_l1_ms_p50 == 10.0
+    assert rows[0].ttft_ms_p50 == pytest.approx(1000.0) and rows[0].over_l1_ms_p50 == 800.0
     assert tier_weights(rows[:2]) is None
-    assert tier_weights([_row("r", "recompute", True, 100.0), _row("l", GPU, True, 150.0)]) is None
+    no_cost = [_row("r", "recompute", True, 100.0, over_ms=0.0), _row("l", GPU, True, 150.0)]
+    assert tier_weights(no_cost) is None
 
 
 @pytest.mark.parametrize("prefix", [1024, 4096, 8000])
