@@ -253,6 +253,7 @@ def _failing(prometheus: PrometheusServer, queries: list[tuple[str, str]]) -> li
     return failures
 
 
+@pytest.mark.slow  # ~20 s each: scripts/test-slow (CI runs it)
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("engine", ["vllm-mooncake", "sglang"])
 def test_every_panel_and_alert_query_returns_series(tmp_path: Path, engine: str) -> None:

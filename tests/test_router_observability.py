@@ -198,9 +198,15 @@ def test_debug_log_has_one_line_per_request_with_its_route(
             "/v1/completions", json=COMPLETION, headers={"x-request-id": "receipt-1"}
         )
     assert response.status_code == 200
-    lines = [r for r in caplog.records if r.name == "router.request_accounting"]
-    assert len(lines) == 1
-    line = lines[0]
+
+    def lines() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "router.request_accounting"]
+
+    # the line is written once the request has ended, which may be just after the client has
+    # read the last byte
+    wait_until(lambda: len(lines()) >= 1, 5, "the request's debug line")
+    assert len(lines()) == 1
+    line = lines()[0]
     assert getattr(line, "request_id", None) == "receipt-1"
     message = line.getMessage()
     assert f"prefill={cluster.prefill_urls[0]} dp_rank=0" in message

@@ -28,6 +28,7 @@ FAULTS = {
 }
 
 
+@pytest.mark.slow  # ~40 s: scripts/test-slow (CI runs it)
 @pytest.mark.timeout(180)
 def test_short_soak_every_request_ends_cleanly_and_every_fault_recovers(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"

@@ -113,6 +113,7 @@ def test_cli_quick() -> None:
         parse_args(["--parts", "nope"])
 
 
+@pytest.mark.slow  # ~60 s: scripts/test-slow (CI runs it)
 @pytest.mark.timeout(240)
 def test_quick_run_end_to_end(tmp_path: Path) -> None:
     cfg = parse_args(["--quick", "--json", str(tmp_path / "kv.json")])

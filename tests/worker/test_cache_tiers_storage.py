@@ -309,6 +309,7 @@ def _ask_cluster(log: Path, argv: list[str], stored: Path) -> dict[str, Any]:
         cluster.stop()
 
 
+@pytest.mark.slow  # ~15 s: scripts/test-slow (CI runs it)
 @pytest.mark.timeout(120)  # two cluster starts
 def test_a_restarted_pd_cluster_serves_from_its_workers_directories(tmp_path: Path) -> None:
     storage = tmp_path / "l3"

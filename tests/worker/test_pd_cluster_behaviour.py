@@ -298,6 +298,7 @@ def _closed_port() -> int:
 # --- 3. no leak across many requests ---------------------------------------------------------
 
 
+@pytest.mark.slow  # ~17 s each: scripts/test-slow (CI runs it)
 def test_no_leak_across_200_requests(small: PDCluster) -> None:
     rng = random.Random(5)
     prompts = [_prompts(60)[i % 60][: rng.randint(1, 600)] for i in range(200)]
