@@ -14,16 +14,13 @@ and etcd's minimum lease TTL is 1 s (with etcd's defaults a ttl of 1 becomes 2 s
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 import tempfile
-import time
 from pathlib import Path
-from types import TracebackType
 
 import httpx
 
+from testkit.child_server import ChildServer
 from testkit.servers import free_port
 
 __all__ = ["ETCD_BINARY", "EtcdMissing", "EtcdServer", "free_port"]
@@ -37,15 +34,23 @@ class EtcdMissing(RuntimeError):
     """The etcd binary is not installed."""
 
 
-class EtcdServer:
+class EtcdServer(ChildServer):
     """One etcd process; ``start`` and ``stop`` may alternate freely; ``close`` cleans up."""
 
+    name = "etcd"
+    log_name = "etcd.log"
+    start_timeout_s = START_TIMEOUT_S
+    stop_timeout_s = STOP_TIMEOUT_S
+
     def __init__(self, binary: Path = ETCD_BINARY) -> None:
+        super().__init__(Path(tempfile.mkdtemp(prefix="pdr-etcd-")))
         self.binary = binary
         self.client_port = free_port()
         self.peer_port = free_port()
-        self.data_dir = Path(tempfile.mkdtemp(prefix="pdr-etcd-"))
-        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def data_dir(self) -> Path:
+        return self.work_dir
 
     @property
     def endpoint(self) -> str:
@@ -56,37 +61,14 @@ class EtcdServer:
         """The store URL (no prefix): ``etcd://127.0.0.1:PORT``."""
         return f"etcd://127.0.0.1:{self.client_port}"
 
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
     def start(self) -> None:
         """Start etcd and wait until it reports healthy; raises EtcdMissing or RuntimeError."""
-        if self.running:
-            return
-        if not os.access(self.binary, os.X_OK):
+        if not self.running and not os.access(self.binary, os.X_OK):
             raise EtcdMissing(
                 f"etcd binary not found at {self.binary}: run scripts/setup.sh "
                 "(it installs the Debian package etcd-server)"
             )
-        with open(self.data_dir / "etcd.log", "ab") as log:
-            self._process = subprocess.Popen(
-                self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-        self._wait_healthy()
-
-    def stop(self) -> None:
-        """Stop etcd (SIGTERM, then SIGKILL after a grace period); keeps the data dir."""
-        process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGCONT)  # a paused etcd would not act on SIGTERM
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        super().start()
 
     def pause(self) -> None:
         """Freeze etcd (SIGSTOP): connections stay open but nothing answers, like a hung server."""
@@ -100,28 +82,6 @@ class EtcdServer:
     def restart(self) -> None:
         self.stop()
         self.start()
-
-    def close(self) -> None:
-        """Stop etcd and delete its data dir."""
-        self.stop()
-        shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    def log_tail(self, lines: int = 20) -> str:
-        path = self.data_dir / "etcd.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def __enter__(self) -> EtcdServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _command(self) -> list[str]:
         peer = f"http://127.0.0.1:{self.peer_port}"
@@ -151,17 +111,7 @@ class EtcdServer:
             "warn",
         ]
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._healthy():
-            if self._process is None or self._process.poll() is not None:
-                raise RuntimeError(f"etcd exited during start-up:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"etcd not healthy after {START_TIMEOUT_S}s:\n{self.log_tail()}")
-            time.sleep(0.02)
-
-    def _healthy(self) -> bool:
+    def _ready(self) -> bool:
         try:
             response = httpx.get(self.endpoint + "/health", timeout=1.0)
         except httpx.HTTPError:

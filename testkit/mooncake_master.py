@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
-from types import TracebackType
 
 import httpx
 
-from testkit.servers import free_port, stop_process
+from testkit.child_server import ChildServer
+from testkit.servers import free_port
 
 __all__ = ["MooncakeMaster", "MooncakeMissing", "master_binary"]
 
@@ -46,19 +43,26 @@ def master_binary() -> Path | None:
     return binary if os.access(binary, os.X_OK) else None
 
 
-class MooncakeMaster:
+class MooncakeMaster(ChildServer):
     """One ``mooncake_master`` process; ``start`` and ``stop`` may alternate; ``close`` cleans
     up. ``lease_ttl_ms`` is the master's ``--default_kv_lease_ttl`` (how long a read pins an
     object; 0 makes every get fail, so keep it positive)."""
 
+    name = "mooncake_master"
+    log_name = "master.log"
+    start_timeout_s = START_TIMEOUT_S
+
     def __init__(self, binary: Path | None = None, *, lease_ttl_ms: int = 5000) -> None:
+        super().__init__(Path(tempfile.mkdtemp(prefix="pdr-mooncake-")))
         self.binary = binary if binary is not None else master_binary()
         self.lease_ttl_ms = lease_ttl_ms
         self.rpc_port = free_port()
         self.metadata_port = free_port()
         self.admin_port = free_port()
-        self.log_dir = Path(tempfile.mkdtemp(prefix="pdr-mooncake-"))
-        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_dir(self) -> Path:
+        return self.work_dir
 
     @property
     def address(self) -> str:
@@ -74,52 +78,14 @@ class MooncakeMaster:
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
     def start(self) -> None:
         """Start the master and wait until it is ready; raises MooncakeMissing or RuntimeError."""
-        if self.running:
-            return
-        if self.binary is None or not os.access(self.binary, os.X_OK):
+        if not self.running and (self.binary is None or not os.access(self.binary, os.X_OK)):
             raise MooncakeMissing(
                 "mooncake_master not found: pip install mooncake-transfer-engine-non-cuda "
                 "(or set PDR_MOONCAKE_MASTER)"
             )
-        with open(self.log_dir / "master.log", "ab") as log:
-            self._process = subprocess.Popen(
-                self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-        self._wait_ready()
-
-    def stop(self) -> None:
-        """Stop the master (SIGTERM, then SIGKILL after a grace period); keeps the log."""
-        process, self._process = self._process, None
-        if process is not None:
-            stop_process(process, timeout=5.0)
-
-    def close(self) -> None:
-        """Stop the master and delete its log dir."""
-        self.stop()
-        shutil.rmtree(self.log_dir, ignore_errors=True)
-
-    def log_tail(self, lines: int = 20) -> str:
-        path = self.log_dir / "master.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def __enter__(self) -> MooncakeMaster:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        super().start()
 
     def _command(self) -> list[str]:
         assert self.binary is not None
@@ -136,18 +102,6 @@ class MooncakeMaster:
             f"--default_kv_lease_ttl={self.lease_ttl_ms}",
             "--enable_metric_reporting=false",
         ]
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._ready():
-            if self._process is None or self._process.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited during start-up:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"mooncake_master not ready after {START_TIMEOUT_S}s:\n{self.log_tail()}"
-                )
-            time.sleep(0.02)
 
     def _ready(self) -> bool:
         try:
