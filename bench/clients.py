@@ -41,7 +41,7 @@ async def _closed_loop(
 
 
 async def _httpx(url: str, body: bytes, lean: bool, c: int, n: int) -> tuple[float, float]:
-    from router.transport import LeanPoolTransport
+    from router.upstream.lean_pool import LeanPoolTransport
 
     transport: httpx.AsyncBaseTransport = (
         LeanPoolTransport(

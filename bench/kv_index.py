@@ -1,4 +1,5 @@
-"""Micro-benchmark of the router's KV block index (``router/kv_index.py``) against its targets.
+"""Micro-benchmark of the router's KV block index (``router/kv_cache/index.py``) against its
+targets.
 
     python -m bench.kv_index [--blocks 1000000] [--locations 8] [--prompts 2000] [--check]
 
@@ -27,7 +28,7 @@ import tracemalloc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from router.kv_index import KVBlockIndex, Location, chain_keys
+from router.kv_cache.index import KVBlockIndex, Location, chain_keys
 
 __all__ = ["BenchConfig", "Results", "main", "run_bench"]
 

@@ -46,13 +46,13 @@ from registry.errors import Conflict, RegistryUnavailable
 from registry.models import worker_id
 from registry.service import RegistryService, WorkerChange
 from router.adapters import build_adapter
-from router.metrics import RouterMetrics
-from router.policies import POLICIES, build_policy
-from router.prompt_tokens import Featurizer
-from router.route_choice import RouteChooser
+from router.observability.metrics import RouterMetrics
+from router.scheduling.chooser import RouteChooser
+from router.scheduling.features import Featurizer
+from router.scheduling.policies import POLICIES, build_policy
 from router.settings import CacheAwareSettings, EngineProtocol
-from router.transport import LeanPoolTransport
-from router.upstream import UpstreamPool, UpstreamResponse
+from router.upstream.base import UpstreamPool, UpstreamResponse
+from router.upstream.lean_pool import LeanPoolTransport
 from router.workers import Role, Worker
 from testkit.etcd_server import EtcdMissing, EtcdServer
 
@@ -182,7 +182,7 @@ def build_pool(prefills: int = 4, decodes: int = 4, dp_size: int = 2) -> Upstrea
 
 
 def build_chooser(policy: str, pool: UpstreamPool) -> RouteChooser:
-    """The router's routing decision as ``router/pipeline.py`` builds it (vLLM Mooncake)."""
+    """The router's routing decision as ``router/pipeline/serve.py`` builds it (vLLM Mooncake)."""
     return RouteChooser(
         pool,
         build_adapter(EngineProtocol.VLLM_MOONCAKE).name,

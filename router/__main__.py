@@ -1,5 +1,5 @@
 """``router`` console script: settings from env and flags, then uvicorn with uvloop + httptools
-(with the connection limits of ``router.http_limits``)."""
+(with the connection limits of ``router.server.http_limits``)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ import uvicorn
 
 from registry.models import redact_url
 from router.app import create_app
-from router.cli import parse_args
-from router.gc_schedule import collect_periodically, tune_gc
-from router.http_limits import (
+from router.observability.logs import configure_logging
+from router.server.cli import parse_args
+from router.server.gc_schedule import collect_periodically, tune_gc
+from router.server.http_limits import (
     HttpLimits,
     auto_max_connections,
     limited_http_protocol,
     raise_open_file_limit,
 )
-from router.lifecycle import RouterLifecycle
-from router.logs import configure_logging
+from router.server.lifecycle import RouterLifecycle
 from router.settings import RouterSettings
 
 __all__ = ["main"]
@@ -54,7 +54,7 @@ class _RouterServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        collector = asyncio.create_task(collect_periodically())  # router.gc_schedule: why
+        collector = asyncio.create_task(collect_periodically())  # router.server.gc_schedule: why
         try:
             await super().serve(sockets)
         finally:

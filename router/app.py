@@ -16,11 +16,12 @@ from registry.engine_api import RankTables
 from registry.http_allow import error_headers
 from registry.service import RegistryService
 from router.api import completions_doc, health, status
+from router.api.deps import get_context
 from router.api.explain import explain_routes
 from router.api.openai import HOT_ROUTES, handle_completion
 from router.context import open_context
 from router.errors import InvalidRequest, RouterError, error_body
-from router.lifecycle import RouterLifecycle
+from router.server.lifecycle import RouterLifecycle
 from router.settings import RouterSettings
 from router.types import Receive, Scope, Send
 
@@ -45,11 +46,11 @@ class PDRouterApp:
 
 
 def _registry_of(request: Request) -> RegistryService:
-    return health.get_context(request).registry
+    return get_context(request).registry
 
 
 def _live_view_of(request: Request) -> LiveView:
-    return health.get_context(request).live_view
+    return get_context(request).live_view
 
 
 def _render(exc: RouterError, headers: Mapping[str, str] | None = None) -> Response:
@@ -127,7 +128,7 @@ def create_app(settings: RouterSettings) -> PDRouterApp:
     api.include_router(completions_doc.router)
     _document_400s(api)
     # The engines' bootstrap APIs are served on listeners of their own, never on this port
-    # (router/bootstrap_listeners.py, started with the context); the tables back them.
+    # (router/server/bootstrap_listeners.py, started with the context); the tables back them.
     tables = RankTables()
     install_error_handlers(api)
     return PDRouterApp(api, lifecycle)

@@ -12,30 +12,30 @@ from registry.backends import open_store
 from registry.engine_api import RankTables
 from registry.service import RegistryService
 from router.adapters import build_adapter
-from router.admission import AdmissionGate
-from router.bootstrap_listeners import bootstrap_servers, pool_owner_hosts
-from router.circuit_breaker import build_circuits
-from router.discovery import Discovery
-from router.engine_load import EngineLoadMonitor
-from router.health import HealthProber
-from router.kv_event_feed import KVEventFeed
-from router.kv_index import KVBlockIndex
-from router.lifecycle import RouterLifecycle
-from router.metrics import RouterMetrics
-from router.pair_ledger import PairLedger
-from router.pipeline import Pipeline
-from router.policies import build_policies
-from router.prefix_tree import ApproxPrefixTree
-from router.prompt_tokens import Featurizer, open_token_source
-from router.recent_traffic import RecentTraffic
-from router.request_accounting import RequestAccounting
+from router.fleet.circuit_breaker import build_circuits
+from router.fleet.discovery import Discovery
+from router.fleet.engine_load import EngineLoadMonitor
+from router.fleet.health import HealthProber
+from router.kv_cache.event_feed import KVEventFeed
+from router.kv_cache.index import KVBlockIndex
+from router.kv_cache.prefix_tree import ApproxPrefixTree
+from router.observability.metrics import RouterMetrics
+from router.observability.pair_ledger import PairLedger
+from router.observability.recent_traffic import RecentTraffic
+from router.observability.request_accounting import RequestAccounting
+from router.observability.state_metrics import RouterStateCollector
+from router.observability.tracing import Tracer, build_tracer
+from router.pipeline.admission import AdmissionGate
+from router.pipeline.serve import Pipeline
+from router.scheduling.features import Featurizer, open_token_source
+from router.scheduling.policies import build_policies
+from router.server.bootstrap_listeners import bootstrap_servers, pool_owner_hosts
+from router.server.lifecycle import RouterLifecycle
 from router.settings import RouterSettings
-from router.state_metrics import RouterStateCollector
-from router.tracing import Tracer, build_tracer
-from router.upstream import UpstreamPool
+from router.upstream.base import UpstreamPool
 
 if TYPE_CHECKING:
-    from router.kube.pod_watch import PodWatcher
+    from router.fleet.kube.pod_watch import PodWatcher
 
 __all__ = ["AppContext", "open_context"]
 
@@ -103,7 +103,7 @@ async def _open_pod_watcher(
 ) -> PodWatcher | None:
     if settings.discovery != "k8s":
         return None
-    from router.kube.pod_watch import open_pod_watcher  # noqa: PLC0415 - a slow import
+    from router.fleet.kube.pod_watch import open_pod_watcher  # noqa: PLC0415 - a slow import
 
     return await open_pod_watcher(settings.kubernetes, service)
 

@@ -12,7 +12,12 @@ import contextlib
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
-__all__ = ["Interrupt", "failure_of", "reap"]
+__all__ = ["ClientDisconnected", "Interrupt", "failure_of", "reap"]
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection (while its body was read, or while it was served: both
+    legs were then cancelled)."""
 
 
 def failure_of(task: asyncio.Future[Any]) -> BaseException | None:

@@ -92,7 +92,7 @@ class ServerSettings(BaseModel):
     # few dozen; msgspec gives up near 1000 levels anyway
     max_json_depth: int = Field(default=64, ge=1, le=512)
     graceful_shutdown_s: PositiveFloat = 30.0
-    # HTTP connection limits (router.http_limits): a request's head (request line + headers)
+    # HTTP connection limits (router.server.http_limits): a request's head (request line + headers)
     # beyond max_header_bytes gets 431; headers not complete header_timeout_s after their first
     # byte, or a body idle for body_timeout_s, get 408; connections beyond max_connections get
     # 503 at once (None: derived from the open file limit, leaving room for upstream sockets)
@@ -120,7 +120,7 @@ class UpstreamSettings(BaseModel):
 
 class AdmissionSettings(BaseModel):
     """Overload: admission control before routing, per-worker in-flight caps, and the back-off
-    from an engine that answered it is full (``router.admission``, ``WorkerPool``)."""
+    from an engine that answered it is full (``router.pipeline.admission``, ``WorkerPool``)."""
 
     # completion requests served at once (admitted after their body was read and parsed); more
     # wait in a FIFO queue; 0: no limit
@@ -208,7 +208,7 @@ class HealthSettings(BaseModel):
 
 
 class CircuitBreakerSettings(BaseModel):
-    """Circuit breakers (router.circuit_breaker): a worker's opens after
+    """Circuit breakers (router.fleet.circuit_breaker): a worker's opens after
     ``health.failure_threshold`` failed requests in a row, a prefill -> decode pair's after
     ``pair_failure_threshold`` failed KV transfers in a row; open ones get one trial request
     after ``open_s``, doubled after every failed trial up to ``max_open_s``."""
@@ -266,7 +266,8 @@ def _in_kubernetes_pod() -> bool:
 
 class KubernetesDiscoverySettings(BaseModel):
     """``--discovery k8s``: workers are the Ready pods matching a label selector per role
-    (``router.kube``). The API server is reached with ``kubeconfig`` when given, else in-cluster
+    (``router.fleet.kube``). The API server is reached with ``kubeconfig`` when given, else
+    in-cluster
     (the pod's service account) when running in a pod, else ``$KUBECONFIG`` / ``~/.kube/config``."""
 
     # None: the kubeconfig context's namespace, or in a pod its own, else "default"

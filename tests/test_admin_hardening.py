@@ -27,7 +27,7 @@ from registry.backends import open_store
 from registry.models import WorkerRecord, encode_worker, worker_key
 from registry.settings import RegistrySettings
 from router import create_app
-from router.http_limits import HttpLimits, limited_http_protocol
+from router.server.http_limits import HttpLimits, limited_http_protocol
 from testkit.etcd_server import EtcdServer
 from testkit.fake_cluster import FakeClusterFactory, settings_for
 from testkit.fake_engine import FakeEngine
@@ -106,7 +106,7 @@ def test_a_bad_record_in_the_store_does_not_stop_discovery(
     store_url = _store_url(etcd)
     # one written before the router starts (it reads it on every start), one while it runs
     _put_raw_record(store_url, WorkerRecord(id="d-old", role="decode", url="https://[::1"))
-    caplog.set_level(logging.WARNING, logger="router.discovery")
+    caplog.set_level(logging.WARNING, logger="router.fleet.discovery")
     cluster = make_cluster("sglang", registry={"url": store_url})
     _put_raw_record(store_url, WorkerRecord(id="d-new", role="decode", url="http://a:99999"))
     extra = FakeEngine("decode", "sglang")
@@ -120,7 +120,7 @@ def test_a_bad_record_in_the_store_does_not_stop_discovery(
             lambda: url not in _urls(cluster.ready_body(), "decode"), 5, "the removal to apply"
         )
         assert client.post("/v1/completions", json=COMPLETION).status_code == 200
-    skipped = [r.getMessage() for r in caplog.records if r.name == "router.discovery"]
+    skipped = [r.getMessage() for r in caplog.records if r.name == "router.fleet.discovery"]
     for bad_id in ("d-old", "d-new"):
         about = [m for m in skipped if bad_id in m]
         assert len(about) == 1 and "url" in about[0].lower(), skipped
@@ -187,7 +187,9 @@ def test_worker_credentials_never_show(caplog: pytest.LogCaptureFixture) -> None
         assert added.status_code == 201 and SECRET not in added.text
         for shown in (ready, httpx.get(url + "/admin/workers"), httpx.get(url + "/admin/layout")):
             assert shown.status_code == 200 and SECRET not in shown.text, shown.text
-    assert any("***@" in r.getMessage() for r in caplog.records if r.name == "router.discovery")
+    assert any(
+        "***@" in r.getMessage() for r in caplog.records if r.name == "router.fleet.discovery"
+    )
     healthy = [r.getMessage() for r in caplog.records if "is now healthy" in r.getMessage()]
     assert any(line.startswith("decode worker http://***@") for line in healthy), healthy
     assert not [r for r in caplog.records if SECRET in r.getMessage()]

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from router.admission import AdmissionGate
-from router.cli import parse_args
 from router.errors import Overloaded, WorkersBusy
+from router.pipeline.admission import AdmissionGate
+from router.server.cli import parse_args
 from router.settings import AdmissionSettings
 from router.workers import Role, Worker, WorkerPool
 from testkit.fake_base import Admission, Call, EngineError

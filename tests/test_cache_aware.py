@@ -15,12 +15,12 @@ import pytest
 from registry.models import worker_id
 from router import create_app
 from router.adapters import VllmNixlAdapter
-from router.kv_index import KVBlockIndex, chain_keys
+from router.kv_cache.index import KVBlockIndex, chain_keys
+from router.kv_cache.prefix_tree import ApproxPrefixTree
 from router.kv_tiers import Tier
-from router.policies import build_policies, build_policy
-from router.policies.cache_aware import CacheAware
-from router.prefix_tree import ApproxPrefixTree
-from router.prompt_tokens import LocalTokenizer, RequestFeatures, request_text
+from router.scheduling.features import LocalTokenizer, RequestFeatures, request_text
+from router.scheduling.policies import build_policies, build_policy
+from router.scheduling.policies.cache_aware import CacheAware
 from router.schemas import Endpoint, parse_request
 from router.settings import CacheAwareSettings, PolicySettings, WorkerSpec
 from router.workers import Role, Worker

@@ -67,11 +67,11 @@ def test_a_worker_taken_out_by_failing_requests_is_logged(
 ) -> None:
     cluster = make_cluster("sglang", health={"failure_threshold": 2, "interval_s": 60.0})
     cluster.decodes[0].config.fail_status = 500
-    caplog.set_level(logging.WARNING, logger="router.circuit_breaker")
+    caplog.set_level(logging.WARNING, logger="router.fleet.circuit_breaker")
     with cluster.client() as client:
         for _ in range(2):
             assert client.post("/v1/completions", json=COMPLETION).status_code == 500
-    lines = [r.getMessage() for r in caplog.records if r.name == "router.circuit_breaker"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.fleet.circuit_breaker"]
     assert lines == [
         f"circuit of decode worker {cluster.decode_urls[0]} is now open: 2 requests in a row "
         "failed (last: HTTP 500: fake engine configured to fail with HTTP 500); next trial in 5s"

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.circuit_breaker import BreakerPolicy, CircuitBreaker, Circuits, CircuitState
-from router.cli import parse_args
+from router.fleet.circuit_breaker import BreakerPolicy, CircuitBreaker, Circuits, CircuitState
+from router.server.cli import parse_args
 from router.workers import Role, Worker
 from testkit.fake_base import Admission, Call, EngineError
 from testkit.fake_cluster import FakeCluster, FakeClusterFactory
@@ -204,7 +204,7 @@ def test_a_broken_path_between_healthy_workers_opens_the_pair_and_recovers_half_
     bad, good = cluster.prefills
     bad_url, decode_url = cluster.prefill_urls[0], cluster.decode_urls[0]
     path = _break_path(cluster.decodes[0], int(bad_url.rsplit(":", 1)[1]))
-    caplog.set_level(logging.INFO, logger="router.circuit_breaker")
+    caplog.set_level(logging.INFO, logger="router.fleet.circuit_breaker")
     with cluster.client() as client:
         assert _post_n(client, 4) == [500, 200, 500, 200]  # round robin: A, B, A, B
         assert len(bad.records) == 2
@@ -244,7 +244,7 @@ def test_a_broken_path_between_healthy_workers_opens_the_pair_and_recovers_half_
         assert len(bad.records) >= sent_to_bad + 3  # A has its share of the traffic back
         assert _metric(client, "pdr_pd_pair_circuit_open", **pair) == 0.0
         assert _metric(client, "pdr_circuit_transitions_total", scope="pair", to="closed") == 1.0
-    lines = [r.getMessage() for r in caplog.records if r.name == "router.circuit_breaker"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.fleet.circuit_breaker"]
     assert [line.split(": ", 1)[0] for line in lines] == [
         f"circuit of pair {bad_url} -> {decode_url} is now {state}"
         for state in ("open", "half_open", "open", "half_open", "closed")

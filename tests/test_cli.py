@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from router.cli import parse_args
 from router.kv_tiers import DEFAULT_TIER_WEIGHTS
+from router.server.cli import parse_args
 from router.settings import EngineProtocol
 
 

@@ -18,7 +18,7 @@ import httpx
 import msgspec
 import pytest
 
-from router.logs import RequestIdFilter
+from router.observability.logs import RequestIdFilter
 from testkit.fake_cluster import FakeCluster, FakeClusterFactory
 from testkit.fake_engine import FIRST_TOKEN_ID, FakeConfig, FakeEngine
 from testkit.polling import wait_until
@@ -255,7 +255,7 @@ def test_failing_health_marks_down_after_three_probes_and_up_after_two(
 ) -> None:
     """One bad probe is noise (a busy engine): three in a row take a worker out, two good ones
     in a row bring it back; each transition is logged with its reason."""
-    caplog.set_level(logging.INFO, logger="router.health")
+    caplog.set_level(logging.INFO, logger="router.fleet.health")
     cluster = make_cluster("vllm-mooncake", health=HEALTH)
     prefill = cluster.prefills[0]
     before = prefill.health_checks

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.engine_load import (
+from router.fleet.engine_load import (
     EngineLoadMonitor,
     LoadUnavailable,
     fit_ranks,
@@ -25,7 +25,7 @@ from router.engine_load import (
     parse_sglang_metrics,
     parse_vllm_metrics,
 )
-from router.policies import build_policy, least_loaded_rank
+from router.scheduling.policies import build_policy, least_loaded_rank
 from router.settings import EngineProtocol, LoadSettings
 from router.workers import EngineLoad, Role, Worker, WorkerPool
 from testkit.polling import await_until
@@ -433,7 +433,7 @@ async def test_sglang_reads_v1_loads_and_falls_back_to_metrics_after_a_404() -> 
 async def test_a_failing_engine_becomes_unknown_and_is_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="router.engine_load")
+    caplog.set_level(logging.INFO, logger="router.fleet.engine_load")
     engine = _Engine({"/metrics": _vllm_metrics(running=9, waiting=9)})
     pool: WorkerPool[None] = WorkerPool(needs_engine_ids=False)
     async with _serving(engine) as [url], _monitoring(pool, EngineProtocol.VLLM_MOONCAKE):

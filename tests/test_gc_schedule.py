@@ -1,4 +1,4 @@
-"""The router's cyclic garbage lives about a second (router/gc_schedule.py), not until 50,000
+"""The router's cyclic garbage lives about a second (router/server/gc_schedule.py), not until 50,000
 objects pile up: the health prober's and load monitor's httpx responses are reference cycles,
 and the raised young-generation threshold alone let them grow the router's RSS for minutes.
 
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import uvicorn
 
 from router.__main__ import _RouterServer
-from router.gc_schedule import collect_periodically
-from router.lifecycle import RouterLifecycle
+from router.server.gc_schedule import collect_periodically
+from router.server.lifecycle import RouterLifecycle
 from testkit.polling import await_until
 from testkit.servers import free_port
 

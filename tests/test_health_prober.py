@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.health import HealthProber
+from router.fleet.health import HealthProber
 from router.settings import EngineProtocol, HealthSettings
 from router.workers import Role, Worker, WorkerPool
 from testkit.polling import await_until

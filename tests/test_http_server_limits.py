@@ -27,7 +27,7 @@ import httpx
 import pytest
 import uvicorn
 
-from router.http_limits import HttpLimits, limited_http_protocol
+from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.types import ASGIApp, Receive, Scope, Send
 from testkit.fake_engine import FakeEngine
 from testkit.servers import TestServer, free_port, http_process, run_servers, serving

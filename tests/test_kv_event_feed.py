@@ -17,10 +17,10 @@ import pytest
 import zmq
 
 from registry.models import WorkerRecord, decode_worker, encode_worker, worker_id
-from router.kv_event_feed import KVEventFeed, rank_endpoint
-from router.kv_index import KVBlockIndex, chain_keys
+from router.kv_cache.event_feed import KVEventFeed, rank_endpoint
+from router.kv_cache.index import KVBlockIndex, chain_keys
+from router.kv_cache.prefix_tree import ApproxPrefixTree
 from router.kv_tiers import Tier, TierMatch
-from router.prefix_tree import ApproxPrefixTree
 from router.settings import CacheAwareSettings
 from router.workers import Role, Worker
 from testkit.fake_cluster import FakeClusterFactory

@@ -1,4 +1,4 @@
-"""router.kv_index: the KV block index fed by engine events and queried per request."""
+"""router.kv_cache.index: the KV block index fed by engine events and queried per request."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from router import kv_index
-from router.kv_index import KEY_BITS, ROOT_KEY, KVBlockIndex, Location, chain_keys
+from router.kv_cache import index as kv_index
+from router.kv_cache.index import KEY_BITS, ROOT_KEY, KVBlockIndex, Location, chain_keys
 from router.kv_tiers import Tier, TierMatch
 
 BS = 4

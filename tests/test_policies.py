@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from router.policies import build_policy, least_loaded_rank
-from router.policies.power_of_two import PowerOfTwo
+from router.scheduling.policies import build_policy, least_loaded_rank
+from router.scheduling.policies.power_of_two import PowerOfTwo
 from router.workers import EngineLoad, Role, Worker
 
 

@@ -1,11 +1,12 @@
-"""router.prefix_tree: the approximate (text-only) prefix cache map of the cache_aware policy."""
+"""router.kv_cache.prefix_tree: the approximate (text-only) prefix cache map of the cache_aware
+policy."""
 
 from __future__ import annotations
 
 import os
 import random
 
-from router.prefix_tree import ApproxPrefixTree, Location
+from router.kv_cache.prefix_tree import ApproxPrefixTree, Location
 
 A: Location = ("a", 0)
 B: Location = ("b", 0)

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from router.prompt_tokens import (
+from router.scheduling.features import (
     Featurizer,
     LocalTokenizer,
     RenderTokenizer,

@@ -19,7 +19,7 @@ import pytest
 
 from registry.backends import MemoryStore
 from registry.engine_api import RankTables
-from router.health import HealthProber
+from router.fleet.health import HealthProber
 from router.settings import EngineProtocol, HealthSettings
 from router.workers import Role, Worker, WorkerPool
 from testkit.cluster_process import ClusterProcess
@@ -133,4 +133,4 @@ async def test_a_store_error_keeps_the_prefills_last_known_layout(
     finally:
         await prober.aclose()
     kept = [r for r in caplog.records if "keeping its last known layout" in r.getMessage()]
-    assert [(r.levelno, r.name) for r in kept] == [(logging.WARNING, "router.health")]
+    assert [(r.levelno, r.name) for r in kept] == [(logging.WARNING, "router.fleet.health")]

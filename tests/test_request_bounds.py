@@ -15,9 +15,9 @@ import httpx
 import msgspec
 import pytest
 
-from router.cli import parse_args
 from router.errors import InvalidRequest
 from router.schemas import Endpoint, RequestLimits, json_depth_within, parse_request
+from router.server.cli import parse_args
 from router.settings import ServerSettings
 from testkit.fake_cluster import FakeCluster, FakeClusterFactory
 from tests.test_protocols import CHAT, COMPLETION

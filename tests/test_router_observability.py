@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.logs import RequestIdFilter
+from router.observability.logs import RequestIdFilter
 from testkit.fake_cluster import FakeClusterFactory
 from testkit.fake_engine import EngineProtocol, FakeConfig
 from testkit.polling import wait_until
@@ -192,7 +192,7 @@ def test_debug_log_has_one_line_per_request_with_its_route(
 ) -> None:
     cluster = make_cluster("sglang")
     caplog.handler.addFilter(RequestIdFilter())
-    caplog.set_level(logging.DEBUG, logger="router.request_accounting")
+    caplog.set_level(logging.DEBUG, logger="router.observability.request_accounting")
     with cluster.client() as client:
         response = client.post(
             "/v1/completions", json=COMPLETION, headers={"x-request-id": "receipt-1"}
@@ -200,7 +200,7 @@ def test_debug_log_has_one_line_per_request_with_its_route(
     assert response.status_code == 200
 
     def lines() -> list[logging.LogRecord]:
-        return [r for r in caplog.records if r.name == "router.request_accounting"]
+        return [r for r in caplog.records if r.name == "router.observability.request_accounting"]
 
     # the line is written once the request has ended, which may be just after the client has
     # read the last byte
@@ -241,7 +241,7 @@ def test_a_decode_that_recomputes_the_prompt_marks_its_pair_suspect(
     body: dict[str, Any] = {**(CHAT if "chat" in path else COMPLETION), "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    caplog.set_level(logging.WARNING, logger="router.pipeline")
+    caplog.set_level(logging.WARNING, logger="router.pipeline.serve")
     with cluster.client() as client:
         for _ in range(4):  # round robin: two requests per decode
             assert client.post(path, json=body).status_code == 200

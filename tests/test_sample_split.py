@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from router.relay import Responder
-from router.sample_split import SampleSplit
+from router.pipeline.responder import Responder
+from router.pipeline.sample_split import SampleSplit
 from router.schemas import Endpoint, ParsedRequest
 from router.types import Message
 

@@ -18,12 +18,12 @@ from starlette.routing import Route
 
 from router import create_app
 from router.adapters import VllmNixlAdapter
-from router.metrics import RouterMetrics
-from router.policies import build_policy
-from router.prompt_tokens import Featurizer
-from router.route_choice import RouteChooser
+from router.observability.metrics import RouterMetrics
+from router.scheduling.chooser import RouteChooser
+from router.scheduling.features import Featurizer
+from router.scheduling.policies import build_policy
 from router.settings import CacheAwareSettings
-from router.upstream import UpstreamPool
+from router.upstream.base import UpstreamPool
 from router.workers import EngineLoad, Role, Worker
 from testkit.fake_cluster import FakeClusterFactory, settings_for
 from testkit.fake_engine import FakeEngine

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from registry.engine_api import RankTables
+from router.api.status_view import status_snapshot
 from router.context import open_context
-from router.lifecycle import RouterLifecycle
-from router.status_view import status_snapshot
+from router.server.lifecycle import RouterLifecycle
 from router.workers import EngineLoad
 from testkit.chromium import Chromium, chromium_available
 from testkit.cluster_process import ClusterProcess

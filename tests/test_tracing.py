@@ -1,6 +1,7 @@
 """W3C trace context to both legs, and OpenTelemetry spans exported to a real OTLP collector.
 
-Unit tests drive ``router.tracing`` against ``testkit.otlp_collector``; the end-to-end tests run
+Unit tests drive ``router.observability.tracing`` against ``testkit.otlp_collector``; the
+end-to-end tests run
 the router in front of fake engines and read what each leg received and what the collector got.
 """
 
@@ -19,8 +20,8 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from router.observability.tracing import NO_SPAN, Tracer, build_tracer
 from router.settings import TracingSettings
-from router.tracing import NO_SPAN, Tracer, build_tracer
 from testkit.fake_cluster import fake_cluster_factory
 from testkit.otlp_collector import OTLPCollector, serve_collector
 from testkit.polling import wait_until
@@ -57,7 +58,7 @@ def _parts(traceparent: str) -> tuple[str, str, bool]:
     return trace_id, span_id, bool(int(flags, 16) & 0x01)
 
 
-# --------------------------------------------------------------------------- router.tracing
+# ------------------------------------------------------------------- router.observability.tracing
 
 
 async def test_spans_continue_the_client_trace_with_parent_links_and_leg_headers() -> None:
@@ -177,16 +178,17 @@ def test_endpoint_without_the_otel_extra_warns_once_and_runs_untraced(
 ) -> None:
     # ``None`` in sys.modules makes the import raise ImportError, as if never installed
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)
-    with caplog.at_level(logging.WARNING, logger="router.tracing"):
+    with caplog.at_level(logging.WARNING, logger="router.observability.tracing"):
         tracer = build_tracer(TracingSettings(otlp_endpoint="http://127.0.0.1:4318"))
     assert tracer is None
-    warnings = [r for r in caplog.records if r.name == "router.tracing"]
+    warnings = [r for r in caplog.records if r.name == "router.observability.tracing"]
     assert len(warnings) == 1
     assert "pip install 'pd-router[otel]'" in warnings[0].getMessage()
 
 
 # FastAPI itself imports the OpenTelemetry *API* (a dependency of fastapi >= 0.16x, whose native
-# telemetry is a no-op without a global provider), so "zero cost" means: router.tracing imports
+# telemetry is a no-op without a global provider), so "zero cost" means:
+# router.observability.tracing imports
 # nothing from opentelemetry, and a router with tracing off loads none of the extra's parts
 # (the SDK, the OTLP exporter, protobuf).
 EXTRA_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter", "opentelemetry.proto", "google")
@@ -197,8 +199,8 @@ ZERO_COST = textwrap.dedent(
     def loaded(prefixes):
         return sorted(m for m in sys.modules if m == prefixes or m.startswith(prefixes))
 
-    # router/tracing.py alone (importing the router package would import fastapi)
-    spec = importlib.util.spec_from_file_location("pdr_tracing", "router/tracing.py")
+    # router/observability/tracing.py alone (importing the router package would import fastapi)
+    spec = importlib.util.spec_from_file_location("pdr_tracing", "router/observability/tracing.py")
     tracing = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tracing)
     assert tracing.build_tracer(types.SimpleNamespace(otlp_endpoint=None)) is None
@@ -206,7 +208,7 @@ ZERO_COST = textwrap.dedent(
 
     from router import RouterSettings
     from router.app import create_app
-    from router.tracing import build_tracer
+    from router.observability.tracing import build_tracer
 
     settings = RouterSettings(
         engine="sglang",

@@ -1,4 +1,7 @@
-"""PD protocol adapters and the engine name -> adapter table."""
+"""PD protocol adapters and the engine name -> adapter table (pure rewrites).
+
+May import: the top level only.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ PROTOCOLS.md sections 5.1 and 5.5. Rooms are random in [1, 2**63-1] (0 means "no
 decode side); batched prompts and n > 1 get one room per sequence. With a DP prefill every room
 satisfies ``room % dp_size == rank``, and P gets ``routed_dp_rank`` while D gets
 ``disagg_prefill_dp_rank``. ``n > 1`` reaches this adapter only as n requests with ``n: 1``
-(``splits_samples``, ``router/sample_split.py``): SGLang's n > 1 prefix warm-up reuses the rooms
+(``splits_samples``, ``router/pipeline/sample_split.py``): SGLang's n > 1 prefix warm-up reuses the
+rooms
 and its decode then waits for a transfer that never comes.
 """
 

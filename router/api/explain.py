@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from registry.admin import ADMIN_RESPONSES, authorizer, read_bounded_body
 from registry.settings import RegistrySettings
 from router.api.completions_doc import error_response
-from router.api.health import get_context
+from router.api.deps import get_context
 from router.errors import InvalidRequest
 from router.schemas import Endpoint, RequestLimits, parse_request
 

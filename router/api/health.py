@@ -3,30 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from registry.models import redact_url
 from router.api.completions_doc import error_response
+from router.api.deps import Context
 from router.context import AppContext
 from router.errors import NoWorkerAvailable, UpstreamError, error_body
 from router.workers import Role, Worker
 
-__all__ = ["get_context", "router"]
+__all__ = ["router"]
 
 router = APIRouter()
-
-
-def get_context(request: Request) -> AppContext:
-    """The one dependency that reads the lifespan-owned context."""
-    ctx: AppContext = request.state.ctx
-    return ctx
-
-
-Context = Annotated[AppContext, Depends(get_context)]
 
 
 @router.get(

@@ -21,12 +21,12 @@ from router.errors import (
     RouterError,
     ShuttingDown,
 )
-from router.logs import REQUEST_ID
-from router.pipeline import ClientDisconnected
-from router.receipt import RoutingReceipt
-from router.relay import Responder
+from router.interrupt import ClientDisconnected
+from router.observability.logs import REQUEST_ID
+from router.observability.receipt import RoutingReceipt
+from router.observability.tracing import TraceSpan
+from router.pipeline.responder import Responder
 from router.schemas import Endpoint, ParsedRequest, RequestLimits, parse_request
-from router.tracing import TraceSpan
 from router.types import Receive, Scope, Send
 
 __all__ = ["HOT_ROUTES", "handle_completion"]
@@ -38,10 +38,6 @@ _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 _REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # printable ASCII: it goes into headers and logs
 _MAX_TRACE_HEADER = 512  # W3C: tracestate may be cut beyond 512 chars; longer ones are dropped
 _CLIENT_GONE = 499  # nginx's "client closed request": the status counted for a client that left
-
-
-class _ClientGone(Exception):
-    """The client disconnected while its body was being read."""
 
 
 async def handle_completion(
@@ -65,7 +61,7 @@ async def handle_completion(
         headers = _upstream_headers(request_id, authorization, trace_context)
         await _admit_and_route(ctx, request, headers, responder, receive, receipt, span)
         status = responder.status or 500
-    except (ClientDisconnected, _ClientGone):
+    except ClientDisconnected:
         status = _CLIENT_GONE
         logger.info("client disconnected; upstream requests cancelled")
     except asyncio.CancelledError:
@@ -207,7 +203,7 @@ async def _read_body(receive: Receive, limit: int, content_length: int | None) -
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _ClientGone
+            raise ClientDisconnected
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -1,8 +1,8 @@
 """The live status page: ``GET /status`` (HTML), ``GET /status/data`` (its JSON), ``GET /``.
 
-The page is one self-contained file (``router/status_page.html``: inline CSS and JS, no external
+The page is one self-contained file (``router/api/status_page.html``: inline CSS and JS, no external
 assets, no build step, since the router runs in closed networks), read once at import. It polls
-``/status/data`` (``router.status_view``) every two seconds and renders it.
+``/status/data`` (``router.api.status_view``) every two seconds and renders it.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 
-from router.api.health import Context
-from router.status_view import status_snapshot
+from router.api.deps import Context
+from router.api.status_view import status_snapshot
 
 __all__ = ["router"]
 
 router = APIRouter()
 
-_PAGE = resources.files("router").joinpath("status_page.html").read_text(encoding="utf-8")
+_PAGE = resources.files("router.api").joinpath("status_page.html").read_text(encoding="utf-8")
 _NO_STORE = {"Cache-Control": "no-store"}
 
 

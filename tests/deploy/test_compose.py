@@ -5,7 +5,8 @@ validated against the vendored Compose specification schema, and its wiring chec
 ``depends_on`` names a service (with a healthcheck where it waits for health, and no cycle),
 published ports are unique, bind-mounted files exist. The flags cannot drift from the code: every
 service that runs our image has its command parsed by the real parsers (the router's
-``router.cli.parse_args`` with the service's environment, ``pd-worker``'s ``parse_args``); the
+``router.server.cli.parse_args`` with the service's environment, ``pd-worker``'s ``parse_args``);
+the
 router's ``--prefill``/``--decode`` URLs, bootstrap namespaces, KV event endpoints and registry
 name services that exist, listening on those ports, in the right role; the vLLM engines'
 ``--kv-transfer-config`` matches their role and the router's ``--engine``; the Prometheus config
@@ -32,7 +33,7 @@ import jsonschema
 import pytest
 import yaml
 
-from router.cli import parse_args as parse_router_args
+from router.server.cli import parse_args as parse_router_args
 from router.settings import RouterSettings
 from tests.deploy.test_dockerfile import exec_form, parse_dockerfile
 from worker.__main__ import parse_args as parse_worker_args

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from router.cli import parse_args as parse_router_args
+from router.server.cli import parse_args as parse_router_args
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"

@@ -2,13 +2,15 @@
 valid for Kubernetes 1.32 (strict) or its CRD, and the manifests cannot drift from the code.
 
 Drift checks, per overlay: the router's args are parsed by the router's own parser
-(``router.cli.parse_args``, with the container's ``PDR_*`` env), and its pod selectors are applied
+(``router.server.cli.parse_args``, with the container's ``PDR_*`` env), and its pod selectors are
+applied
 (with the API server's label-selector semantics) to the rendered pod templates, the labels a
 LeaderWorkerSet's controller adds included. Each workload a selector picks must be an engine of
 that role speaking the router's ``--engine`` protocol (vLLM's connector and ``kv_role``, SGLang's
 ``--disaggregation-mode``, pd-worker's ``--role``/``--protocol``), and the annotations the router
 reads must equal what the engine is told (HTTP port, bootstrap port, KV event ports per DP rank),
-all declared as container ports; ``router.kube.pod_workers.worker_from_pod`` (what the router does
+all declared as container ports; ``router.fleet.kube.pod_workers.worker_from_pod`` (what the router
+does
 with a Ready pod) on a pod made from each template must give the engine's address. GPUs match the
 parallelism flags, engine keep-alives outlast the router's pooled connections, one ConfigMap names
 the model. Components render through an overlay of the base.
@@ -33,8 +35,8 @@ import yaml
 from kubernetes_asyncio.client import ApiClient, V1Pod
 
 import registry.__main__ as registry_main
-from router.cli import parse_args as parse_router_args
-from router.kube.pod_workers import PodWorker, worker_from_pod
+from router.fleet.kube.pod_workers import PodWorker, worker_from_pod
+from router.server.cli import parse_args as parse_router_args
 from router.settings import RouterSettings
 from testkit.fake_kube_api import parse_selector
 from tests.deploy.rendered import (

@@ -21,9 +21,9 @@ import pytest
 from registry.backends.memory import MemoryStore
 from registry.models import WorkerRecord
 from registry.service import RegistryService
-from router.cli import parse_args
-from router.kube.client_config import KubeConfigError, cluster_access
-from router.kube.pod_watch import PodWatcher, open_pod_watcher
+from router.fleet.kube.client_config import KubeConfigError, cluster_access
+from router.fleet.kube.pod_watch import PodWatcher, open_pod_watcher
+from router.server.cli import parse_args
 from router.settings import KubernetesDiscoverySettings
 from testkit.fake_engine import FakeEngine
 from testkit.fake_kube_api import FakeKubeApi, pod_dict
@@ -206,7 +206,7 @@ async def test_a_pod_that_stops_matching_its_selector_is_drained(
 async def test_a_bad_annotation_is_logged_once_and_watching_goes_on(
     kube: FakeKubeApi, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="router.kube")
+    caplog.set_level(logging.WARNING, logger="router.fleet.kube")
     bad = {"pd-router.io/bootstrap-port": "bootstrap"}
     async with watching(kube, tmp_path) as harness:
         kube.put_pod(prefill_pod("prefill-0", "10.0.0.1", annotations=bad))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio.client import ApiClient, V1Pod
 
-from router.kube.pod_workers import PodSkipped, PodWorker, worker_from_pod
+from router.fleet.kube.pod_workers import PodSkipped, PodWorker, worker_from_pod
 from testkit.fake_kube_api import parse_selector, pod_dict
 
 MakePod = Callable[..., V1Pod]

@@ -37,7 +37,7 @@ import httpx
 import pytest
 import zmq.asyncio
 
-from router.prompt_tokens import LocalTokenizer
+from router.scheduling.features import LocalTokenizer
 from router.schemas import Endpoint, parse_request
 from testkit.polling import wait_until
 from tests.real_engines.openai_client import SERVED_MODEL, Answer, call

@@ -7,7 +7,7 @@ import json
 import socket
 from pathlib import Path
 
-from router.cli import parse_args as router_settings
+from router.server.cli import parse_args as router_settings
 from worker.__main__ import build
 from worker.__main__ import parse_args as worker_args
 from worker.cluster import _Layout, _parse, _prefill_args, _router_args

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import httpx
 
 from router.settings import UpstreamSettings
-from router.transport import LeanPoolTransport
-from router.upstream import DEFAULT_HEADERS, transport_error
+from router.upstream.base import DEFAULT_HEADERS, NODELAY, transport_error
+from router.upstream.lean_pool import LeanPoolTransport
 from router.workers import Worker
 
-__all__ = ["NODELAY", "HttpxUpstream", "raise_httpx_error"]
-
-NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+__all__ = ["HttpxUpstream", "raise_httpx_error"]
 
 
 def raise_httpx_error(exc: Exception, worker: Worker) -> NoReturn:

@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.kv_index import KVBlockIndex, Location
+from router.kv_cache.index import KVBlockIndex, Location
+from router.kv_cache.prefix_tree import ApproxPrefixTree
 from router.kv_tiers import TierMatch, TierWeights
-from router.prefix_tree import ApproxPrefixTree
-from router.prompt_tokens import RequestFeatures
+from router.scheduling.features import RequestFeatures
 from router.settings import CacheAwareSettings
 from router.workers import Worker
 

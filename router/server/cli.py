@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from router.policies import POLICIES
+from router.scheduling.policies import POLICIES
 from router.settings import EngineProtocol, RouterSettings
 
 __all__ = ["parse_args"]
@@ -263,7 +263,7 @@ def _build_parser() -> _Parser:
 
 
 def _add_kubernetes_flags(p: _Parser) -> None:
-    """Workers from the Ready pods of a Kubernetes namespace (``router.kube``)."""
+    """Workers from the Ready pods of a Kubernetes namespace (``router.fleet.kube``)."""
     p.add_argument(
         "--discovery",
         choices=["static", "k8s"],

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from router.interrupt import reap
-from router.relay import Responder
+from router.pipeline.responder import Responder
 from router.schemas import ParsedRequest
 from router.types import Message
 

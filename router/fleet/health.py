@@ -5,7 +5,7 @@ It is marked down after ``unhealthy_threshold`` failed probes in a row (a stall 
 the host fails one round of probes, which takes nobody out), at once when its port refuses
 connections, and never by a failed probe while it served a request within the last interval; a
 fallen worker comes back after ``healthy_threshold`` good probes. Failed requests are the circuit
-breakers' business (router.circuit_breaker): routing needs both a healthy worker and a breaker
+breakers' business (router.fleet.circuit_breaker): routing needs both a healthy worker and a breaker
 that lets the request through. Every probe re-reads the prefill's layout, so a restarted prefill
 (new engine ids) is picked up within one interval; ``refresh_soon`` does it at once.
 """
@@ -21,15 +21,15 @@ from typing import Any
 import httpx
 
 from registry.engine_api import RankTables
-from router.interrupt import reap
-from router.rank_layout import (
+from router.fleet.rank_layout import (
     RankLayoutUnavailable,
     RegistryDown,
     fetch_rank_layout,
     namespace_rank_layout,
 )
+from router.interrupt import reap
 from router.settings import EngineProtocol, HealthSettings
-from router.upstream_httpx import NODELAY
+from router.upstream.base import NODELAY
 from router.workers import Role, Worker, WorkerPool
 
 __all__ = ["HealthProber", "connection_refused"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from router.kv_index import KVBlockIndex
-from router.policies.base import Policy, least_loaded_rank
-from router.policies.cache_aware import CacheAware
-from router.policies.least_load import LeastLoad
-from router.policies.power_of_two import PowerOfTwo
-from router.policies.round_robin import RoundRobin
-from router.prefix_tree import ApproxPrefixTree
+from router.kv_cache.index import KVBlockIndex
+from router.kv_cache.prefix_tree import ApproxPrefixTree
+from router.scheduling.policies.base import Policy, least_loaded_rank
+from router.scheduling.policies.cache_aware import CacheAware
+from router.scheduling.policies.least_load import LeastLoad
+from router.scheduling.policies.power_of_two import PowerOfTwo
+from router.scheduling.policies.round_robin import RoundRobin
 from router.settings import CacheAwareSettings, PolicySettings
 
 __all__ = [

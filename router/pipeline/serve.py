@@ -15,7 +15,8 @@ Real engines never give up on a KV that does not come before 480-540 s, so the r
 - a streaming decode's first byte has not come ``kv_arrival_timeout_s`` after the prefill
   answered (``LegClock``): the decode leg is cancelled with a 504.
 
-Circuit breakers (``router.circuit_breaker``) hear every outcome. A worker's: its leg succeeded,
+Circuit breakers (``router.fleet.circuit_breaker``) hear every outcome. A worker's: its leg
+succeeded,
 or failed by its own fault (transport errors, timeouts, 5xx; not 429/503 "full", not a KV that
 did not come). A pair's: the decode leg of a PD attempt failed (5xx, timeout, ``kv_timeout``,
 dropped stream) or recomputed the prompt, while the prefill leg did not fail. An open breaker
@@ -39,8 +40,6 @@ from typing import Any
 import msgspec
 
 from router.adapters import LegPlan, PDAdapter
-from router.circuit_breaker import Circuits, build_circuits
-from router.decode_usage import PromptUsage, prompt_usage, prompt_usage_in_sse
 from router.errors import (
     CAPACITY_STATUSES,
     NoWorkerAvailable,
@@ -49,18 +48,21 @@ from router.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from router.health import connection_refused
-from router.interrupt import Interrupt, failure_of, reap
-from router.leg_clock import LegClock
-from router.metrics import RouterMetrics
-from router.pair_ledger import PairLedger
-from router.policies import Policy
-from router.prefill_answer import prefill_answer_body, prefill_answer_events
-from router.prompt_tokens import Featurizer
-from router.receipt import RoutingReceipt
-from router.relay import Responder
-from router.route_choice import Route, RouteChooser
-from router.sample_split import SampleSplit
+from router.fleet.circuit_breaker import Circuits, build_circuits
+from router.fleet.health import connection_refused
+from router.interrupt import ClientDisconnected, Interrupt, failure_of, reap
+from router.observability.metrics import RouterMetrics
+from router.observability.pair_ledger import PairLedger
+from router.observability.receipt import RoutingReceipt
+from router.observability.tracing import TraceSpan
+from router.pipeline.decode_usage import PromptUsage, prompt_usage, prompt_usage_in_sse
+from router.pipeline.leg_clock import LegClock
+from router.pipeline.prefill_answer import prefill_answer_body, prefill_answer_events
+from router.pipeline.responder import Responder
+from router.pipeline.sample_split import SampleSplit
+from router.scheduling.chooser import Route, RouteChooser
+from router.scheduling.features import Featurizer
+from router.scheduling.policies import Policy
 from router.schemas import ParsedRequest
 from router.settings import (
     CacheAwareSettings,
@@ -69,11 +71,10 @@ from router.settings import (
     ObservabilitySettings,
     UpstreamSettings,
 )
-from router.tracing import TraceSpan
-from router.upstream import UpstreamClient, UpstreamPool, UpstreamResponse, is_worker_fault
+from router.upstream.base import UpstreamClient, UpstreamPool, UpstreamResponse, is_worker_fault
 from router.workers import Worker
 
-__all__ = ["ClientDisconnected", "Pipeline"]
+__all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -84,10 +85,6 @@ _RETRYABLE_KINDS = frozenset({"capacity", "stale_connection", "worker_lost"})
 # failures that say nothing against the worker whose leg saw them: the KV did not come (the
 # pair's), or the prefill was lost (marked down already)
 _NOT_THE_WORKERS = frozenset({"kv_timeout", "kv_lost", "worker_lost"})
-
-
-class ClientDisconnected(Exception):
-    """The client closed its connection; both legs were cancelled."""
 
 
 class _PrefillCompleted(Exception):

@@ -27,9 +27,9 @@ from typing import Any
 import httpx
 import zmq
 
-from router.kv_index import KVBlockIndex, Location
+from router.kv_cache.index import KVBlockIndex, Location
+from router.kv_cache.prefix_tree import ApproxPrefixTree
 from router.kv_tiers import tier_of_medium
-from router.prefix_tree import ApproxPrefixTree
 from router.settings import CacheAwareSettings
 from router.workers import Worker, format_host
 from transfer.events import (

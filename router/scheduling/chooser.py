@@ -7,7 +7,7 @@ decode alone gets the client's body and prefills locally, when few prompt tokens
 uncached or every prefill is saturated. No I/O here except tokenizing through a render endpoint
 (``features``).
 
-Circuit breakers (``router.circuit_breaker``): a worker whose breaker is open is no candidate
+Circuit breakers (``router.fleet.circuit_breaker``): a worker whose breaker is open is no candidate
 (when every healthy one of a role is open: 503). A chosen prefill -> decode pair whose breaker
 is open is avoided: another decode for that prefill if one's pair is not open, else another
 prefill; when every pair is open the policies' choice goes through anyway (best effort: both
@@ -21,15 +21,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from router.circuit_breaker import CircuitBreaker, Circuits
 from router.errors import NoWorkerAvailable
-from router.metrics import RouterMetrics
-from router.policies import Policy, least_loaded_rank
-from router.policies.cache_aware import CacheAware, PrefillChoice
-from router.prompt_tokens import Featurizer, RequestFeatures
+from router.fleet.circuit_breaker import CircuitBreaker, Circuits
+from router.observability.metrics import RouterMetrics
+from router.scheduling.features import Featurizer, RequestFeatures
+from router.scheduling.policies import Policy, least_loaded_rank
+from router.scheduling.policies.cache_aware import CacheAware, PrefillChoice
 from router.schemas import ParsedRequest
 from router.settings import CacheAwareSettings
-from router.upstream import UpstreamPool
+from router.upstream.base import UpstreamPool
 from router.workers import Worker
 
 __all__ = ["SKIPPED", "Route", "RouteChooser"]

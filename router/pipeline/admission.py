@@ -18,8 +18,8 @@ from collections import OrderedDict
 from typing import Any
 
 from router.errors import Overloaded
-from router.metrics import RouterMetrics
-from router.pipeline import ClientDisconnected
+from router.interrupt import ClientDisconnected
+from router.observability.metrics import RouterMetrics
 from router.settings import AdmissionSettings
 
 __all__ = ["AdmissionGate"]

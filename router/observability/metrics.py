@@ -2,7 +2,8 @@
 
 Per-request instruments live here (``RouterMetrics``); gauges of live state (workers, engine
 loads, pairs, KV event feeds, the registry) are read at scrape time by
-``router.state_metrics.RouterStateCollector``, so workers that leave take their series with them.
+``router.observability.state_metrics.RouterStateCollector``, so workers that leave take their
+series with them.
 Label children are cached: a request's instruments cost a dict lookup each, not a
 ``labels()`` call.
 """
@@ -121,7 +122,7 @@ class RouterMetrics:
             buckets=_TOKENIZE_BUCKETS,
             registry=registry,
         )
-        # read at scrape time from the admission gate (router.admission binds them)
+        # read at scrape time from the admission gate (router.pipeline.admission binds them)
         self.requests_inflight = Gauge(
             "pdr_requests_inflight",
             "Completion requests admitted and not finished (each holds an admission slot)",

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import time
 
-from router.metrics import RouterMetrics
-from router.receipt import RoutingReceipt
-from router.recent_traffic import RecentTraffic
+from router.observability.metrics import RouterMetrics
+from router.observability.receipt import RoutingReceipt
+from router.observability.recent_traffic import RecentTraffic
 
 __all__ = ["RequestAccounting"]
 

@@ -13,7 +13,8 @@ reach them, each on an embedded uvicorn server in the router's loop, bound to
 Every listener enforces the same ``BootstrapProtection``: ``--bootstrap-allow`` (403),
 ``--max-body-bytes`` (413) and the registration checks, where a namespace owned by a prefill in
 the pool (``WorkerSpec.bootstrap_namespace``, or a registry record naming it) only accepts ranks
-on that prefill's host, and the client port's HTTP limits (``router.http_limits``: header size
+on that prefill's host, and the client port's HTTP limits (``router.server.http_limits``: header
+size
 and timeouts) with a connection cap of its own per port (``MAX_CONNECTIONS``; engines hold a
 few connections each). ``_server_config`` is the one place the listeners' uvicorn settings are
 made.
@@ -35,14 +36,14 @@ from registry.engine_api import (
     namespace_app,
     shared_app,
 )
-from router.http_limits import HttpLimits, limited_http_protocol
+from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.settings import RouterSettings
-from router.upstream import UpstreamPool
+from router.upstream.base import UpstreamPool
 
 __all__ = ["MAX_CONNECTIONS", "bootstrap_servers", "pool_owner_hosts"]
 
 _START_TIMEOUT_S = 10.0
-MAX_CONNECTIONS = 1024  # per bootstrap port (503 beyond, router.http_limits)
+MAX_CONNECTIONS = 1024  # per bootstrap port (503 beyond, router.server.http_limits)
 
 
 class _EmbeddedServer(uvicorn.Server):

@@ -38,7 +38,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from router.kv_index import chain_keys
+from router.kv_cache.index import chain_keys
 from router.schemas import Endpoint, ParsedRequest
 from router.settings import CacheAwareSettings
 

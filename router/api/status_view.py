@@ -1,6 +1,6 @@
 """The status page's data: one JSON snapshot of the router's live state, built from its context.
 
-``GET /status/data`` serves it and ``router/status_page.html`` renders it. The keys are stable
+``GET /status/data`` serves it and ``router/api/status_page.html`` renders it. The keys are stable
 (the page and anyone scripting against it read them)::
 
     {
@@ -41,10 +41,10 @@ import time
 from typing import Any
 
 from registry.models import redact_url
-from router.admission import AdmissionGate
 from router.context import AppContext
-from router.kv_event_feed import KVEventFeed
-from router.kv_index import KVBlockIndex
+from router.kv_cache.event_feed import KVEventFeed
+from router.kv_cache.index import KVBlockIndex
+from router.pipeline.admission import AdmissionGate
 from router.settings import AdmissionSettings
 from router.workers import LoadReading, Role, Worker
 

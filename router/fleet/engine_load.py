@@ -28,7 +28,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.settings import EngineProtocol, LoadSettings
-from router.upstream_httpx import NODELAY
+from router.upstream.base import NODELAY
 from router.workers import EngineLoad, Worker, WorkerPool
 
 __all__ = [

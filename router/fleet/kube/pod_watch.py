@@ -35,8 +35,8 @@ from kubernetes_asyncio.watch import Watch
 from registry.errors import NotFound, RegistryError
 from registry.models import redact_url, worker_id
 from registry.service import RegistryService
-from router.kube.client_config import cluster_access
-from router.kube.pod_workers import PodSkipped, PodWorker, Role, pod_name, worker_from_pod
+from router.fleet.kube.client_config import cluster_access
+from router.fleet.kube.pod_workers import PodSkipped, PodWorker, Role, pod_name, worker_from_pod
 from router.settings import KubernetesDiscoverySettings
 
 __all__ = ["PodWatchStatus", "PodWatcher", "open_pod_watcher"]

@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from router.circuit_breaker import Circuits, CircuitState
-from router.discovery import RegistryStatus
-from router.kv_event_feed import KVEventFeed
-from router.kv_index import KVBlockIndex
-from router.pair_ledger import PairLedger
-from router.upstream import UpstreamPool
+from router.fleet.circuit_breaker import Circuits, CircuitState
+from router.fleet.discovery import RegistryStatus
+from router.kv_cache.event_feed import KVEventFeed
+from router.kv_cache.index import KVBlockIndex
+from router.observability.pair_ledger import PairLedger
+from router.upstream.base import UpstreamPool
 from router.workers import Worker
 
 __all__ = ["RouterStateCollector"]

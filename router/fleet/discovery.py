@@ -27,9 +27,10 @@ from typing import Any
 from registry.errors import RegistryError, RegistryUnavailable
 from registry.models import WorkerRecord, check_worker_url, redact_url, worker_id
 from registry.service import RegistryService
-from router.health import HealthProber
+from router.fleet.health import HealthProber
 from router.settings import RouterSettings
-from router.upstream import UpstreamClient, UpstreamPool, build_upstream
+from router.upstream import build_upstream
+from router.upstream.base import UpstreamClient, UpstreamPool
 from router.workers import Role, Worker, format_host
 
 __all__ = ["Discovery", "RegistryStatus"]

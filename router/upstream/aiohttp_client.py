@@ -10,7 +10,7 @@ from typing import NoReturn
 import aiohttp
 
 from router.settings import UpstreamSettings
-from router.upstream import DEFAULT_HEADERS, transport_error
+from router.upstream.base import DEFAULT_HEADERS, transport_error
 from router.workers import Worker
 
 __all__ = ["AiohttpUpstream", "raise_aiohttp_error"]

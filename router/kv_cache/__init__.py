@@ -1,0 +1,4 @@
+"""What the router knows of the engines' prefix caches: block index, event feed, prefix tree.
+
+May import: ``transfer.events`` (the engines' KV event wire format), the top level.
+"""
