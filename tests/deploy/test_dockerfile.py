@@ -311,7 +311,10 @@ def test_everything_pyproject_builds_from_is_copied(dockerfile: Dockerfile) -> N
     rules = parse_dockerignore(DOCKERIGNORE.read_text())
     for package, patterns in setuptools.get("package-data", {}).items():
         for pattern in patterns:
-            files = [p.relative_to(ROOT).as_posix() for p in (ROOT / package).glob(pattern)]
+            files = [
+                p.relative_to(ROOT).as_posix()
+                for p in (ROOT / package.replace(".", "/")).glob(pattern)
+            ]
             assert files, f"package data {package}/{pattern} matches nothing"
             assert not any(is_excluded(rules, f) for f in files), f"{files} are ignored"
 

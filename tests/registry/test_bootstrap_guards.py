@@ -1,6 +1,6 @@
 """The bootstrap listeners' building blocks (registry/engine_api): source allow-list matching,
 rank address parsing and host comparison. The listeners themselves are tested end to end in
-tests/test_bootstrap_security.py."""
+tests/router/server/test_bootstrap_security.py."""
 
 from __future__ import annotations
 

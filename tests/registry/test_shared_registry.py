@@ -13,7 +13,7 @@ from testkit.etcd_server import EtcdServer
 from testkit.fake_engine import FakeEngine
 from testkit.polling import wait_until
 from testkit.servers import free_port, http_process, run_server
-from tests.test_protocols import COMPLETION
+from tests.router.pipeline.test_protocols import COMPLETION
 
 
 @contextlib.contextmanager

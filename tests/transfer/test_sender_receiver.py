@@ -110,7 +110,7 @@ def assert_empty(decode: Pool, pages: Sequence[int]) -> None:
 @pytest.fixture(scope="module")
 def registry() -> Iterator[str]:
     # the rendezvous tests below register addresses nothing listens on (the registry's
-    # reachability check has tests of its own: tests/test_bootstrap_security.py)
+    # reachability check has tests of its own: tests/router/server/test_bootstrap_security.py)
     settings = RegistrySettings(bootstrap_check_reachable=False)
     with run_server(create_registry_app(settings)) as port:
         yield f"http://127.0.0.1:{port}"

@@ -8,7 +8,7 @@ from testkit.fake_cluster import FakeClusterFactory
 from testkit.fake_engine import FakeConfig
 from testkit.polling import wait_until
 from testkit.servers import free_port
-from tests.test_protocols import COMPLETION
+from tests.router.pipeline.test_protocols import COMPLETION
 
 
 def _register_vllm(port: int, engine_id: str, tp_size: int, path: str = "") -> None:

@@ -31,7 +31,7 @@ from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.types import ASGIApp, Receive, Scope, Send
 from testkit.fake_engine import FakeEngine
 from testkit.servers import TestServer, free_port, http_process, run_servers, serving
-from tests.test_protocols import COMPLETION
+from tests.router.pipeline.test_protocols import COMPLETION
 
 TIMEOUT_S = 1.0  # --header-timeout and --body-timeout
 MAX_CONNECTIONS = 150

@@ -11,7 +11,7 @@ import pytest
 from testkit.fake_cluster import FakeClusterFactory
 from testkit.fake_engine import FakeConfig
 from testkit.polling import wait_until
-from tests.test_protocols import COMPLETION
+from tests.router.pipeline.test_protocols import COMPLETION
 
 CONCURRENT = ["vllm-mooncake", "sglang"]
 ENGINES = ["vllm-mooncake", "vllm-nixl", "sglang"]

@@ -29,7 +29,7 @@ from testkit.fake_engine import FakeEngine
 from testkit.fake_kube_api import FakeKubeApi, pod_dict
 from testkit.polling import wait_until
 from testkit.servers import free_port, http_process, run_servers
-from tests.test_protocols import COMPLETION
+from tests.router.pipeline.test_protocols import COMPLETION
 
 NAMESPACE = "llm"
 PREFILL = "app=llm,role=prefill"

@@ -14,7 +14,7 @@ from testkit.fake_cluster import FakeClusterFactory, settings_for
 from testkit.fake_engine import FakeConfig, FakeEngine
 from testkit.polling import wait_until
 from testkit.servers import run_server
-from tests.test_protocols import COMPLETION
+from tests.router.pipeline.test_protocols import COMPLETION
 
 
 def _workers(url: str, **kwargs: Any) -> list[dict[str, Any]]:

@@ -30,7 +30,7 @@ from testkit.cluster_process import ClusterProcess
 from testkit.polling import wait_until
 from testkit.prometheus_server import PrometheusServer, ScrapeGroup
 
-OBSERVABILITY = Path(__file__).resolve().parents[1] / "deploy" / "observability"
+OBSERVABILITY = Path(__file__).resolve().parents[3] / "deploy" / "observability"
 DASHBOARD = OBSERVABILITY / "grafana-dashboard.json"
 RULES = OBSERVABILITY / "prometheus-rules.yaml"
 CONFIG = OBSERVABILITY / "prometheus.yml"

@@ -9,7 +9,7 @@ import httpx
 
 from testkit.fake_engine import FakeEngine
 from testkit.servers import free_port, http_process, run_server
-from tests.test_protocols import COMPLETION
+from tests.router.pipeline.test_protocols import COMPLETION
 
 
 def test_router_process_routes_and_exits_on_sigterm() -> None:

@@ -28,7 +28,7 @@ from testkit.fake_cluster import FakeClusterFactory, serve_engine, settings_for
 from testkit.fake_engine import FakeConfig, FakeEngine
 from testkit.polling import wait_until
 from testkit.servers import run_server
-from tests.test_prompt_tokens import tiny_tokenizer_dir
+from tests.router.scheduling.test_prompt_tokens import tiny_tokenizer_dir
 from transfer.events import BlockStored, KVEventPublisher
 
 MODEL = "fake-model"

@@ -10,7 +10,7 @@ from testkit.fake_cluster import FakeClusterFactory, settings_for
 from testkit.fake_engine import FakeEngine
 from testkit.polling import wait_until
 from testkit.servers import run_server
-from tests.test_protocols import COMPLETION
+from tests.router.pipeline.test_protocols import COMPLETION
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 from testkit.fake_cluster import FakeClusterFactory
 from testkit.fake_engine import FakeConfig
 from testkit.polling import wait_until
-from tests.test_protocols import COMPLETION, completion_text, sse_events
+from tests.router.pipeline.test_protocols import COMPLETION, completion_text, sse_events
 
 CLIENTS = ["aiohttp", "httpx"]
 

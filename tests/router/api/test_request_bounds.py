@@ -20,7 +20,7 @@ from router.schemas import Endpoint, RequestLimits, json_depth_within, parse_req
 from router.server.cli import parse_args
 from router.settings import ServerSettings
 from testkit.fake_cluster import FakeCluster, FakeClusterFactory
-from tests.test_protocols import CHAT, COMPLETION
+from tests.router.pipeline.test_protocols import CHAT, COMPLETION
 
 SMALL = {"max_n": 4, "max_batch": 4, "max_sequences": 8}  # cheap to serve at the limit
 

@@ -25,10 +25,10 @@ from router.settings import TracingSettings
 from testkit.fake_cluster import fake_cluster_factory
 from testkit.otlp_collector import OTLPCollector, serve_collector
 from testkit.polling import wait_until
-from tests.test_protocols import COMPLETION
+from tests.router.pipeline.test_protocols import COMPLETION
 
 ENGINES = ["vllm-mooncake", "vllm-nixl", "sglang"]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

@@ -33,7 +33,7 @@ from testkit.fake_cluster import FakeClusterFactory, settings_for
 from testkit.fake_engine import FakeEngine
 from testkit.polling import wait_until
 from testkit.servers import TestServer, run_server, run_servers, serving
-from tests.test_protocols import COMPLETION
+from tests.router.pipeline.test_protocols import COMPLETION
 
 TOKEN = {"authorization": "Bearer s3cret"}
 HUGE = 300 * 1024 * 1024  # the 300 MB body, declared but never sent
