@@ -47,7 +47,8 @@ _TIER_OF = {
 }
 
 # The credit of a block found only on that tier, a GPU block being 1.0: the share of
-# recomputing it that loading it back saves. Measured by bench/kv_tiers.py (pd-worker, 4096-token
+# recomputing it that loading it back saves. Measured by bench/kv_tiers/main.py (pd-worker,
+# 4096-token
 # prefix, 200 us/token): host 0.82-1.00 (mean 0.93), disk 0.69-0.80 (mean 0.73) over four
 # layerwise on/off runs; rounded down, as a tier's cost grows with load on its link and disk.
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({"CPU_PINNED": 0.9, "DISK": 0.7})

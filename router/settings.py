@@ -173,7 +173,7 @@ class CacheAwareSettings(BaseModel):
     cache_threshold: float = Field(default=0.3, ge=0.0, le=1.0)
     # tiered KV caches: a matched block found only in host memory (CPU_PINNED, or CPU) or on
     # DISK counts as this share of a GPU block (router.kv_tiers); a tier not given keeps its
-    # default. Defaults measured by bench/kv_tiers.py (router.kv_tiers). The CLI takes
+    # default. Defaults measured by bench/kv_tiers/main.py (router.kv_tiers). The CLI takes
     # "CPU_PINNED=0.9,DISK=0.7", the env JSON ({"DISK": 0.7}).
     tier_weights: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
     balance_abs_threshold: float = Field(default=32.0, ge=0)  # load wins when max-min > this

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv-peers: the peer router sglang-router 0.3.2 (unmodified, from PyPI) that
-# `python -m bench.routing_workload` compares ours against. Idempotent.
+# `python -m bench.routing.workload` compares ours against. Idempotent.
 #
 # It gets a venv of its own so its pins (fastapi, uvicorn, aiohttp, orjson, setproctitle) never
 # touch .venv. The wheel ships the Rust router as a Python extension; nothing is compiled here.

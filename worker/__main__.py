@@ -11,9 +11,9 @@ import uvicorn
 from transfer.engine.base import TransferEngine
 from transfer.engine.fake import LoopbackNetwork
 from worker.app import EngineFactory, SimWorker, WorkerConfig, create_app
+from worker.hicache.config import TierConfig
 from worker.kv import PoolShape
 from worker.kv_events import KVEventsConfig
-from worker.tier_config import TierConfig
 from worker.tokenizer import TokenizerError
 
 __all__ = ["build_parser", "main", "parse_args"]
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_hicache_args(parser: argparse.ArgumentParser) -> None:
-    """The tiered KV cache (``worker.cache_controller``), named after SGLang's --hicache-*."""
+    """The tiered KV cache (``worker.hicache.controller``), named after SGLang's --hicache-*."""
     group = parser.add_argument_group("tiered KV cache (HiCache)")
     add = group.add_argument
     add("--hicache-host-pages", type=int, default=0, help="L2 host pool pages (0: no tiers)")

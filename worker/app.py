@@ -8,7 +8,8 @@ tiered cache ``hicache``: pages per tier, whether L3's start-up scan is done),
 ``/metrics`` (``worker.metrics``), ``/v1/loads`` (``worker.loads``) and
 ``POST /reset_prefix_cache`` (vLLM) / ``/flush_cache`` (SGLang), which empty the prefix cache.
 Opt-in only (``create_app(worker, fault_api=True)``, ``pd-worker --fault-api``), for soak
-tests (``bench/soak.py``): ``POST /debug/fault`` injects a fault for a while (``{"http_5xx_s": 5}``:
+tests (``bench/soak/main.py``): ``POST /debug/fault`` injects a fault for a while (``{"http_5xx_s":
+5}``:
 completion requests answer 500; ``{"slow_s": 10, "slow_s_per_token": 0.1}``: that much more
 time per generated token), ``GET /debug/fault`` reads the injected state and the count of
 completions answered 200 by this process. Without the flag these routes do not exist.

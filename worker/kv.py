@@ -112,7 +112,7 @@ class KVPool:
 
     def copy_page_out(self, page: int, dest: memoryview) -> None:
         """``page``'s KV into ``dest`` (``page_bytes`` long), regions in pool order: the layout of
-        ``worker.page_store.StoredPage.data``."""
+        ``worker.hicache.stores.base.StoredPage.data``."""
         size = self.layout.page_bytes
         for region in range(self.layout.num_regions):
             start = self._offset(region, page, 0)

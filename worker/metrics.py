@@ -25,7 +25,7 @@ SGLang (``sglang``), labels ``model_name`` and ``dp_rank``: ``sglang:num_running
 Prompt and cache counts cover the requests that consult the prefix cache: a prefill's, and
 those computed locally (``--role both``, a vLLM decode without ``kv_transfer_params``). With a
 tiered cache, cached tokens include those served from L2/L3, and the tier metrics of
-``worker.tier_metrics`` (``pd_worker_hicache_*``) join the same registry (``tiers``).
+``worker.hicache.metrics`` (``pd_worker_hicache_*``) join the same registry (``tiers``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from worker.tier_metrics import TierMetrics
+from worker.hicache.metrics import TierMetrics
 
 __all__ = ["CONTENT_TYPE", "RankSnapshot", "WorkerMetrics"]
 

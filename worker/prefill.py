@@ -12,10 +12,11 @@ A request moves through four queues; ``counts`` shows how many are in each:
                waits for the next chunk) and goes back to ``waiting`` for the next chunk
     inflight   the last chunk and the aux slot are written; waits for Success or Failed
 
-With a tiered cache (``worker.cache_controller``) a job carries ``tiers``: it applies the
+With a tiered cache (``worker.hicache.controller``) a job carries ``tiers``: it applies the
 late-prefetch policy before the job first queues for the forward pass, and at the first chunk's
 forward pass says where computing starts (the prefix loaded from L2/L3 is skipped) and which
-load the pass waits for, layer by layer (``worker.layer_loading``); the compute time of a chunk is
+load the pass waits for, layer by layer (``worker.hicache.layer_loading``); the compute time of a
+chunk is
 split evenly over the layers then.
 
 vLLM's MooncakeConnector has no bootstrap queue: the prefill computes at once, answers the HTTP
@@ -39,8 +40,8 @@ from typing import Literal, Protocol
 
 from transfer.errors import TransferError
 from transfer.sender import KVSender
+from worker.hicache.layer_loading import LayerLoad, simulate_forward
 from worker.kv import KVPool
-from worker.layer_loading import LayerLoad, simulate_forward
 
 __all__ = ["PrefillJob", "PrefillScheduler", "Stage", "TierStart"]
 

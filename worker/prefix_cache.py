@@ -18,7 +18,7 @@ A referenced page is never evicted, so pages still being read or written by a tr
 until the transfer ends, or forever when quarantined) are safe. Pages that receive KV from a
 prefill are plain ``allocate``d pages, never cached.
 
-``on_evict`` (if set; the tiered cache's controller, ``worker.cache_controller``) hears of every
+``on_evict`` (if set; the tiered cache's controller, ``worker.hicache.controller``) hears of every
 evicted page with its key, synchronously, before the page is handed out again (its KV is still
 there to copy), and ``commit`` returns the lease positions it newly cached.
 

@@ -1,5 +1,5 @@
 """One DP rank of a simulated engine: its KV pool and prefix cache, its side of the transfer, its
-KV event feed, its tiered-cache controller (``worker.cache_controller``, None without tiers), and
+KV event feed, its tiered-cache controller (``worker.hicache.controller``, None without tiers), and
 the request and token counters its load report is made of.
 
 A leased prompt's ``Progress`` runs its forward pass in three steps: ``await ready()`` before it
@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from worker.block_hash import BlockKey
-from worker.cache_controller import CacheController
+from worker.hicache.controller import CacheController
+from worker.hicache.fetch import TierFetch
+from worker.hicache.layer_loading import LayerLoad
 from worker.kv import KVPool, PoolExhausted
 from worker.kv_events import RankEvents
-from worker.layer_loading import LayerLoad
 from worker.metrics import RankSnapshot
 from worker.prefill import PrefillScheduler
 from worker.prefix_cache import Lease
 from worker.protocol import WorkerError
-from worker.tier_fetch import TierFetch
 
 __all__ = ["AUX_LEN", "AUX_SLOTS", "Progress", "Rank", "RankStats"]
 

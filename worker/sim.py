@@ -24,11 +24,11 @@ NIXL decode report it; vLLM's Mooncake decode counts every received token), and
 as vLLM 0.32 reports them. ``snapshots()`` and
 ``metrics`` give the load and cache signals (``worker.metrics``, ``worker.loads``).
 
-With ``tiers`` (``worker.tier_config.TierConfig``, host pages > 0) every rank also has a tiered
-cache controller (``worker.cache_controller``): L2 host memory and optionally an L3 page store,
+With ``tiers`` (``worker.hicache.config.TierConfig``, host pages > 0) every rank also has a tiered
+cache controller (``worker.hicache.controller``): L2 host memory and optionally an L3 page store,
 opened in ``run()`` (its scan announces what a restarted worker already holds). A locally
 computed request or a prefill then serves the prefix beyond its L1 hit from L2/L3 where it can:
-the load runs layer by layer under the simulated forward pass (``worker.layer_loading``).
+the load runs layer by layer under the simulated forward pass (``worker.hicache.layer_loading``).
 Without tiers nothing of this runs.
 """
 
@@ -54,16 +54,16 @@ from transfer.receiver import KVReceiver, ReceiveFailed, ReceiveResult
 from transfer.rendezvous import PrefillRank
 from transfer.sender import KVSender
 from worker.block_hash import BlockHasher, block_hasher
-from worker.cache_controller import CacheController
+from worker.hicache.config import TierConfig, open_rank_store
+from worker.hicache.controller import CacheController
+from worker.hicache.layer_loading import simulate_forward
+from worker.hicache.stores.base import EvictCallback, PageStore
 from worker.kv import KVPool, PoolExhausted, PoolShape, detokenize, generate
 from worker.kv_events import KVEventsConfig, open_rank_events
-from worker.layer_loading import simulate_forward
 from worker.metrics import RankSnapshot, WorkerMetrics
-from worker.page_store import EvictCallback, PageStore
 from worker.prefill import PrefillJob, PrefillScheduler
 from worker.protocol import PDProtocol, Seq, WorkerError
 from worker.rank import AUX_LEN, AUX_SLOTS, Progress, Rank
-from worker.tier_config import TierConfig, open_rank_store
 from worker.tokenizer import PromptTokenizer, load_tokenizer
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Smoke tests of bench/kv_transfer.py and bench/cluster_ttft.py at tiny sizes.
+"""Smoke tests of bench/transfer/kv_transfer.py and bench/load/cluster_ttft.py at tiny sizes.
 
 They check that the benchmarks run and report well-formed rows (counts, positive rates, every
 target present), never how fast anything is.
@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.kv_transfer import CONTROL, LIBRARY, PATHS, KVConfig, render, run_bench, shuffled_runs
+from bench.transfer.kv_transfer import (
+    CONTROL,
+    LIBRARY,
+    PATHS,
+    KVConfig,
+    render,
+    run_bench,
+    shuffled_runs,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = KVConfig(
@@ -73,7 +81,7 @@ def test_cluster_ttft_runs_both_targets() -> None:
     argv = [
         sys.executable,
         "-m",
-        "bench.cluster_ttft",
+        "bench.load.cluster_ttft",
         "--requests",
         "2",
         "--lengths",

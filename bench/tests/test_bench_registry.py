@@ -1,10 +1,10 @@
-"""bench.registry: the quick run completes and prints every section."""
+"""bench.discovery.registry: the quick run completes and prints every section."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.registry import main
+from bench.discovery.registry import main
 
 
 def test_quick_run_prints_every_section(capsys: pytest.CaptureFixture[str]) -> None:

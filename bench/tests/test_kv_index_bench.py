@@ -1,10 +1,10 @@
-"""bench.kv_index: a small run completes and reports every figure with a verdict."""
+"""bench.routing.kv_index: a small run completes and reports every figure with a verdict."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.kv_index import main
+from bench.routing.kv_index import main
 
 
 def test_small_run_prints_every_figure_and_verdict(capsys: pytest.CaptureFixture[str]) -> None:

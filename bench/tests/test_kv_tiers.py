@@ -1,4 +1,4 @@
-"""bench.kv_tiers: the counter parsing, the row confirmation, the weights, the pool sizing, and
+"""bench.kv_tiers.main: the counter parsing, the row confirmation, the weights, the pool sizing, and
 one ``--quick`` run end to end (real pd-clusters, a real store): the structure and the sanity
 that must hold (every TTFT row served from the tier it claims, by the worker's own metrics; L1
 faster than recompute; the JSON written), never a performance threshold."""
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bench.kv_tiers import failed, parse_args, render, run_all, write_json
-from bench.kv_tiers_common import CPU_PINNED, DISK, GPU, TierCounters, parse_counters
-from bench.kv_tiers_storage import StorageConfig, run_storage
-from bench.kv_tiers_ttft import (
+from bench.kv_tiers.common import CPU_PINNED, DISK, GPU, TierCounters, parse_counters
+from bench.kv_tiers.main import failed, parse_args, render, run_all, write_json
+from bench.kv_tiers.storage import StorageConfig, run_storage
+from bench.kv_tiers.ttft import (
     ROWS,
     TierRow,
     TierSample,
@@ -23,7 +23,7 @@ from bench.kv_tiers_ttft import (
     sizes,
     tier_weights,
 )
-from worker.tier_metrics import TierMetrics
+from worker.hicache.metrics import TierMetrics
 
 
 def _exposition(hits: dict[str, int], prefetched: int = 0, ranks: int = 1) -> str:

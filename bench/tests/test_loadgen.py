@@ -1,4 +1,5 @@
-"""bench.loadgen: the HTTP/1.1 response parser and the closed loop against raw asyncio servers."""
+"""bench.load.loadgen: the HTTP/1.1 response parser and the closed loop against raw asyncio
+servers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from bench.loadgen import (
+from bench.load.loadgen import (
     LoadResult,
     ProtocolError,
     ResponseParser,

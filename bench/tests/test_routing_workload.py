@@ -1,4 +1,4 @@
-"""bench.traces and bench.routing_workload: trace shapes, the result math, the load driver
+"""bench.routing.traces and bench.routing.workload: trace shapes, the result math, the load driver
 (against a small real SSE server on 127.0.0.1); no cluster is started."""
 
 from __future__ import annotations
@@ -14,8 +14,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from bench.loadgen import Percentiles
-from bench.routing_workload import (
+from bench.load.loadgen import Percentiles
+from bench.routing.traces import (
+    Trace,
+    TraceRequest,
+    multi_turn,
+    random_prompts,
+    shared_prefix,
+    standard_traces,
+)
+from bench.routing.workload import (
     POLICIES,
     POOLED,
     BenchSetup,
@@ -41,14 +49,6 @@ from bench.routing_workload import (
     render,
     summarize,
     write_json,
-)
-from bench.traces import (
-    Trace,
-    TraceRequest,
-    multi_turn,
-    random_prompts,
-    shared_prefix,
-    standard_traces,
 )
 from testkit.servers import arun_server
 

@@ -1,4 +1,5 @@
-"""The KV page canary of ``bench.rss_drift``: after a short steady run on small pools, the decodes
+"""The KV page canary of ``bench.soak.rss_drift``: after a short steady run on small pools, the
+decodes
 hold no KV page once idle.
 
 Small decode and prefill pools (128 pages) under 16 users fill up now and then; a decode that
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.rss_drift import idle_line, leaked, measure
+from bench.soak.rss_drift import idle_line, leaked, measure
 
 
 @pytest.mark.slow

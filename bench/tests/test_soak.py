@@ -1,4 +1,4 @@
-"""bench.soak_traffic's outcome classes and pd-worker's opt-in fault API (the soak's hooks)."""
+"""bench.soak.traffic's outcome classes and pd-worker's opt-in fault API (the soak's hooks)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from bench.soak_traffic import RequestSpec, send
+from bench.soak.traffic import RequestSpec, send
 from testkit.polling import wait_until
 from testkit.servers import run_server
 from worker.app import SimWorker, WorkerConfig, create_app

@@ -2,14 +2,16 @@
 
 ``tune_gc`` (at start-up) freezes the start-up objects and raises the young generation's threshold
 to 50,000: the hot path allocates many short-lived objects (coroutines, futures, dicts), and with
-the default threshold of 700 the collector ran every few requests (measured with bench.run on the
+the default threshold of 700 the collector ran every few requests (measured with bench.load.run on
+the
 2-core dev machine: -15% router CPU per request at 32 concurrent streams).
 
 That threshold alone let cyclic garbage pile up for minutes: every ``httpx`` response is a
 reference cycle (``Response`` <-> ``BoundAsyncStream``), so each health probe and engine load read
 leaves ~40 objects (~5 KiB with their buffers) that only the collector frees, as do exceptions
 kept with their tracebacks on error paths; an automatic collection came only after 50,000 of
-them. The soak saw the router's RSS climb ~15% over 5,000 requests (bench/rss_drift.py showed it
+them. The soak saw the router's RSS climb ~15% over 5,000 requests (bench/soak/rss_drift.py showed
+it
 linear in time). ``collect_periodically`` (a task on the router's event loop) therefore collects
 the young generations every ``interval_s`` (cost: the objects allocated since the last tick) and
 everything every ``full_every`` ticks, so garbage lives about a second, not until 50,000 objects.

@@ -1,7 +1,8 @@
 """The seam for outbound HTTP to one worker (its implementations and their table: the package).
 
 Two implementations keep the same contract: ``aiohttp`` (default: ~4.5x less CPU per proxied
-request than httpx in ``bench/clients.py``) and ``httpx`` (the reference client, with a lean pool).
+request than httpx in ``bench/load/clients.py``) and ``httpx`` (the reference client, with a lean
+pool).
 Both raise only ``UpstreamError`` subclasses, set TCP_NODELAY and use idle (per-read) timeouts.
 """
 

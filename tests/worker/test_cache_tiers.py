@@ -1,4 +1,4 @@
-"""The tiered KV cache (``worker.cache_controller``) in a served worker: L2/L3 round trips keep
+"""The tiered KV cache (``worker.hicache.controller``) in a served worker: L2/L3 round trips keep
 the output, write policies and the eviction cascade, events per medium, metrics, a corrupt L2
 page, layer-by-layer loading, and the prefill -> decode paths.
 
@@ -33,8 +33,8 @@ from tests.worker.tiers_support import (
     text,
 )
 from transfer.events import KVEvent, KVEventSubscriber
+from worker.hicache.config import TierConfig
 from worker.kv import PoolShape
-from worker.tier_config import TierConfig
 
 A = text(1, 20 * PAGE + 7)  # 20 full pages, all reusable
 FILLERS = [text(100 + i, 40 * PAGE - 1) for i in range(3)]  # 40 pages each: empties L1

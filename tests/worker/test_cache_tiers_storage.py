@@ -38,8 +38,8 @@ from tests.worker.tiers_support import (
 from transfer.events import KVEvent, KVEventSubscriber
 from worker.__main__ import build, build_parser, parse_args
 from worker.cluster import _decode_args, _Layout, _parse, _prefill_args
-from worker.page_store_dir import DirectoryPageStore
-from worker.tier_config import TierConfig, open_rank_store
+from worker.hicache.config import TierConfig, open_rank_store
+from worker.hicache.stores.directory import DirectoryPageStore
 
 A = text(1, 20 * PAGE + 7)
 S = text(2, 10 * PAGE + 7)

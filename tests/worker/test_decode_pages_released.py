@@ -6,7 +6,7 @@ client leaves), the decode fails the room at once: it aborts it at the prefill, 
 acknowledges, and the pages are free again within the receiver's drain timeout. Holding them
 until the transfer deadline instead let a burst of failed prefills exhaust the decode's pool,
 whose 503s orphaned computed prefills, whose full pools failed more prefills: the cluster never
-recovered under steady load (``bench.rss_drift`` with ``--pages 256``).
+recovered under steady load (``bench.soak.rss_drift`` with ``--pages 256``).
 """
 
 from __future__ import annotations

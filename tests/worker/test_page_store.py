@@ -19,16 +19,16 @@ import pytest
 
 from testkit.mooncake_master import MooncakeMaster, MooncakeMissing
 from testkit.polling import await_until
-from worker.page_codec import PREFIX, decode_page, encode_page
-from worker.page_store import (
+from worker.hicache.stores.base import (
     PageCorrupt,
     PageStoreError,
     StoredPage,
     StoredPageHeader,
     open_page_store,
 )
-from worker.page_store_dir import DirectoryPageStore
-from worker.page_store_mooncake import MooncakePageStore
+from worker.hicache.stores.codec import PREFIX, decode_page, encode_page
+from worker.hicache.stores.directory import DirectoryPageStore
+from worker.hicache.stores.mooncake import MooncakePageStore
 
 PAGE_TOKENS = 4
 
@@ -246,7 +246,7 @@ async def test_a_restarted_store_scans_every_page_and_rebuilds_its_lru(
 
     evicted: list[StoredPageHeader] = []
     second = DirectoryPageStore(tmp_path, capacity_pages=5, on_evict=evicted.extend)
-    with caplog.at_level(logging.WARNING, logger="worker.page_store_dir"):
+    with caplog.at_level(logging.WARNING, logger="worker.hicache.stores.directory"):
         headers = await _scan(second)
     assert headers == [*(p.header for p in reversed(pages[:4])), pages[4].header]  # newest first
     assert _files(tmp_path) == {p.header.digest.hex() for p in pages} | {"subdir"}

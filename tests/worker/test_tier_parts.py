@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry
 
 from testkit.polling import await_until
 from transfer.events import BlockRemoved, BlockStored, KVEvent
-from worker.host_pool import HostPool
-from worker.layer_loading import LayerLoad, run_layers, simulate_forward
-from worker.page_store import PageCorrupt, StoredPage, StoredPageHeader
-from worker.storage_tier import StorageTier
-from worker.tier_config import TierConfig
-from worker.tier_costs import Link, TokenBucket
-from worker.tier_metrics import TierMetrics
+from worker.hicache.config import TierConfig
+from worker.hicache.costs import Link, TokenBucket
+from worker.hicache.host_pool import HostPool
+from worker.hicache.layer_loading import LayerLoad, run_layers, simulate_forward
+from worker.hicache.metrics import TierMetrics
+from worker.hicache.storage_tier import StorageTier
+from worker.hicache.stores.base import PageCorrupt, StoredPage, StoredPageHeader
 
 
 def _header(n: int, parent: int | None = None) -> StoredPageHeader:

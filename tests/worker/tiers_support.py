@@ -19,9 +19,9 @@ from testkit.servers import arun_server
 from transfer.events import BlockRemoved, BlockStored, KVEvent, KVEventSubscriber
 from worker.app import SimWorker, WorkerConfig, create_app
 from worker.block_hash import BlockKey, sglang_block_keys
-from worker.cache_controller import CacheController
+from worker.hicache.config import TierConfig
+from worker.hicache.controller import CacheController
 from worker.kv import PoolShape
-from worker.tier_config import TierConfig
 
 PAGE = 16
 # 2 layers x 16 tokens x 64 bytes: 2 KiB pages; 40 pages of L1 (640 tokens)

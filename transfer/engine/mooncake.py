@@ -28,7 +28,7 @@ Data path: one-entry native batches, submitted in a worker thread and polled wit
   ``transfer_check_status``: plain yields for the first 200 us, then sleeps of 50 us doubling to
   1 ms (``asyncio.sleep`` below ~1 ms lasts ~1.1 ms anyway: epoll's granularity). Each entry's own
   status is known, so after a failure ``write`` waits until no entry is pending before it raises.
-  Measured on a 2-core VM over loopback (``bench/transfer_engine.py``), 64 MiB of 4 KiB pages one
+  Measured on a 2-core VM over loopback (``bench/transfer/engine.py``), 64 MiB of 4 KiB pages one
   per entry: 0.16-0.19 GB/s at 31-36 us of process CPU per entry, against 0.13-0.15 GB/s and
   50-54 us for ``batch_transfer_sync_write`` (async submit + ``get_batch_transfer_status``: the
   same as sync); coalesced into 256 KiB or larger entries, 2.3-3.2 GB/s against 2.5-2.7 GB/s. A

@@ -1,0 +1,1053 @@
+"""Routing policies under realistic workloads: TTFT, throughput, engine cache hits, router cost.
+
+    python -m bench.routing.workload [--quick] [--json PATH] [--policies A,B] [--traces X,Y]
+
+One invocation runs every trace (``bench.routing.traces``: multi-turn chat, shared-prefix groups,
+random prompts) against every policy, each on a FRESH ``pd-cluster`` (4 prefills, 2 decodes,
+SGLang protocol, cold caches), and prints one table, then the targets with PASS/FAIL.
+
+Policies: ours (``round_robin``; ``least_load``; ``cache_aware`` precise, i.e. the router has
+the engines' tokenizer and follows their KV events; ``cache_aware`` approximate, no tokenizer)
+and the peer ``sglang-router`` 0.3.2 unmodified (``cache_aware`` and ``round_robin``, installed
+by ``scripts/setup-peers.sh`` into ``.venv-peers``), put in front of the same cluster's workers;
+pd-cluster's own router keeps serving the bootstrap registry the prefills registered with, and
+its ``GET /ready`` names each prefill's URL and bootstrap (namespace) port.
+
+The engines (``pd-worker``) simulate compute: ``--compute-s-per-token`` (default 200 us) for
+each UNCACHED prompt token (a rank runs one forward at a time), so prefix-cache hits and
+queueing show in TTFT, and the compute dominates the router's own costs (the whole pipeline
+costs ~35 ms CPU per request on a 2-core machine). ``--pages`` is sized from each trace's
+working set so that a prefill holds about a third of the distinct prefix blocks (never fewer
+than ``concurrency`` longest prompts need): spreading a prefix over every prefill evicts. Every
+worker gets the same tokenizer (``testkit.tokenizer_dir``),
+in every run; only the precise ``cache_aware`` run gives it to the router too (pd-cluster
+``--tokenizer``). Router settings pd-cluster has no flag for go through ``--router-arg``.
+
+Clients: streaming requests, at most ``concurrency`` sessions at a time (a conversation's
+turns in order). Our router gets a pooled keep-alive client; sglang-router gets a new connection
+per request, because it stalls ~44 ms per request on a reused connection (no TCP_NODELAY).
+
+Columns: TTFT and end-to-end p50/p99 (ms), req/s over the run, the engines' prefix-hit ratio
+(sum over prefills of the cached / prompt token counters of their ``/metrics``, delta over the
+run), P skew (the busiest prefill's computed, i.e. uncached, tokens over the mean: 1.00 is an
+even spread), router CPU per request (CPU seconds of the router process tree over the run /
+requests; pd-cluster's ``-m router`` child, or the sglang-router process),
+the routing decision time p50/p99 (us, interpolated from our router's
+``pdr_routing_decision_seconds`` histogram; n/a for peers) and the tokenize time p50
+(``pdr_tokenize_seconds``). Anything a component does not report prints as n/a.
+
+Every run is bounded (``--run-deadline`` seconds of load, a per-request timeout) and every child
+is stopped: SIGTERM to its process group, SIGKILL after a grace period, then whatever it left.
+The exit status is 1 if a run failed, a request failed or a target is FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import random
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.common.cli import sigterm_raises
+from bench.common.cpu import descendants, tree_cpu_seconds
+from bench.load.cluster_ttft import REPO_ROOT, BenchError, Child, free_port, wait_health
+from bench.load.loadgen import Percentiles, percentiles
+from bench.routing.traces import Trace, TraceRequest, sample_text, standard_traces
+from testkit.tokenizer_dir import build_tokenizer_dir
+
+__all__ = [
+    "BenchSetup",
+    "Cluster",
+    "FRESH",
+    "Outcome",
+    "POLICIES",
+    "POOLED",
+    "PolicySpec",
+    "Report",
+    "RunResult",
+    "Snapshot",
+    "TargetCheck",
+    "TraceInfo",
+    "WorkloadConfig",
+    "bucket_delta",
+    "check_targets",
+    "cluster_argv",
+    "prepare",
+    "drive",
+    "engine_cache_tokens",
+    "failed",
+    "histogram_buckets",
+    "histogram_quantile",
+    "hit_ratio",
+    "main",
+    "pages_for",
+    "parse_args",
+    "peer_argv",
+    "prefill_skew",
+    "render",
+    "run_all",
+    "run_one",
+    "summarize",
+    "write_json",
+]
+
+LOOPBACK = "127.0.0.1"
+PEER_PYTHON = REPO_ROOT / ".venv-peers" / "bin" / "python"
+PEER_MODULE = "sglang_router.launch_router"
+DECISION = "pdr_routing_decision_seconds"
+TOKENIZE = "pdr_tokenize_seconds"
+POOLED = "keep-alive pool"
+FRESH = "new conn per request"
+_NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+_MAX_ERROR_SAMPLES = 3
+# Engine prefix-cache counters (cached, prompt) per protocol; SGLang also as ``sglang_``.
+_CACHE_COUNTERS = (
+    ("sglang:cached_tokens_total", "sglang:prompt_tokens_total"),
+    ("sglang_cached_tokens_total", "sglang_prompt_tokens_total"),
+    ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+)
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """One row of the comparison per trace: which router, which policy, what it is given."""
+
+    label: str  # what --policies and the table call it
+    router: Literal["ours", "sglang-router"]
+    policy: str
+    decode_policy: str = ""  # ours only
+    precise: bool = False  # ours: the router gets the engines' tokenizer
+
+    @property
+    def client(self) -> str:
+        return POOLED if self.router == "ours" else FRESH
+
+
+POLICIES = (
+    PolicySpec("round_robin", "ours", "round_robin", "round_robin"),
+    PolicySpec("least_load", "ours", "least_load", "least_load"),
+    PolicySpec("cache_aware", "ours", "cache_aware", "least_load", precise=True),
+    PolicySpec("cache_aware_approx", "ours", "cache_aware", "least_load"),
+    PolicySpec("sgl_cache_aware", "sglang-router", "cache_aware"),
+    PolicySpec("sgl_round_robin", "sglang-router", "round_robin"),
+)
+TRACE_NAMES = ("multi_turn", "shared_prefix", "random")
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    quick: bool = False
+    prefills: int = 4
+    decodes: int = 2
+    # a 2k-token uncached prefill: 400 ms (a 70B-class model on a few GPUs prefills ~5k
+    # tokens/s). On a 2-core machine the whole simulated pipeline (client, router, prefill,
+    # decode) costs ~35 ms CPU per request, which the compute must dwarf: at 100 us/token a
+    # cache-hit multi-turn request computes ~48 ms and the fixed ~35 ms caps its gain.
+    compute_s_per_token: float = 200e-6
+    decode_s_per_token: float = 1e-3
+    page_size: int = 16
+    concurrency: int = 8
+    run_deadline_s: float = 120.0  # load per run; requests not started by then are skipped
+    request_timeout_s: float = 60.0
+    ready_timeout_s: float = 60.0
+    seed: int = 0
+    policies: tuple[str, ...] = tuple(p.label for p in POLICIES)
+    traces: tuple[str, ...] = TRACE_NAMES
+    json_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class BenchSetup:
+    """The tokenizer every worker (and the precise router) uses, and the peer router's venv."""
+
+    peer_python: Path | None
+    tokenizer_dir: Path
+    chars_per_token: float
+
+    def unavailable(self, spec: PolicySpec) -> str | None:
+        """Why ``spec`` cannot run here, or None."""
+        if spec.router == "sglang-router" and self.peer_python is None:
+            return "no .venv-peers: run scripts/setup-peers.sh"
+        return None
+
+
+def measure_chars_per_token(tokenizer_dir: Path) -> float:
+    """Characters per token of the trace text under the engines' tokenizer."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    text = sample_text(random.Random("calibrate"), 4000, 4.0)
+    return len(text) / max(1, len(tokenizer.encode(text, add_special_tokens=False).ids))
+
+
+def prepare(where: Path) -> BenchSetup:
+    """Build the tokenizer and find the peer venv."""
+    tokenizer = build_tokenizer_dir(where / "tokenizer")
+    return BenchSetup(
+        peer_python=PEER_PYTHON if PEER_PYTHON.exists() else None,
+        tokenizer_dir=tokenizer,
+        chars_per_token=measure_chars_per_token(tokenizer),
+    )
+
+
+def pages_for(trace: Trace, cfg: WorkloadConfig, chars_per_token: float) -> int:
+    """``--pages`` per worker: a third of the trace's distinct prefix blocks (so spreading
+    prefixes over four prefills evicts), but never fewer than ``concurrency`` of its longest
+    prompts need at once (a prefill fails a request it has no pages for)."""
+    blocks = trace.working_set_chars() / chars_per_token / cfg.page_size
+    longest = trace.max_prompt_chars() / chars_per_token / cfg.page_size + 2  # template, tail
+    return max(math.ceil(blocks / 3), math.ceil(trace.concurrency * longest), 64)
+
+
+# --- metrics -----------------------------------------------------------------------------------
+
+
+def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, float(sample.value)
+
+
+def engine_cache_tokens(text: str) -> tuple[float, float] | None:
+    """(cached, prompt) prompt-token counters of one engine's ``/metrics``, summed over labels;
+    None when it reports neither protocol's counters."""
+    totals: dict[str, float] = {}
+    for name, _labels, value in _samples(text):
+        totals[name] = totals.get(name, 0.0) + value
+    for cached, prompt in _CACHE_COUNTERS:
+        if cached in totals and prompt in totals:
+            return totals[cached], totals[prompt]
+    return None
+
+
+def histogram_buckets(text: str, name: str) -> dict[float, float] | None:
+    """Cumulative bucket counts (upper bound -> count) of histogram ``name``, summed over its
+    label sets; None when the exposition has no such histogram."""
+    buckets: dict[float, float] = {}
+    for sample, labels, value in _samples(text):
+        if sample == f"{name}_bucket":
+            bound = float(labels["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + value
+    return buckets or None
+
+
+def bucket_delta(
+    before: Mapping[float, float] | None, after: Mapping[float, float]
+) -> dict[float, float]:
+    """``after - before`` per bucket (a missing ``before`` counts as zero)."""
+    base = before or {}
+    return {bound: count - base.get(bound, 0.0) for bound, count in after.items()}
+
+
+def histogram_quantile(buckets: Mapping[float, float], q: float) -> float | None:
+    """The ``q`` quantile of cumulative ``buckets``, interpolated linearly inside its bucket
+    (as Prometheus' ``histogram_quantile``); None without observations. In the ``+Inf`` bucket
+    it is the highest finite bound."""
+    ordered = sorted(buckets.items())
+    total = ordered[-1][1] if ordered else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound, count in ordered:
+        if count >= rank and count > below:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = (bound if not math.isinf(bound) else lower), count
+    return lower
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Counters read before and after a run (None: not reported)."""
+
+    cache: tuple[tuple[float, float], ...] | None  # (cached, prompt) tokens per prefill
+    decision: dict[float, float] | None
+    tokenize: dict[float, float] | None
+    cpu_s: float | None
+
+
+def _text(client: httpx.Client, url: str) -> str | None:
+    with contextlib.suppress(httpx.HTTPError):
+        response = client.get(url)
+        if response.status_code == 200:
+            return response.text
+    return None
+
+
+def _engines_cache(
+    client: httpx.Client, prefills: Sequence[str]
+) -> tuple[tuple[float, float], ...] | None:
+    counts = []
+    for url in prefills:
+        text = _text(client, f"{url}/metrics")
+        count = engine_cache_tokens(text) if text is not None else None
+        if count is None:
+            return None
+        counts.append(count)
+    return tuple(counts)
+
+
+def _cpu(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        return tree_cpu_seconds(pid)
+    except OSError:
+        return None
+
+
+def take_snapshot(
+    client: httpx.Client, prefills: Sequence[str], router_url: str | None, cpu_pid: int | None
+) -> Snapshot:
+    """The engines' cache counters, our router's histograms (``router_url``), the CPU time."""
+    router = _text(client, f"{router_url}/metrics") if router_url else None
+    return Snapshot(
+        cache=_engines_cache(client, prefills),
+        decision=histogram_buckets(router, DECISION) if router else None,
+        tokenize=histogram_buckets(router, TOKENIZE) if router else None,
+        cpu_s=_cpu(cpu_pid),
+    )
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def router_pid(cluster_pid: int) -> int | None:
+    """The process of pd-cluster's that runs ``python -m router``."""
+    for pid in descendants(cluster_pid):
+        args = _cmdline(pid)
+        if any(a == "-m" and b == "router" for a, b in zip(args, args[1:], strict=False)):
+            return pid
+    return None
+
+
+def worker_args(cfg: WorkloadConfig, setup: BenchSetup, pages: int) -> list[str]:
+    """pd-worker arguments for every worker: a light KV (the router's costs are the subject),
+    simulated compute, the pool size, and the tokenizer."""
+    return [
+        "--layers",
+        "1",
+        "--bytes-per-token",
+        "64",
+        "--page-size",
+        str(cfg.page_size),
+        "--pages",
+        str(pages),
+        "--compute-s-per-token",
+        repr(cfg.compute_s_per_token),
+        "--decode-s-per-token",
+        repr(cfg.decode_s_per_token),
+        "--log-level",
+        "warning",
+        "--tokenizer",
+        str(setup.tokenizer_dir),
+    ]
+
+
+def cluster_argv(
+    cfg: WorkloadConfig, setup: BenchSetup, spec: PolicySpec, pages: int, port: int
+) -> list[str]:
+    """pd-cluster's command line: our router's policies (and, precise, the tokenizer) as
+    pd-cluster's own flags, its other settings through ``--router-arg``."""
+    flags = [
+        "--router-arg=--health-interval",  # ready sooner after start
+        "--router-arg=0.5",
+        "--router-arg=--log-level",
+        "--router-arg=warning",
+    ]
+    if spec.router == "ours":
+        flags += ["--prefill-policy", spec.policy, "--decode-policy", spec.decode_policy]
+        if spec.precise:
+            flags += ["--tokenizer", str(setup.tokenizer_dir)]
+    return [
+        sys.executable,
+        "-m",
+        "worker.cluster",
+        "--prefill",
+        str(cfg.prefills),
+        "--decode",
+        str(cfg.decodes),
+        "--port",
+        str(port),
+        "--engine",
+        "sglang",
+        "--ready-timeout",
+        str(cfg.ready_timeout_s),
+        *flags,
+        "--",
+        *worker_args(cfg, setup, pages),
+    ]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    child: Child
+    url: str
+    prefills: tuple[tuple[str, int], ...]  # (URL, bootstrap port)
+    decodes: tuple[str, ...]
+    model: str
+    router_pid: int | None
+
+
+def _layout(url: str) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], str]:
+    with httpx.Client(timeout=5.0) as client:
+        ready = client.get(f"{url}/ready").raise_for_status().json()
+        models = client.get(f"{url}/v1/models").raise_for_status().json()
+    prefills = tuple((str(w["url"]), int(w["bootstrap_port"])) for w in ready["prefill"])
+    decodes = tuple(str(w["url"]) for w in ready["decode"])
+    return prefills, decodes, str(models["data"][0]["id"])
+
+
+@contextlib.contextmanager
+def started_cluster(
+    cfg: WorkloadConfig, setup: BenchSetup, spec: PolicySpec, pages: int
+) -> Iterator[Cluster]:
+    """A fresh pd-cluster; stopped (its whole process tree) on the way out."""
+    child = Child(cluster_argv(cfg, setup, spec, pages, free_port()))
+    try:
+        url = child.wait_ready_line(cfg.ready_timeout_s + 10.0)
+        child.note_descendants()
+        try:
+            prefills, decodes, model = _layout(url)
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+            raise BenchError(child.describe(f"no worker layout from /ready: {exc}")) from exc
+        yield Cluster(child, url, prefills, decodes, model, router_pid(child.proc.pid))
+    finally:
+        child.stop()
+
+
+def peer_argv(spec: PolicySpec, cluster: Cluster, port: int, metrics_port: int) -> list[str]:
+    """sglang-router in PD mode over the cluster's workers (decoders reach the prefills'
+    bootstrap APIs, served by pd-cluster's router, through the namespace ports)."""
+    argv = [
+        str(PEER_PYTHON),
+        "-m",
+        PEER_MODULE,
+        "--pd-disaggregation",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--policy",
+        spec.policy,
+        "--prometheus-host",
+        LOOPBACK,
+        "--prometheus-port",
+        str(metrics_port),
+        "--log-level",
+        "warn",
+    ]
+    for url, bootstrap_port in cluster.prefills:
+        argv += ["--prefill", url, str(bootstrap_port)]
+    for url in cluster.decodes:
+        argv += ["--decode", url]
+    return argv
+
+
+@contextlib.contextmanager
+def started_peer(cfg: WorkloadConfig, spec: PolicySpec, cluster: Cluster) -> Iterator[Child]:
+    """sglang-router in front of ``cluster``'s workers, serving; always stopped."""
+    port = free_port()
+    child = Child(peer_argv(spec, cluster, port, free_port()))
+    child.ready_url = f"http://{LOOPBACK}:{port}"
+    try:
+        wait_health(child, child.ready_url, cfg.ready_timeout_s)
+        _wait_workers(child, len(cluster.prefills) + len(cluster.decodes), cfg.ready_timeout_s)
+        yield child
+    finally:
+        child.stop()
+
+
+def _healthy_workers(url: str) -> int:
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        response = httpx.get(f"{url}/readiness", timeout=1.0)
+        if response.status_code == 200:
+            return int(response.json().get("healthy_workers", 0))
+    return 0
+
+
+def _wait_workers(child: Child, expected: int, timeout_s: float) -> None:
+    """Until sglang-router's ``/readiness`` counts ``expected`` healthy workers (it registers
+    them in the background after it starts serving)."""
+    assert child.ready_url is not None
+    deadline = time.monotonic() + timeout_s
+    while _healthy_workers(child.ready_url) < expected:
+        if child.proc.poll() is not None or time.monotonic() > deadline:
+            raise BenchError(child.describe(f"not {expected} healthy workers in {timeout_s:g} s"))
+        time.sleep(0.1)
+
+
+# --- load --------------------------------------------------------------------------------------
+
+
+class RequestFailed(Exception):
+    """A request did not produce a well-formed completion stream."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    e2e_s: float
+    ttft_s: float | None = None
+    error: str | None = None
+
+
+def _has_text(event: Mapping[str, Any]) -> bool:
+    for choice in event.get("choices") or ():
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> float:
+    """Send one streaming request; the seconds to its first text. Raises on a bad stream."""
+    started = time.perf_counter()
+    ttft: float | None = None
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RequestFailed(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = msgspec.json.decode(data)
+            if not isinstance(event, dict) or "error" in event:
+                raise RequestFailed(f"error event: {data[:200]}")
+            if ttft is None and _has_text(event):
+                ttft = time.perf_counter() - started
+        else:
+            raise RequestFailed("the stream ended without [DONE]")
+    if ttft is None:
+        raise RequestFailed("the stream had no text")
+    return ttft
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, request: TraceRequest
+) -> Outcome:
+    """One streaming request, timed; failures become an ``Outcome`` with ``error`` set."""
+    started = time.perf_counter()
+    try:
+        ttft = await _stream(client, f"{url}{request.path}", request.body(model))
+    except (RequestFailed, httpx.HTTPError, msgspec.DecodeError) as exc:
+        return Outcome(time.perf_counter() - started, error=f"{type(exc).__name__}: {exc}")
+    return Outcome(time.perf_counter() - started, ttft_s=ttft)
+
+
+def _client(kind: str, concurrency: int, timeout_s: float) -> httpx.AsyncClient:
+    keepalive = concurrency if kind == POOLED else 0  # 0: every request opens a connection
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=keepalive)
+    transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=_NODELAY)
+    return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+
+async def drive(
+    trace: Trace, url: str, model: str, client_kind: str, cfg: WorkloadConfig
+) -> tuple[list[Outcome], float]:
+    """Run ``trace`` against ``url``: ``trace.concurrency`` sessions at a time, each session's
+    requests in order; nothing starts after ``cfg.run_deadline_s``. (outcomes, wall seconds)."""
+    sessions = iter(trace.sessions)
+    outcomes: list[Outcome] = []
+    deadline = time.monotonic() + cfg.run_deadline_s
+
+    async def user(client: httpx.AsyncClient) -> None:
+        for session in sessions:  # shared: each user takes the next session in arrival order
+            for request in session:
+                if time.monotonic() > deadline:
+                    return
+                outcomes.append(await one_request(client, url, model, request))
+
+    started = time.monotonic()
+    async with _client(client_kind, trace.concurrency, cfg.request_timeout_s) as client:
+        users = asyncio.gather(*(user(client) for _ in range(trace.concurrency)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(users, cfg.run_deadline_s + cfg.request_timeout_s + 5.0)
+    return outcomes, time.monotonic() - started
+
+
+# --- one run -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunResult:
+    trace: str
+    policy: str
+    router: str
+    client: str
+    pages: int
+    requests: int  # in the trace
+    completed: int = 0
+    errors: int = 0
+    wall_s: float = 0.0
+    ttft_ms: Percentiles = field(default_factory=lambda: Percentiles(0.0, 0.0, 0.0))
+    e2e_ms: Percentiles = field(default_factory=lambda: Percentiles(0.0, 0.0, 0.0))
+    req_per_s: float = 0.0
+    hit_ratio: float | None = None
+    prefill_skew: float | None = None  # busiest prefill's computed tokens / the mean
+    router_cpu_ms_per_req: float | None = None
+    decision_us: tuple[float, float] | None = None  # p50, p99
+    tokenize_us_p50: float | None = None
+    error_samples: tuple[str, ...] = ()
+    not_run: str | None = None  # why the run did not happen
+    failed: bool = False  # it was meant to run and could not
+
+    @property
+    def skipped_requests(self) -> int:
+        return self.requests - self.completed - self.errors if self.not_run is None else 0
+
+
+def _deltas(
+    before: tuple[tuple[float, float], ...] | None, after: tuple[tuple[float, float], ...] | None
+) -> list[tuple[float, float]] | None:
+    """Per prefill (cached, prompt) tokens over the run."""
+    if before is None or after is None or len(before) != len(after):
+        return None
+    return [(a[0] - b[0], a[1] - b[1]) for b, a in zip(before, after, strict=True)]
+
+
+def hit_ratio(deltas: Sequence[tuple[float, float]] | None) -> float | None:
+    """Cached / prompt tokens, summed over the prefills."""
+    prompt = sum(p for _c, p in deltas or ())
+    return None if deltas is None or prompt <= 0 else sum(c for c, _p in deltas) / prompt
+
+
+def prefill_skew(deltas: Sequence[tuple[float, float]] | None) -> float | None:
+    """The busiest prefill's uncached (computed) tokens over the mean: 1.0 is an even spread."""
+    computed = [p - c for c, p in deltas or ()]
+    mean = sum(computed) / len(computed) if computed else 0.0
+    return None if mean <= 0 else max(computed) / mean
+
+
+def _quantile_us(
+    before: dict[float, float] | None, after: dict[float, float] | None, q: float
+) -> float | None:
+    if after is None:
+        return None
+    value = histogram_quantile(bucket_delta(before, after), q)
+    return None if value is None else value * 1e6
+
+
+def summarize(
+    base: RunResult, outcomes: Sequence[Outcome], wall_s: float, before: Snapshot, after: Snapshot
+) -> RunResult:
+    """``base`` filled in with what the run measured."""
+    good = [o for o in outcomes if o.error is None]
+    bad = [o.error for o in outcomes if o.error is not None]
+    cpu = None
+    if before.cpu_s is not None and after.cpu_s is not None and outcomes:
+        cpu = (after.cpu_s - before.cpu_s) / len(outcomes) * 1e3
+    p50 = _quantile_us(before.decision, after.decision, 0.50)
+    p99 = _quantile_us(before.decision, after.decision, 0.99)
+    return replace(
+        base,
+        completed=len(good),
+        errors=len(bad),
+        wall_s=wall_s,
+        ttft_ms=percentiles([o.ttft_s for o in good if o.ttft_s is not None]),
+        e2e_ms=percentiles([o.e2e_s for o in good]),
+        req_per_s=len(good) / wall_s if wall_s > 0 else 0.0,
+        hit_ratio=hit_ratio(_deltas(before.cache, after.cache)),
+        prefill_skew=prefill_skew(_deltas(before.cache, after.cache)),
+        router_cpu_ms_per_req=cpu,
+        decision_us=(p50, p99) if p50 is not None and p99 is not None else None,
+        tokenize_us_p50=_quantile_us(before.tokenize, after.tokenize, 0.50),
+        error_samples=tuple(bad[:_MAX_ERROR_SAMPLES]),
+    )
+
+
+def _measure(
+    cfg: WorkloadConfig, trace: Trace, base: RunResult, cluster: Cluster, url: str, pid: int | None
+) -> RunResult:
+    router_metrics = cluster.url if base.router == "ours" else None
+    prefills = [prefill for prefill, _port in cluster.prefills]
+    with httpx.Client(timeout=5.0) as client:
+        before = take_snapshot(client, prefills, router_metrics, pid)
+        outcomes, wall_s = asyncio.run(drive(trace, url, cluster.model, base.client, cfg))
+        after = take_snapshot(client, prefills, router_metrics, pid)
+    return summarize(base, outcomes, wall_s, before, after)
+
+
+def run_one(
+    cfg: WorkloadConfig, setup: BenchSetup, trace: Trace, spec: PolicySpec, pages: int
+) -> RunResult:
+    """``trace`` through ``spec`` on a fresh cluster (a failed start is a failed row)."""
+    base = RunResult(trace.name, spec.label, spec.router, spec.client, pages, trace.requests)
+    try:
+        with started_cluster(cfg, setup, spec, pages) as cluster:
+            if spec.router == "ours":
+                return _measure(cfg, trace, base, cluster, cluster.url, cluster.router_pid)
+            with started_peer(cfg, spec, cluster) as peer:
+                assert peer.ready_url is not None
+                return _measure(cfg, trace, base, cluster, peer.ready_url, peer.proc.pid)
+    except BenchError as exc:
+        return replace(base, not_run=f"failed: {exc}", failed=True)
+
+
+def _progress(done: int, total: int, result: RunResult, elapsed_s: float) -> None:
+    if result.not_run is not None:
+        what = result.not_run.splitlines()[0]
+    else:
+        what = (
+            f"{result.completed} ok, {result.errors} errors, TTFT p50 "
+            f"{result.ttft_ms.p50:.1f} ms, {result.req_per_s:.1f} req/s"
+        )
+    line = f"[{done}/{total}] {result.trace} x {result.policy}: {what} ({elapsed_s:.0f} s)"
+    print(line, file=sys.stderr, flush=True)
+
+
+# --- all runs, targets, output -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceInfo:
+    name: str
+    description: str
+    requests: int
+    pages: int
+
+
+@dataclass(frozen=True)
+class Report:
+    config: WorkloadConfig
+    tokenizer: str
+    chars_per_token: float
+    traces: tuple[TraceInfo, ...]
+    runs: tuple[RunResult, ...]
+    targets: tuple[TargetCheck, ...]
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    description: str
+    value: float | None
+    bound: float | None
+    passed: bool | None  # None: n/a (a run is missing)
+
+    @property
+    def verdict(self) -> str:
+        return "n/a" if self.passed is None else "PASS" if self.passed else "FAIL"
+
+
+def _row(runs: Sequence[RunResult], trace: str, policy: str) -> RunResult | None:
+    for run in runs:
+        if run.trace == trace and run.policy == policy and run.not_run is None and run.completed:
+            return run
+    return None
+
+
+def _check(
+    description: str, value: float | None, bound: float | None, lower_is_better: bool, strict: bool
+) -> TargetCheck:
+    if value is None or bound is None:
+        return TargetCheck(description, value, bound, None)
+    if lower_is_better:
+        passed = value < bound if strict else value <= bound
+    else:
+        passed = value > bound if strict else value >= bound
+    return TargetCheck(description, value, bound, passed)
+
+
+def check_targets(runs: Sequence[RunResult]) -> tuple[TargetCheck, ...]:
+    """The issue's targets: on multi-turn and shared-prefix, cache_aware (precise) TTFT p50 at
+    most half of round_robin's and below sglang-router cache_aware's; on random prompts its
+    throughput at least 0.95x least_load's."""
+
+    def ttft(trace: str, policy: str, factor: float = 1.0) -> float | None:
+        run = _row(runs, trace, policy)
+        return None if run is None else run.ttft_ms.p50 * factor
+
+    checks = []
+    for trace in ("multi_turn", "shared_prefix"):
+        ours = ttft(trace, "cache_aware")
+        checks += [
+            _check(
+                f"{trace}: TTFT p50 (ms) cache_aware <= 0.5 x round_robin",
+                ours,
+                ttft(trace, "round_robin", 0.5),
+                lower_is_better=True,
+                strict=False,
+            ),
+            _check(
+                f"{trace}: TTFT p50 (ms) cache_aware < sglang-router cache_aware",
+                ours,
+                ttft(trace, "sgl_cache_aware"),
+                lower_is_better=True,
+                strict=True,
+            ),
+        ]
+    ours_run, least = _row(runs, "random", "cache_aware"), _row(runs, "random", "least_load")
+    checks.append(
+        _check(
+            "random: req/s cache_aware >= 0.95 x least_load",
+            None if ours_run is None else ours_run.req_per_s,
+            None if least is None else least.req_per_s * 0.95,
+            lower_is_better=False,
+            strict=False,
+        )
+    )
+    return tuple(checks)
+
+
+def selected(cfg: WorkloadConfig, traces: Sequence[Trace]) -> tuple[list[Trace], list[PolicySpec]]:
+    return (
+        [t for t in traces if t.name in cfg.traces],
+        [p for p in POLICIES if p.label in cfg.policies],
+    )
+
+
+def run_all(cfg: WorkloadConfig) -> Report:
+    """Every selected trace x policy, each on a fresh cluster; children stopped whatever
+    happens (SIGTERM raises ``KeyboardInterrupt`` here, so every ``finally`` runs)."""
+    started = time.monotonic()
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="routing-workload-") as tmp:
+        setup = prepare(Path(tmp))
+        all_traces = standard_traces(
+            quick=cfg.quick,
+            chars_per_token=setup.chars_per_token,
+            seed=cfg.seed,
+            concurrency=cfg.concurrency,
+        )
+        traces, specs = selected(cfg, all_traces)
+        infos = []
+        runs: list[RunResult] = []
+        for trace in traces:
+            pages = pages_for(trace, cfg, setup.chars_per_token)
+            infos.append(TraceInfo(trace.name, trace.description, trace.requests, pages))
+            for spec in specs:
+                reason = setup.unavailable(spec)
+                if reason is None:
+                    result = run_one(cfg, setup, trace, spec, pages)
+                else:
+                    base = RunResult(trace.name, spec.label, spec.router, spec.client, pages, 0)
+                    result = replace(base, requests=trace.requests, not_run=f"skipped: {reason}")
+                runs.append(result)
+                _progress(len(runs), len(traces) * len(specs), result, time.monotonic() - started)
+    return Report(
+        cfg,
+        "testkit tokenizer",
+        setup.chars_per_token,
+        tuple(infos),
+        tuple(runs),
+        check_targets(runs),
+        time.monotonic() - started,
+    )
+
+
+def _fmt(value: float | None, spec: str = ".1f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+HEADER = (
+    "trace",
+    "router",
+    "policy",
+    "client",
+    "n",
+    "err",
+    "TTFT p50",
+    "p99",
+    "e2e p50",
+    "p99",
+    "req/s",
+    "hit %",
+    "P skew",
+    "CPU ms/req",
+    "decide p50 us",
+    "p99 us",
+    "tokenize p50 us",
+)
+
+
+def _cells(run: RunResult) -> list[str]:
+    head = [run.trace, run.router, run.policy, run.client]
+    if run.not_run is not None:
+        return [*head, "-", "-", *(["-"] * (len(HEADER) - 6))]
+    decision = run.decision_us or (None, None)
+    return [
+        *head,
+        str(run.completed),
+        str(run.errors),
+        f"{run.ttft_ms.p50:.1f}",
+        f"{run.ttft_ms.p99:.1f}",
+        f"{run.e2e_ms.p50:.1f}",
+        f"{run.e2e_ms.p99:.1f}",
+        f"{run.req_per_s:.1f}",
+        _fmt(None if run.hit_ratio is None else run.hit_ratio * 100),
+        _fmt(run.prefill_skew, ".2f"),
+        _fmt(run.router_cpu_ms_per_req, ".2f"),
+        _fmt(decision[0]),
+        _fmt(decision[1]),
+        _fmt(run.tokenize_us_p50),
+    ]
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [rows[0], ["-" * w for w in widths], *rows[1:]]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if i < 4 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in lines
+    )
+
+
+def render(report: Report) -> str:
+    """The one table, its legend, the targets and what did not run."""
+    cfg = report.config
+    head = [
+        f"routing_workload{' --quick' if cfg.quick else ''}: pd-cluster {cfg.prefills}P"
+        f"{cfg.decodes}D --engine sglang, fresh cluster per run; pd-worker "
+        f"--compute-s-per-token {cfg.compute_s_per_token:g} (uncached tokens) "
+        f"--decode-s-per-token {cfg.decode_s_per_token:g} --page-size {cfg.page_size}; "
+        f"{report.tokenizer} ({report.chars_per_token:.2f} chars/token); streaming, "
+        f"{cfg.concurrency} concurrent sessions; {LOOPBACK}; {report.wall_s:.0f} s in all",
+        *(
+            f"  {t.name}: {t.description}; {t.requests} requests; --pages {t.pages}"
+            for t in report.traces
+        ),
+    ]
+    table = _table([list(HEADER), *(_cells(run) for run in report.runs)])
+    legend = (
+        "times in ms unless marked; hit % = engines' cached / prompt tokens over the run; P skew "
+        "= the busiest prefill's computed (uncached) tokens / the mean (1.00: even); CPU = "
+        "router process tree; decide/tokenize = our router's histograms (n/a: not reported). "
+        f"Clients: ours '{POOLED}'; sglang-router '{FRESH}' (it stalls ~44 ms per request on "
+        "a reused connection: no TCP_NODELAY)."
+    )
+    targets = [
+        f"  {t.verdict:4}  {t.description}: {_fmt(t.value)} vs {_fmt(t.bound)}"
+        for t in report.targets
+    ]
+    notes = [
+        f"  {run.trace} x {run.policy}: {line}"
+        for run in report.runs
+        for line in (
+            ([run.not_run.splitlines()[0]] if run.not_run else [])
+            + list(run.error_samples)
+            + (
+                [f"{run.skipped_requests} requests not started by the deadline"]
+                if run.skipped_requests > 0
+                else []
+            )
+        )
+    ]
+    return "\n".join(
+        [
+            *head,
+            "",
+            table,
+            "",
+            legend,
+            "",
+            "targets:",
+            *targets,
+            *(["", "notes:", *notes] if notes else []),
+        ]
+    )
+
+
+def write_json(report: Report, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(report, enc_hook=str)))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> WorkloadConfig:
+    parser = argparse.ArgumentParser(
+        prog="bench.routing.workload", description=(__doc__ or "").split("\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller traces (~3 minutes)")
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    parser.add_argument(
+        "--policies",
+        default=",".join(p.label for p in POLICIES),
+        help="comma-separated subset of: " + ", ".join(p.label for p in POLICIES),
+    )
+    parser.add_argument(
+        "--traces",
+        default=",".join(TRACE_NAMES),
+        help="comma-separated subset of: " + ", ".join(TRACE_NAMES),
+    )
+    parser.add_argument(
+        "--compute-s-per-token", type=float, default=WorkloadConfig.compute_s_per_token
+    )
+    parser.add_argument(
+        "--decode-s-per-token", type=float, default=WorkloadConfig.decode_s_per_token
+    )
+    parser.add_argument("--concurrency", type=int, default=WorkloadConfig.concurrency)
+    parser.add_argument(
+        "--run-deadline", type=float, help="seconds of load per run (default 120, --quick 40)"
+    )
+    parser.add_argument("--seed", type=int, default=WorkloadConfig.seed)
+    args = parser.parse_args(argv)
+    policies = tuple(p for p in args.policies.split(",") if p)
+    traces = tuple(t for t in args.traces.split(",") if t)
+    unknown = (set(policies) - {p.label for p in POLICIES}) | (set(traces) - set(TRACE_NAMES))
+    if unknown:
+        parser.error(f"unknown policy or trace: {', '.join(sorted(unknown))}")
+    if args.concurrency < 1:
+        parser.error("--concurrency needs a value >= 1")
+    deadline = args.run_deadline or (40.0 if args.quick else WorkloadConfig.run_deadline_s)
+    return WorkloadConfig(
+        quick=args.quick,
+        compute_s_per_token=args.compute_s_per_token,
+        decode_s_per_token=args.decode_s_per_token,
+        concurrency=args.concurrency,
+        run_deadline_s=deadline,
+        seed=args.seed,
+        policies=policies,
+        traces=traces,
+        json_path=args.json,
+    )
+
+
+def failed(report: Report) -> bool:
+    """A run failed to start, a request failed, or a target is FAIL."""
+    return any(run.failed or run.errors for run in report.runs) or any(
+        t.passed is False for t in report.targets
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    try:
+        report = run_all(cfg)
+    except KeyboardInterrupt:
+        raise SystemExit("routing_workload: interrupted (every child was stopped)") from None
+    print(render(report), flush=True)
+    if cfg.json_path is not None:
+        write_json(report, cfg.json_path)
+    if failed(report):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
