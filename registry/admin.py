@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import secrets
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
@@ -204,8 +204,23 @@ def admin_routes(
         route_class=_AdminRoute,
         responses=ADMIN_RESPONSES,
     )
-    # Depends() as defaults: these names are local, so string annotations could not resolve them.
-    service_dep, view_dep = Depends(service_of), Depends(view_of)
+    deps = _Deps(Depends(service_of), Depends(view_of))
+    _worker_routes(router, deps, max_body_bytes)
+    _lease_and_layout_routes(router, deps)
+    return router
+
+
+class _Deps(NamedTuple):
+    """The admin routes' dependencies (``Depends`` objects used as parameter defaults: the
+    routes are local functions, so string annotations could not resolve them)."""
+
+    service: Any
+    view: Any
+
+
+def _worker_routes(router: APIRouter, deps: _Deps, max_body_bytes: int) -> None:
+    """List, add, remove and drain workers."""
+    service_dep, view_dep = deps
 
     async def get_record(worker_id: str, service: RegistryService = service_dep) -> WorkerRecord:
         record = await service.get_worker(worker_id)
@@ -257,6 +272,11 @@ def admin_routes(
     ) -> dict[str, Any]:
         return _describe(await service.drain(record.id), view)
 
+
+def _lease_and_layout_routes(router: APIRouter, deps: _Deps) -> None:
+    """A self-registered worker's heartbeat, and the prefills' DP layouts."""
+    service_dep, view_dep = deps
+
     @router.post("/workers/{worker_id}/heartbeat", responses=_UNKNOWN_WORKER)
     async def heartbeat(worker_id: str, service: RegistryService = service_dep) -> dict[str, Any]:
         """Renew a self-registered worker's lease; 404 once it expired (register again)."""
@@ -270,8 +290,6 @@ def admin_routes(
     ) -> dict[str, Any]:
         prefills = [r for r in await service.list_workers() if r.role == "prefill"]
         return {"prefill": [_layout_of(r, view) for r in prefills]}
-
-    return router
 
 
 def _layout_of(record: WorkerRecord, view: LiveView | None) -> dict[str, Any]:

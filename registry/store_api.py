@@ -146,6 +146,13 @@ def store_routes(
 
     # Depends() as a default: this name is local, so a string annotation could not resolve it.
     store_dep = Depends(store)
+    _value_routes(router, store_dep, max_body_bytes)
+    _listing_routes(router, store_dep, keepalive_s)
+    return router
+
+
+def _value_routes(router: APIRouter, store_dep: Any, max_body_bytes: int) -> None:
+    """Get, put, refresh and delete one key."""
 
     @router.get("/keys/{key:path}", response_class=Response, responses=_GET_VALUE_RESPONSES)
     async def get_value(key: str, store: RegistryStore = store_dep) -> Response:
@@ -183,6 +190,10 @@ def store_routes(
         with _unavailable_is_503():
             return {"deleted": await store.delete(key)}
 
+
+def _listing_routes(router: APIRouter, store_dep: Any, keepalive_s: float) -> None:
+    """List the keys under a prefix, and watch them change (NDJSON)."""
+
     @router.get("/list")
     async def list_values(prefix: str = "", store: RegistryStore = store_dep) -> dict[str, str]:
         with _unavailable_is_503():
@@ -196,5 +207,3 @@ def store_routes(
             media_type="application/x-ndjson",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
-
-    return router

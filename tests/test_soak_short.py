@@ -1,5 +1,4 @@
-"""The fault-matrix soak's short version (``python -m bench.soak.main --short``), in the default
-suite.
+"""The fault-matrix soak's short version (``python -m bench.soak --short``), in the default suite.
 
 A real ``pd-cluster`` 2P2D (SGLang protocol, ``--restart-workers``, workers with ``--fault-api``)
 takes ~300 mixed requests (stream or not, chat or completions) while a compressed schedule
@@ -34,7 +33,7 @@ FAULTS = {
 def test_short_soak_every_request_ends_cleanly_and_every_fault_recovers(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     run = subprocess.run(
-        [sys.executable, "-m", "bench.soak.main", "--short", "--json", str(out)],
+        [sys.executable, "-m", "bench.soak", "--short", "--json", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,1 +1,1 @@
-"""TODO."""
+"""Shared harness: children, health waits, Prometheus, CPU time, pd-cluster, CLI, stats, tables."""

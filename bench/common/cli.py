@@ -1,4 +1,5 @@
-"""Command-line pieces the benchmarks share."""
+"""Command-line pieces the benchmarks share: argument types, SIGTERM as an exception, the exit
+status of a failed or interrupted run, the report printed and written as JSON."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
-__all__ = ["positive_ints", "sigterm_raises"]
+import msgspec
+
+from bench.common.process import BenchError
+
+__all__ = ["exit_on_failure", "finish", "positive_ints", "sigterm_raises", "write_json"]
 
 
 def positive_ints(text: str) -> tuple[int, ...]:
@@ -42,3 +48,30 @@ def sigterm_raises(
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def exit_on_failure(prog: str, stopped: str = "every process was stopped") -> Iterator[None]:
+    """A ``BenchError`` or an interrupt in the block exits with a one-line message (status 1):
+    ``PROG: the error`` or ``PROG: interrupted (STOPPED)``."""
+    try:
+        yield
+    except BenchError as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
+    except KeyboardInterrupt:
+        raise SystemExit(f"{prog}: interrupted ({stopped})") from None
+
+
+def write_json(report: object, path: Path) -> None:
+    """``report`` (dataclasses, msgspec structs; anything else as ``str``) as indented JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(report, enc_hook=str)))
+
+
+def finish(text: str, report: object, json_path: Path | None, failed: bool) -> None:
+    """Print ``text``, write ``report`` to ``json_path`` (when given) and exit 1 when ``failed``."""
+    print(text, flush=True)
+    if json_path is not None:
+        write_json(report, json_path)
+    if failed:
+        raise SystemExit(1)

@@ -1,10 +1,12 @@
+"""CPU-time accounting of local processes, read from Linux ``/proc``.
+
+A process's CPU time is utime + stime from ``/proc/<pid>/stat``, plus cutime + cstime (children
+it has already reaped), plus the same for every live descendant, so a server that forks workers
+is charged for all of them. Values are in seconds.
+"""
+
 from __future__ import annotations
 
-# CPU-time accounting for local processes, read from Linux /proc.
-#
-# A process's CPU time is utime + stime from /proc/<pid>/stat, plus cutime + cstime (children it
-# has already reaped), plus the same for every live descendant, so a server that forks workers is
-# charged for all of them. Values are in seconds.
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path

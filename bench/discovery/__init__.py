@@ -1,1 +1,1 @@
-"""TODO."""
+"""The registry: per-request worker selection, watch propagation, registration throughput."""

@@ -31,15 +31,17 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI
 
 from bench.common.cli import sigterm_raises
+from bench.common.process import LOOPBACK
+from bench.common.server import serve
+from bench.common.stats import nearest_rank
 from registry.backends import RegistryStore, WatchEvent, open_store
 from registry.engine_api import RankTables, RegisterWorkerPayload, vllm_routes
 from registry.errors import Conflict, RegistryUnavailable
@@ -56,9 +58,8 @@ from router.upstream.lean_pool import LeanPoolTransport
 from router.workers import Role, Worker
 from testkit.etcd_server import EtcdMissing, EtcdServer
 
-__all__ = ["BenchConfig", "Run", "main", "percentile", "render_table", "run_bench"]
+__all__ = ["BenchConfig", "Run", "main", "render_table", "run_bench"]
 
-LOOPBACK = "127.0.0.1"
 ETCD_PREFIX = "/pdr-bench"
 SELECT_BATCH = 1000
 SELECT_WARMUP = 2000
@@ -102,15 +103,7 @@ class Run:
         return self.ops / self.elapsed_s if self.elapsed_s > 0 else math.nan
 
     def p(self, q: float) -> float:
-        return percentile(self.latencies_s, q)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
+        return nearest_rank(self.latencies_s, q)
 
 
 # --- formatting ------------------------------------------------------------------------------
@@ -551,47 +544,6 @@ async def measure_vllm_inprocess(config: BenchConfig, cap_s: float) -> Run:
 def _with_stored(run: Run, stored: int) -> Run:
     note = f"{stored} stored"
     return replace(run, note=f"{run.note}; {note}" if run.note else note)
-
-
-class _QuietServer(uvicorn.Server):
-    """Leaves signal handling alone: Ctrl-C reaches asyncio.run and every finally runs."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
-@contextlib.asynccontextmanager
-async def serve(
-    app: FastAPI, start_timeout: float = 10.0, *, lifespan: Literal["on", "off"] = "off"
-) -> AsyncIterator[int]:
-    """Run ``app`` on uvicorn at 127.0.0.1 (an OS-chosen port) on this event loop; yields the
-    port, stops the server on exit (forced after ``STOP_GRACE_S``)."""
-    config = uvicorn.Config(
-        app,
-        host=LOOPBACK,
-        port=0,
-        lifespan=lifespan,
-        log_config=None,
-        log_level="warning",
-        access_log=False,
-    )
-    server = _QuietServer(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        async with asyncio.timeout(start_timeout):
-            while not server.started:
-                if task.done():
-                    await task
-                    raise RuntimeError("uvicorn stopped during start-up")
-                await asyncio.sleep(0.005)
-        yield int(server.servers[0].sockets[0].getsockname()[1])
-    finally:
-        server.should_exit = True
-        done, _ = await asyncio.wait([task], timeout=STOP_GRACE_S)
-        if not done:
-            server.force_exit = True
-            await asyncio.wait([task], timeout=STOP_GRACE_S)
 
 
 async def _warm_up(client: httpx.AsyncClient, connections: int) -> None:

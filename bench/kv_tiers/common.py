@@ -1,28 +1,26 @@
-"""What the tiered-KV benchmark's parts share (``bench.kv_tiers.main``): the pd-cluster command line
-with the worker's ``--hicache-*`` flags, a started cluster, and the worker's tier counters.
+"""What the tiered-KV benchmark's parts share (``bench.kv_tiers``): the pd-cluster command line
+with the worker's ``--hicache-*`` flags, and the worker's tier counters.
 
 The counters are the worker's own (``worker.hicache.metrics``):
-``pd_worker_hicache_hit_tokens_total``
-per ``tier`` (``GPU`` = L1, ``CPU_PINNED`` = L2, ``DISK`` = L3), the L2 -> L1 loads, the L3
-prefetches and backups, the corrupt pages, and the SGLang prefix-cache counters
-(``sglang:cached_tokens_total`` / ``sglang:prompt_tokens_total``), summed over the workers
-scraped. They are how every TTFT row is confirmed to have been served from the tier it claims.
+``pd_worker_hicache_hit_tokens_total`` per ``tier`` (``GPU`` = L1, ``CPU_PINNED`` = L2, ``DISK`` =
+L3), the L2 -> L1 loads, the L3 prefetches and backups, the corrupt pages, and the SGLang
+prefix-cache counters (``sglang:cached_tokens_total`` / ``sglang:prompt_tokens_total``), summed
+over the workers scraped. They are how every TTFT row is confirmed to have been served from the
+tier it claims.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.load.cluster_ttft import BenchError, Child, wait_health
-from bench.routing.workload import Cluster, router_pid
+from bench.common.cluster import cluster_argv
+from bench.common.prometheus import samples
+from bench.common.prometheus import scrape as scrape_metrics
 
 __all__ = [
     "GPU",
@@ -36,7 +34,6 @@ __all__ = [
     "parse_counters",
     "scrape",
     "settle",
-    "started",
 ]
 
 GPU, CPU_PINNED, DISK = "GPU", "CPU_PINNED", "DISK"
@@ -114,53 +111,18 @@ def cluster_command(
     """``python -m worker.cluster`` (SGLang protocol) with ``router_flags`` each passed as
     ``--router-arg=FLAG``, and ``worker_flags`` for every worker after ``--``."""
     router = ["--health-interval", "0.5", "--log-level", "warning", *router_flags]
-    argv = [
-        sys.executable,
-        "-m",
-        "worker.cluster",
-        "--prefill",
-        str(prefills),
-        "--decode",
-        str(decodes),
-        "--port",
-        str(port),
-        "--engine",
-        "sglang",
-        "--ready-timeout",
-        str(ready_timeout_s),
-        *(f"--router-arg={flag}" for flag in router),
-        *cluster_flags,
-    ]
+    flags = [*(f"--router-arg={flag}" for flag in router), *cluster_flags]
     if storage_dir is not None:
-        argv += ["--hicache-storage-dir", str(storage_dir)]
-    return [*argv, "--", *worker_flags]
-
-
-def _layout(url: str) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], str]:
-    with httpx.Client(timeout=5.0) as client:
-        ready = client.get(f"{url}/ready").raise_for_status().json()
-        models = client.get(f"{url}/v1/models").raise_for_status().json()
-    prefills = tuple((str(w["url"]), int(w["bootstrap_port"])) for w in ready["prefill"])
-    return prefills, tuple(str(w["url"]) for w in ready["decode"]), str(models["data"][0]["id"])
-
-
-@contextlib.contextmanager
-def started(argv: list[str], ready_timeout_s: float) -> Iterator[Cluster]:
-    """pd-cluster started from ``argv``, serving; its whole process tree stopped on the way out
-    (SIGTERM to its group, SIGKILL after a grace period, then whatever it left)."""
-    child = Child(argv)
-    try:
-        url = child.wait_ready_line(ready_timeout_s + 10.0)
-        child.note_descendants()
-        try:
-            prefills, decodes, model = _layout(url)
-        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
-            raise BenchError(child.describe(f"no worker layout from /ready: {exc}")) from exc
-        for worker in [*(prefill for prefill, _port in prefills), *decodes]:
-            wait_health(child, worker, ready_timeout_s)  # /ready needs one of each, not all
-        yield Cluster(child, url, prefills, decodes, model, router_pid(child.proc.pid))
-    finally:
-        child.stop()
+        flags += ["--hicache-storage-dir", str(storage_dir)]
+    return cluster_argv(
+        prefills=prefills,
+        decodes=decodes,
+        port=port,
+        engine="sglang",
+        ready_timeout_s=ready_timeout_s,
+        flags=flags,
+        worker_args=worker_flags,
+    )
 
 
 # --- counters ----------------------------------------------------------------------------------
@@ -221,18 +183,16 @@ def parse_counters(text: str) -> TierCounters:
     backups: dict[str, float] = {}
     totals: dict[str, float] = {}
     tiered = False
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name, value = sample.name, float(sample.value)
-            tiered = tiered or name.startswith(_P)
-            if name == f"{_P}hit_tokens_total":
-                tier = sample.labels.get("tier", "")
-                hits[tier] = hits.get(tier, 0.0) + value
-            elif name == f"{_P}backup_pages_total":
-                tier = sample.labels.get("tier", "")
-                backups[tier] = backups.get(tier, 0.0) + value
-            else:
-                totals[name] = totals.get(name, 0.0) + value
+    for name, labels, value in samples(text):
+        tiered = tiered or name.startswith(_P)
+        if name == f"{_P}hit_tokens_total":
+            tier = labels.get("tier", "")
+            hits[tier] = hits.get(tier, 0.0) + value
+        elif name == f"{_P}backup_pages_total":
+            tier = labels.get("tier", "")
+            backups[tier] = backups.get(tier, 0.0) + value
+        else:
+            totals[name] = totals.get(name, 0.0) + value
     return TierCounters(
         hits=hits,
         load_pages=totals.get(f"{_P}load_pages_total", 0.0),
@@ -249,12 +209,7 @@ def scrape(client: httpx.Client, urls: Sequence[str]) -> TierCounters:
     """The workers' counters, summed; ``BenchError`` when one does not answer."""
     total = TierCounters()
     for url in urls:
-        try:
-            response = client.get(f"{url}/metrics")
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
-            raise BenchError(f"{url}/metrics: {exc}") from exc
-        total = total + parse_counters(response.text)
+        total = total + parse_counters(scrape_metrics(client, url))
     return total
 
 

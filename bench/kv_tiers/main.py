@@ -1,6 +1,6 @@
 """The tiered KV cache (pd-worker ``--hicache-*``) measured: tier TTFT, a workload, storage speed.
 
-    python -m bench.kv_tiers.main [--quick] [--json PATH] [--parts ttft,workload,storage]
+    python -m bench.kv_tiers [--quick] [--json PATH] [--parts ttft,workload,storage]
 
 Three parts, printed in order (their modules' docstrings say exactly what each does):
 
@@ -9,16 +9,16 @@ Three parts, printed in order (their modules' docstrings say exactly what each d
    prefill's own ``pd_worker_hicache_hit_tokens_total{tier}``; L2/L3 with layer-by-layer
    loading on and off; each tier's ratio to recompute, and the router tier weights they imply,
    ``weight = 1 - (TTFT_tier - TTFT_L1) / (TTFT_recompute - TTFT_L1)`` (paired per repeat),
-   clipped to [0, 1],
-   printed as ``--cache-tier-weights``;
+   clipped to [0, 1], printed as ``--cache-tier-weights``;
 2. ``bench.kv_tiers.workload``: the multi-turn chat trace through ``pd-cluster`` 2P1D
    (``cache_aware`` prefill routing, given part 1's weights) with device pools far below the
    working set, without tiers and with L2 + L3: TTFT p50/p99, req/s, hit tokens per tier;
 3. ``bench.kv_tiers.storage``: the directory store's prefetch throughput against the disk's
    raw sequential read (target >= 70%), cold and warm, and the checksum's share.
 
-``bench.kv_tiers.common`` (cluster, counters), ``bench.kv_tiers.rows`` (the TTFT rows, their
-confirmation, the weights) and ``bench.kv_tiers.report`` (the tables) are shared pieces.
+``bench.kv_tiers.common`` (the pd-cluster command line, the counters), ``bench.kv_tiers.rows``
+(the TTFT rows, their confirmation, the weights) and ``bench.kv_tiers.report`` (the tables) are
+shared pieces.
 
 Every run is bounded (repeats, a deadline for part 1, per-request timeouts, a load deadline)
 and every child is stopped (SIGTERM to its process group, SIGKILL after a grace period, then
@@ -35,16 +35,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-
-from bench.common.cli import sigterm_raises
+from bench.common.cli import exit_on_failure, finish, sigterm_raises, write_json
 from bench.kv_tiers.common import TierShape
 from bench.kv_tiers.report import render_storage, render_ttft, render_workload
 from bench.kv_tiers.storage import StorageConfig, StorageResult, run_storage
 from bench.kv_tiers.ttft import TierTTFTConfig, TierTTFTResult, run_tier_ttft
 from bench.kv_tiers.workload import TierWorkloadConfig, WorkloadResult, run_workload
 
-__all__ = ["PARTS", "Config", "Report", "failed", "main", "parse_args", "render", "run_all"]
+__all__ = [
+    "PARTS",
+    "Config",
+    "Report",
+    "failed",
+    "main",
+    "parse_args",
+    "render",
+    "run_all",
+    "write_json",
+]
 
 PARTS = ("ttft", "workload", "storage")
 
@@ -100,11 +108,6 @@ def render(report: Report) -> str:
     return "\n".join(lines).rstrip()
 
 
-def write_json(report: Report, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(report, enc_hook=str)))
-
-
 def failed(report: Report) -> bool:
     """A part could not run, a request failed, or a TTFT sample was not confirmed."""
     bad = False
@@ -119,7 +122,7 @@ def failed(report: Report) -> bool:
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     parser = argparse.ArgumentParser(
-        prog="bench.kv_tiers.main", description=(__doc__ or "").split("\n")[0]
+        prog="bench.kv_tiers", description=(__doc__ or "").split("\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
@@ -159,15 +162,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
-    try:
+    with exit_on_failure("kv_tiers", "every child was stopped"):
         report = run_all(cfg)
-    except KeyboardInterrupt:
-        raise SystemExit("kv_tiers: interrupted (every child was stopped)") from None
-    print(render(report), flush=True)
-    if cfg.json_path is not None:
-        write_json(report, cfg.json_path)
-    if failed(report):
-        raise SystemExit(1)
+    finish(render(report), report, cfg.json_path, failed(report))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
-"""The printed tables of ``bench.kv_tiers.main``: one renderer per part."""
+"""The printed tables of ``bench.kv_tiers``: one renderer per part."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+from bench.common.table import or_na, text_table
 from bench.kv_tiers.common import CPU_PINNED, DISK, TIERS
 from bench.kv_tiers.storage import StorageResult
 from bench.kv_tiers.ttft import TierTTFTResult
@@ -13,25 +12,9 @@ from worker.hicache.fetch import PREFETCH_DEPTH
 __all__ = ["render_storage", "render_ttft", "render_workload"]
 
 
-def _table(rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [rows[0], ["-" * w for w in widths], *rows[1:]]
-    return [
-        "  ".join(
-            cell.ljust(w) if i < left else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
-        ).rstrip()
-        for line in lines
-    ]
-
-
 def _head(text: str, count: int = 16) -> list[str]:
     """The first ``count`` lines of an error (a failed cluster's carries its last output)."""
     return text.splitlines()[:count]
-
-
-def _f(value: float | None, spec: str = ".1f") -> str:
-    return "n/a" if value is None else format(value, spec)
 
 
 def render_ttft(result: TierTTFTResult) -> list[str]:
@@ -70,14 +53,14 @@ def render_ttft(result: TierTTFTResult) -> list[str]:
                 row.label,
                 "on" if row.layerwise else "off",
                 str(n),
-                _f(p50),
-                _f(ratio, ".3f"),
-                _f(row.over_l1_ms_p50),
+                or_na(p50),
+                or_na(ratio, ".3f"),
+                or_na(row.over_l1_ms_p50),
                 f"{tier}: {row.confirmed}/{n} confirmed",
                 *(f"{mean[t]:.0f}" for t in TIERS),
             ]
         )
-    lines = [head, "", *_table(rows), ""]
+    lines = [head, "", *text_table(rows, left=1, strip=True), ""]
     lines.append(
         "vs recompute: TTFT p50 / the same cluster's recompute p50; over L1: median of TTFT "
         "minus the same repeat's L1 TTFT (paired, drift-free); GPU/CPU_PINNED/DISK: mean hit "
@@ -139,14 +122,14 @@ def render_workload(result: WorkloadResult) -> list[str]:
                 f"{res.ttft_ms.p50:.1f}",
                 f"{res.ttft_ms.p99:.1f}",
                 f"{res.req_per_s:.2f}",
-                _f(None if res.hit_ratio is None else res.hit_ratio * 100),
+                or_na(None if res.hit_ratio is None else res.hit_ratio * 100),
                 *(f"{run.tier_hits.get(t, 0.0):.0f}" for t in TIERS),
                 f"{run.prompt_tokens:.0f}",
                 f"{run.l3_written_mib:.0f}",
                 f"{run.l3_read_mib:.0f}",
             ]
         )
-    lines = [head, "", *_table(rows), ""]
+    lines = [head, "", *text_table(rows, left=1, strip=True), ""]
     plain, tiered = (run.result for run in result.runs)
     if plain.completed and tiered.completed and tiered.ttft_ms.p50 and plain.req_per_s:
         lines.append(
@@ -187,4 +170,4 @@ def render_storage(result: StorageResult) -> list[str]:
         raw = speeds["raw warm" if "warm" in name else "raw cold"]
         rows.append([name, f"{speeds[name]:.0f}", f"{speeds[name] / raw:.0%}"])
     rows.append(["CRC-32 checksum alone (in memory)", f"{speeds['checksum']:.0f}", ""])
-    return [head, "", *_table(rows), "", result.verdict]
+    return [head, "", *text_table(rows, left=1, strip=True), "", result.verdict]

@@ -1,5 +1,4 @@
-"""The rows of ``bench.kv_tiers.main``' tier TTFT table (``bench.kv_tiers.ttft``): the samples, how
-a
+"""The rows of ``bench.kv_tiers``' tier TTFT table (``bench.kv_tiers.ttft``): the samples, how a
 sample is confirmed served from its tier by the worker's counters, and the router tier weights
 the rows imply."""
 

@@ -1,23 +1,21 @@
-"""Part 3 of ``bench.kv_tiers.main``: prefetch throughput of the directory page store against the
+"""Part 3 of ``bench.kv_tiers``: prefetch throughput of the directory page store against the
 disk's raw sequential read speed, measured in the same run on the same filesystem.
 
 * prefetch: ``N`` pages (``page_bytes`` each) are put into a ``DirectoryPageStore`` (batches of
   ``worker.hicache.storage_tier.BATCH_PAGES``, as the L3 writer does), flushed (``os.sync``) and
-  evicted
-  from the page cache (``posix_fadvise(DONTNEED)`` on every page file); then read back the way
-  the controller's prefetch (``worker.hicache.fetch.TierFetch._prefetch_run``) reads them: through
-  ``StorageTier.read`` (the store's verified ``get`` in a worker thread, plus the storage link,
-  uncapped here), ``worker.hicache.fetch.PREFETCH_DEPTH`` reads in flight, in order (the L2 insert
-  that follows each read, a memcpy and a CRC-32, is not included). ``depth 1`` (one read at a
-  time) is shown beside it;
+  evicted from the page cache (``posix_fadvise(DONTNEED)`` on every page file); then read back
+  the way the controller's prefetch (``worker.hicache.fetch.TierFetch._prefetch_run``) reads
+  them: through ``StorageTier.read`` (the store's verified ``get`` in a worker thread, plus the
+  storage link, uncapped here), ``worker.hicache.fetch.PREFETCH_DEPTH`` reads in flight, in order
+  (the L2 insert that follows each read, a memcpy and a CRC-32, is not included). ``depth 1``
+  (one read at a time) is shown beside it;
 * page files, plain read: the same page files, evicted again, each read whole (open, read,
   close) with nothing else: what the one-file-per-page layout costs before any checksum;
 * raw: one file of the same total size, written in 4 MiB chunks, fsynced, evicted the same way,
   read sequentially in 4 MiB chunks (``readinto``);
 * warm: both again without evicting (page-cache speed);
 * checksum: ``worker.hicache.stores.codec.page_checksum`` (CRC-32) alone over the same bytes in
-memory,
-  page by page: the part of a prefetch that is CPU, not disk.
+  memory, page by page: the part of a prefetch that is CPU, not disk.
 
 The target: cold prefetch (the controller's depth) >= 70% of cold raw. When it misses, the
 report says whether the checksum explains it (the prefetch's time without the hash time would

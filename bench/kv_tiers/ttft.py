@@ -1,4 +1,4 @@
-"""Part 1 of ``bench.kv_tiers.main``: TTFT of a long repeated prefix served from L1, L2, L3 and
+"""Part 1 of ``bench.kv_tiers``: TTFT of a long repeated prefix served from L1, L2, L3 and
 recomputed, through ``pd-cluster`` (1 prefill, 1 decode, the router), each row confirmed by the
 prefill's own tier hit counters.
 
@@ -36,6 +36,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.common.cluster import Cluster, started_cluster
+from bench.common.process import BenchError, free_port
 from bench.kv_tiers.common import (
     CPU_PINNED,
     DISK,
@@ -47,12 +49,9 @@ from bench.kv_tiers.common import (
     hicache_flags,
     scrape,
     settle,
-    started,
 )
 from bench.kv_tiers.rows import RECOMPUTE, ROWS, TierRow, TierSample, confirm, tier_weights
-from bench.load.cluster_ttft import BenchError, RequestFailed, one_request
-from bench.load.cluster_ttft import free_port as _free_port
-from bench.routing.workload import Cluster
+from bench.load.cluster_ttft import RequestFailed, one_request
 
 __all__ = [
     "ROWS",
@@ -134,7 +133,7 @@ class _Asker:
         self.errors = errors
 
     def send(self, prompt: str) -> float:
-        if self.cluster.child.proc.poll() is not None:
+        if self.cluster.child.exit_code is not None:
             raise BenchError(self.cluster.child.describe("exited during the benchmark"))
         sample = one_request(
             self.client, self.cluster.url, self.cluster.model, prompt, self.cfg.max_tokens
@@ -198,7 +197,7 @@ def _argv(cfg: TierTTFTConfig, size: Sizes, layerwise: bool, root: Path) -> list
     return cluster_command(
         prefills=1,
         decodes=1,
-        port=_free_port(),
+        port=free_port(),
         ready_timeout_s=cfg.ready_timeout_s,
         worker_flags=_worker_flags(cfg, size, layerwise),
         storage_dir=root,
@@ -220,7 +219,9 @@ def _measure(
         for layerwise in (True, False):
             root = stack.enter_context(tempfile.TemporaryDirectory(prefix="kv-tiers-l3-"))
             argv = _argv(cfg, size, layerwise, Path(root))
-            cluster = stack.enter_context(started(argv, cfg.ready_timeout_s))
+            cluster = stack.enter_context(
+                started_cluster(argv, cfg.ready_timeout_s, every_worker=True)
+            )
             askers[layerwise] = _Asker(cfg, cluster, client, errors)
         rngs = {lw: random.Random(f"kv_tiers:{cfg.seed}:{lw}") for lw in askers}
         deadline = time.monotonic() + cfg.deadline_s

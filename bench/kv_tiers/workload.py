@@ -1,6 +1,5 @@
-"""Part 2 of ``bench.kv_tiers.main``: the multi-turn chat trace
-(``bench.routing.traces.multi_turn``, as
-``bench.routing.workload`` runs it) through ``pd-cluster`` with device pools far below the
+"""Part 2 of ``bench.kv_tiers``: the multi-turn chat trace (``bench.routing.traces.multi_turn``,
+as ``bench.routing.workload`` runs it) through ``pd-cluster`` with device pools far below the
 working set, once without tiers and once with L2 host memory and an L3 file store.
 
 Both runs: a fresh cluster of 2 prefills and 1 decode, SGLang protocol, the router's
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.common.cluster import Cluster, started_cluster
+from bench.common.process import BenchError, free_port
 from bench.kv_tiers.common import (
     DISK,
     GPU,
@@ -39,14 +40,11 @@ from bench.kv_tiers.common import (
     cluster_command,
     hicache_flags,
     scrape,
-    started,
 )
-from bench.load.cluster_ttft import BenchError, free_port
 from bench.routing.traces import Trace, multi_turn
 from bench.routing.workload import (
     POOLED,
     BenchSetup,
-    Cluster,
     RunResult,
     WorkloadConfig,
     drive,
@@ -196,7 +194,10 @@ def _run(
         root = Path(tmp) if host_pages else None
         argv = _argv(cfg, setup, pages, host_pages, root, weights)
         try:
-            with started(argv, cfg.ready_timeout_s) as cluster, httpx.Client(timeout=5.0) as http:
+            with (
+                started_cluster(argv, cfg.ready_timeout_s, every_worker=True) as cluster,
+                httpx.Client(timeout=5.0) as http,
+            ):
                 prefills = [url for url, _port in cluster.prefills]
                 before = take_snapshot(http, prefills, cluster.url, cluster.router_pid)
                 tiers_before = _scrape(cluster, http, prefills)

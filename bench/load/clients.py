@@ -19,6 +19,9 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from bench.common.process import free_port
+from bench.common.ready import wait_http_ok
+
 __all__ = ["main"]
 
 CLIENTS = ("httpx", "httpx-lean", "aiohttp")
@@ -97,21 +100,9 @@ def _child(client: str, url: str, concurrency: int, requests: int, tokens: int) 
     print(f"{us:.1f} {rps:.1f}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_health(url: str) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.05)
-    raise SystemExit(f"fake engine at {url} did not start")
+    if not wait_http_ok(url + "/health", time.monotonic() + 20):
+        raise SystemExit(f"fake engine at {url} did not start")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         _child(args.child, args.url, args.concurrency, args.requests, args.tokens)
         return
-    port = _free_port()
+    port = free_port()
     fake = subprocess.Popen(
         [
             sys.executable,

@@ -1,7 +1,7 @@
 """End-to-end TTFT through ``pd-cluster`` (1 prefill + 1 decode) against a co-located worker.
 
     python -m bench.load.cluster_ttft [--requests 20] [--lengths 1024,4096] [--max-tokens 16]
-                                 [--engine sglang] [--cap 120] [-- PD-WORKER ARGS...]
+                                      [--engine sglang] [--cap 120] [-- PD-WORKER ARGS...]
 
 Two targets, started as subprocesses in the same invocation, both on 127.0.0.1:
 
@@ -28,38 +28,36 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
-import signal
-import socket
 import string
-import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.common.cli import positive_ints, sigterm_raises
-from bench.load.loadgen import Percentiles, percentiles
+from bench.common.cli import exit_on_failure, positive_ints, sigterm_raises
+from bench.common.cluster import cluster_argv, start_cluster
+from bench.common.process import LOOPBACK, BenchError, Child, free_port
+from bench.common.ready import wait_health
+from bench.common.stats import Percentiles, percentiles
+from bench.common.table import text_table
 
-__all__ = ["BenchError", "Sample", "TTFTConfig", "TTFTRow", "main", "render", "run_bench"]
+__all__ = [
+    "RequestFailed",
+    "Sample",
+    "TTFTConfig",
+    "TTFTRow",
+    "main",
+    "one_request",
+    "render",
+    "run_bench",
+]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-LOOPBACK = "127.0.0.1"
-READY = "pd-cluster ready: "
-STOP_GRACE_S = 15.0  # pd-cluster itself gives its children 5 s
 REQUEST_TIMEOUT_S = 120.0
 TARGETS = ("baseline", "cluster")
-
-
-class BenchError(Exception):
-    """A target could not start, or stopped while the benchmark needed it."""
 
 
 class RequestFailed(Exception):
@@ -115,148 +113,18 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-# --- child processes ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
-def _start_time(pid: int) -> str | None:
-    """``pid``'s start time (``/proc/PID/stat`` field 22), None once it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
-
-def _descendants(pid: int) -> dict[int, str]:
-    """``pid``'s live descendants (Linux ``/proc/PID/task/TID/children``) and their start times:
-    a pid is only ever killed while its start time still matches (never a reused pid)."""
-    children: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as listing:
-                children += [int(child) for child in listing.read().split()]
-    found: dict[int, str] = {}
-    for child in children:
-        started = _start_time(child)
-        if started is not None:
-            found[child] = started
-            found.update(_descendants(child))
-    return found
-
-
-def _kill_if_same(pid: int, started: str) -> None:
-    """SIGKILL ``pid``'s process group and ``pid`` if it is still the process seen earlier."""
-    if _start_time(pid) != started:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)  # pd-cluster's children each lead a session of their own
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
-
-
-class Child:
-    """A subprocess in its own session, its output drained by a thread (the last lines kept)."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.argv = argv
-        self.ready_url: str | None = None
-        self.tail: deque[str] = deque(maxlen=40)
-        self.known: dict[int, str] = {}  # descendants seen: pid -> start time
-        self._ready = threading.Event()
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-        )
-        self._drainer = threading.Thread(target=self._drain, daemon=True, name="child-output")
-        self._drainer.start()
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.tail.append(line.rstrip())
-            if line.startswith(READY) and self.ready_url is None:
-                self.ready_url = line[len(READY) :].split()[0]
-                self._ready.set()
-        self.proc.stdout.close()
-        self._ready.set()  # end of output: the process is gone (or closed its stdout)
-
-    def wait_ready_line(self, timeout_s: float) -> str:
-        """The URL of pd-cluster's ready line; ``BenchError`` if it exited or took too long."""
-        if not self._ready.wait(timeout_s) or self.ready_url is None:
-            raise BenchError(self.describe(f"no ready line within {timeout_s:g} s"))
-        return self.ready_url
-
-    def describe(self, problem: str) -> str:
-        status = self.proc.poll()
-        state = "running" if status is None else f"exited with {status}"
-        lines = "\n".join(f"    {line}" for line in self.tail)
-        return f"{self.argv[2]}: {problem} ({state}); last output:\n{lines}"
-
-    def note_descendants(self) -> None:
-        """Remember the processes this child started (found again at ``stop`` if it crashed)."""
-        self.known.update(_descendants(self.proc.pid))
-
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM, SIGKILL after ``grace_s``; then SIGKILL whatever it left behind."""
-        self.note_descendants()
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.note_descendants()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        for pid, started in self.known.items():
-            _kill_if_same(pid, started)
-        self._drainer.join(timeout=2.0)
-
-
-def wait_health(child: Child, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child.proc.poll() is not None:
-            raise BenchError(child.describe("exited during start-up"))
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise BenchError(child.describe(f"/health not 200 within {timeout_s:g} s"))
+# --- targets -----------------------------------------------------------------------------------
 
 
 def _cluster_argv(cfg: TTFTConfig, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "worker.cluster",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--port",
-        str(port),
-        "--engine",
-        cfg.engine,
-        "--ready-timeout",
-        str(cfg.ready_timeout_s),
-        "--",
-        *cfg.worker_args,
-    ]
+    return cluster_argv(
+        prefills=1,
+        decodes=1,
+        port=port,
+        engine=cfg.engine,
+        ready_timeout_s=cfg.ready_timeout_s,
+        worker_args=cfg.worker_args,
+    )
 
 
 def _baseline_argv(cfg: TTFTConfig, port: int) -> list[str]:
@@ -278,18 +146,15 @@ def _baseline_argv(cfg: TTFTConfig, port: int) -> list[str]:
 def _started(cfg: TTFTConfig, target: str) -> Iterator[tuple[Child, str]]:
     """Start ``target``, wait until it serves, yield it and its URL; always stop it."""
     port = free_port()
-    argv = _cluster_argv(cfg, port) if target == "cluster" else _baseline_argv(cfg, port)
-    child = Child(argv)
-    try:
-        if target == "cluster":
-            url = child.wait_ready_line(cfg.ready_timeout_s + 10.0)
-            child.note_descendants()
-        else:
-            url = f"http://{LOOPBACK}:{port}"
-            wait_health(child, url, cfg.ready_timeout_s)
+    if target == "cluster":
+        child, url = start_cluster(_cluster_argv(cfg, port), cfg.ready_timeout_s)
+        with child:
+            yield child, url
+        return
+    url = f"http://{LOOPBACK}:{port}"
+    with Child(_baseline_argv(cfg, port)) as child:
+        wait_health(child, url, cfg.ready_timeout_s)
         yield child, url
-    finally:
-        child.stop()
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -345,7 +210,7 @@ class _Target:
     errors: list[str] = field(default_factory=list)
 
     def send(self, client: httpx.Client, prompt: str, max_tokens: int, record: bool) -> None:
-        if self.child.proc.poll() is not None:
+        if self.child.exit_code is not None:
             raise BenchError(self.child.describe("exited during the benchmark"))
         try:
             sample = one_request(client, self.url, self.model, prompt, max_tokens)
@@ -439,12 +304,7 @@ HEADER = [
 
 def render(cfg: TTFTConfig, rows: Sequence[TTFTRow]) -> str:
     bases = {row.tokens: row for row in rows if row.target == "baseline"}
-    cells = [HEADER, *(_cells(row, bases[row.tokens]) for row in rows)]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(HEADER))]
-    cells.insert(1, ["-" * w for w in widths])
-    table = "\n".join(
-        "  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in cells
-    )
+    table = "\n".join(text_table([HEADER, *(_cells(row, bases[row.tokens]) for row in rows)]))
     args = " ".join(cfg.worker_args) or "(defaults)"
     head = (
         f"cluster_ttft: pd-cluster 1P1D (--engine {cfg.engine}) vs co-located worker "
@@ -509,12 +369,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TTFTConfig:
 
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
-    try:
+    with exit_on_failure("cluster_ttft", "every target was stopped"):
         rows = run_bench(cfg)
-    except BenchError as exc:
-        raise SystemExit(f"cluster_ttft: {exc}") from None
-    except KeyboardInterrupt:
-        raise SystemExit("cluster_ttft: interrupted (every target was stopped)") from None
     print(render(cfg, rows), flush=True)
     if any(row.errors for row in rows):
         raise SystemExit(1)

@@ -1,7 +1,7 @@
 """Local PD cluster demo: fake prefill/decode engines on loopback behind a real ``router``.
 
     python -m bench.load.demo [--engine sglang|vllm-mooncake|vllm-nixl] [--prefill N] [--decode M]
-                         [--port 8000] [--once]
+                              [--port 8000] [--once]
 
 Starts every process, waits for the router's ``/ready``, sends one sample request, prints the
 URL and a ``curl`` to try, and stops everything on Ctrl-C / SIGTERM (``--once``: right away).
@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,26 +22,15 @@ from collections.abc import Iterator
 
 import httpx
 
+from bench.common.process import free_port
+from bench.common.ready import wait_http_ok
+
 __all__ = ["main"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_http(url: str, deadline_s: float, what: str) -> None:
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"demo: {what} did not come up within {deadline_s:.0f}s ({url})")
-        time.sleep(0.05)
+    if not wait_http_ok(url, time.monotonic() + deadline_s):
+        raise SystemExit(f"demo: {what} did not come up within {deadline_s:.0f}s ({url})")
 
 
 @contextlib.contextmanager
@@ -117,11 +105,11 @@ def main(argv: list[str] | None = None) -> None:
             "1",
         ]
         for _ in range(args.prefill):
-            port, boot = _free_port(), _free_port()
+            port, boot = free_port(), free_port()
             procs.append(subprocess.Popen(_fake("prefill", args.engine, port, boot)))
             router_cmd += ["--prefill", f"http://127.0.0.1:{port}", str(boot)]
         for _ in range(args.decode):
-            port = _free_port()
+            port = free_port()
             procs.append(subprocess.Popen(_fake("decode", args.engine, port, None)))
             router_cmd += ["--decode", f"http://127.0.0.1:{port}"]
         procs.append(subprocess.Popen(router_cmd))

@@ -1,11 +1,13 @@
+"""Closed-loop HTTP/1.1 load generator for loopback targets.
+
+Lean by construction: uvloop, one asyncio.Protocol per virtual user over a keep-alive TCP
+connection (TCP_NODELAY), the request bytes built once, and a hand-written incremental response
+parser that inspects body bytes only to time the first SSE event and count events. Run it in its
+own process (``python -m bench.load.loadgen``) so its CPU is not charged to the system under test.
+"""
+
 from __future__ import annotations
 
-# Closed-loop HTTP/1.1 load generator for loopback targets.
-#
-# Lean by construction: uvloop, one asyncio.Protocol per virtual user over a keep-alive TCP
-# connection (TCP_NODELAY), the request bytes built once, and a hand-written incremental response
-# parser that inspects body bytes only to time the first SSE event and count events. Run it in its
-# own process (``python -m bench.load.loadgen``) so its CPU is not charged to the system under test.
 import argparse
 import asyncio
 import contextlib
@@ -24,16 +26,15 @@ import msgspec
 import uvloop
 
 from bench.common.cpu import cpu_delta, cpu_snapshot
+from bench.common.stats import Percentiles, percentiles
 
 __all__ = [
     "LOOPBACK_HOSTS",
     "LoadResult",
-    "Percentiles",
     "ProtocolError",
     "ResponseParser",
     "build_request",
     "completion_body",
-    "percentiles",
     "run_load",
 ]
 
@@ -457,14 +458,6 @@ class _Connection(asyncio.Protocol):
 # ---------------------------------------------------------------------------------------------
 
 
-class Percentiles(msgspec.Struct, frozen=True):
-    """p50/p90/p99 in milliseconds (0 when there were no samples)."""
-
-    p50: float
-    p90: float
-    p99: float
-
-
 class LoadResult(msgspec.Struct, frozen=True):
     """Outcome of one closed-loop measurement (warmup excluded)."""
 
@@ -491,21 +484,6 @@ class LoadResult(msgspec.Struct, frozen=True):
             f"lat p50/p90/p99={lat.p50:.2f}/{lat.p90:.2f}/{lat.p99:.2f}ms "
             f"events/req={self.events_per_request:.1f} loadgen_cpu={cpu_ms:.3f}ms/req"
         )
-
-
-def percentiles(values_s: Sequence[float]) -> Percentiles:
-    """p50/p90/p99 of durations in seconds, in ms, by linear interpolation (numpy's default)."""
-    ordered = sorted(values_s)
-    if not ordered:
-        return Percentiles(0.0, 0.0, 0.0)
-    return Percentiles(*(1000.0 * _quantile(ordered, q) for q in (0.50, 0.90, 0.99)))
-
-
-def _quantile(ordered: Sequence[float], q: float) -> float:
-    rank = q * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @dataclass

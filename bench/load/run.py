@@ -1,26 +1,26 @@
+"""One-command benchmark: a fake decode engine directly vs the router in front of fake engines.
+
+    python -m bench.load.run [--engine sglang] [--concurrency 1,32,128] [--requests 2000]
+                             [--duration 15] [--tokens 16] [--json OUT] [--quick]
+
+Both in the same invocation, on loopback: the router in front of a fake prefill and a fake
+decode engine, and the fake decode alone. Every process (fakes, router, load generator) is a
+subprocess in its own session; all are stopped (SIGTERM, then SIGKILL after a grace period) on
+success, error, Ctrl-C or SIGTERM. The load generator samples the CPU time of the router and the
+engines itself, exactly at the start and end of its measured phase, so warmup and start-up are
+not charged.
+"""
+
 from __future__ import annotations
 
-# One-command benchmark: the fake decode engine directly vs the router in front of fake
-# prefill + decode engines, in the same invocation, on loopback.
-#
-#   python -m bench.load.run [--engine sglang] [--concurrency 1,32,128] [--requests 2000]
-#                       [--duration 15] [--tokens 16] [--json OUT] [--quick]
-#
-# Every process (fakes, router, load generator) is a subprocess in its own session; all are
-# stopped (SIGTERM, then SIGKILL after a grace period) on success, error, Ctrl-C or SIGTERM.
-# The load generator samples the CPU time of the router and the engines itself, exactly at the
-# start and end of its measured phase, so warmup and start-up are not charged.
 import argparse
 import contextlib
-import ctypes
 import datetime
 import json
 import os
 import platform
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,20 +28,27 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import FrameType
-from typing import IO, Any
+from typing import Any
 
 import httpx
 import msgspec
 
-from bench.common.cli import positive_ints
+from bench.common.cli import positive_ints, sigterm_raises
+from bench.common.process import (
+    LOOPBACK,
+    REPO_ROOT,
+    BenchError,
+    Child,
+    free_ports,
+    set_parent_death_signal,
+)
+from bench.common.ready import wait_http_ok
+from bench.common.table import text_table
 from bench.load.loadgen import LoadResult
 
 __all__ = ["BenchConfig", "BenchError", "Report", "main", "run_bench"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINES = ("sglang", "vllm-mooncake", "vllm-nixl")
-LOOPBACK = "127.0.0.1"
 MODEL = "fake-model"
 EVENT_CONCURRENCY = 32
 STOP_GRACE_S = 5.0
@@ -49,17 +56,12 @@ DEFAULT_ROUTER_CMD = (
     "{python} -m router --prefill {prefill_url} {bootstrap_port} --decode {decode_url} "
     "--engine {engine} --policy round_robin --port {router_port} --log-level warning"
 )
-_PR_SET_PDEATHSIG = 1
 
 # Targets, checked in targets().
 TARGET_CPU_MS_PER_REQUEST = 0.5
 TARGET_CPU_US_PER_EVENT = 10.0
 TARGET_RATIO_AT_32 = 0.45
 TARGET_DELTA_P50_MS_AT_1 = 1.0
-
-
-class BenchError(Exception):
-    """The benchmark could not run (a process died, never became ready, or loadgen failed)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,24 +96,9 @@ class Ports:
     router: int
 
 
-def pick_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports (all held open until all are chosen)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind((LOOPBACK, 0))
-        return [sock.getsockname()[1] for sock in socks]
-
-
 # ---------------------------------------------------------------------------------------------
 # Processes
 # ---------------------------------------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: get SIGKILL if the benchmark itself is killed (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _child_env() -> dict[str, str]:
@@ -129,83 +116,35 @@ def _spawn(argv: Sequence[str], **streams: Any) -> subprocess.Popen[bytes]:
         env=_child_env(),
         stdin=subprocess.DEVNULL,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=set_parent_death_signal,
         **streams,
     )
 
 
-class Managed:
-    """A subprocess in its own session, with its output in a log file."""
-
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path) -> None:
-        self.name = name
-        self.argv = list(argv)
-        self.log_path = log_path
-        self._log: IO[bytes] = log_path.open("wb")
-        try:
-            self.popen = _spawn(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
-        except OSError as exc:
-            self._log.close()
-            raise BenchError(f"cannot start {name} ({shlex.join(self.argv)}): {exc}") from exc
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def check_alive(self) -> None:
-        """Raise ``BenchError`` (with the log tail) if the process has exited."""
-        code = self.popen.poll()
-        if code is not None:
-            raise BenchError(f"{self.name} exited with code {code}\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 25) -> str:
-        with contextlib.suppress(OSError):
-            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-            return "\n".join(f"  [{self.name}] {line}" for line in text)
-        return f"  [{self.name}] (no log)"
-
-    def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace`` seconds; always reaps."""
-        try:
-            if self.popen.poll() is None:
-                _signal_group(self.popen.pid, signal.SIGTERM)
-                try:
-                    self.popen.wait(grace)
-                except subprocess.TimeoutExpired:
-                    _signal_group(self.popen.pid, signal.SIGKILL)
-                    self.popen.wait(grace)
-            # Reap any stragglers left in the group (e.g. workers of a killed server).
-            _signal_group(self.popen.pid, signal.SIGKILL)
-        finally:
-            self._log.close()
+def managed(name: str, argv: Sequence[str], log_dir: Path) -> Child:
+    """A process in its own session, its output in ``LOG_DIR/NAME.log``, killed if this process
+    dies; stopped (SIGTERM, SIGKILL after ``STOP_GRACE_S``) on exit from a ``with`` block."""
+    return Child(
+        argv,
+        name=name,
+        log_path=log_dir / f"{name}.log",
+        env=_child_env(),
+        die_with_parent=True,
+        stop_grace_s=STOP_GRACE_S,
+    )
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+def check_alive(proc: Child) -> None:
+    """Raise ``BenchError`` (with the log tail) if the process has exited."""
+    code = proc.exit_code
+    if code is not None:
+        raise BenchError(f"{proc.name} exited with code {code}\n{proc.log_tail()}")
 
 
-@contextlib.contextmanager
-def managed(name: str, argv: Sequence[str], log_dir: Path) -> Iterator[Managed]:
-    """Start a process; stop it on exit from the block, however that happens."""
-    proc = Managed(name, argv, log_dir / f"{name}.log")
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-def wait_http_ok(proc: Managed, url: str, deadline: float) -> None:
+def wait_ready(proc: Child, url: str, deadline: float) -> None:
     """Poll ``url`` until it answers 200; ``BenchError`` if ``proc`` dies or time runs out."""
-    with httpx.Client(timeout=1.0, trust_env=False) as client:
-        while True:
-            proc.check_alive()
-            with contextlib.suppress(httpx.TransportError):
-                if client.get(url).status_code == 200:
-                    return
-            if time.monotonic() >= deadline:
-                raise BenchError(f"{proc.name} not ready at {url} in time\n{proc.log_tail()}")
-            time.sleep(0.05)
+    if not wait_http_ok(url, deadline, alive=lambda: check_alive(proc)):
+        raise BenchError(f"{proc.name} not ready at {url} in time\n{proc.log_tail()}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,9 +155,9 @@ def wait_http_ok(proc: Managed, url: str, deadline: float) -> None:
 @dataclass(frozen=True)
 class Stack:
     ports: Ports
-    prefill: Managed
-    decode: Managed
-    router: Managed
+    prefill: Child
+    decode: Child
+    router: Child
     direct_extra: dict[str, object]  # body fields the fake decode needs to answer directly
 
 
@@ -255,18 +194,18 @@ def router_argv(cfg: BenchConfig, ports: Ports) -> list[str]:
 @contextlib.contextmanager
 def running_stack(cfg: BenchConfig, log_dir: Path) -> Iterator[Stack]:
     """Fake prefill + fake decode + router, all ready; everything stopped on exit."""
-    ports = Ports(*pick_ports(4))
+    ports = Ports(*free_ports(4))
     deadline = time.monotonic() + cfg.startup_timeout
     with contextlib.ExitStack() as stack:
         prefill_cmd = fake_argv("prefill", cfg, ports.prefill, ports.bootstrap)
         prefill = stack.enter_context(managed("prefill", prefill_cmd, log_dir))
         decode_cmd = fake_argv("decode", cfg, ports.decode, None)
         decode = stack.enter_context(managed("decode", decode_cmd, log_dir))
-        wait_http_ok(prefill, f"http://{LOOPBACK}:{ports.prefill}/health", deadline)
-        wait_http_ok(decode, f"http://{LOOPBACK}:{ports.decode}/health", deadline)
+        wait_ready(prefill, f"http://{LOOPBACK}:{ports.prefill}/health", deadline)
+        wait_ready(decode, f"http://{LOOPBACK}:{ports.decode}/health", deadline)
         router = stack.enter_context(managed("router", router_argv(cfg, ports), log_dir))
         ready_url = f"http://{LOOPBACK}:{ports.router}{cfg.router_ready_path}"
-        wait_http_ok(router, ready_url, time.monotonic() + cfg.startup_timeout)
+        wait_ready(router, ready_url, time.monotonic() + cfg.startup_timeout)
         yield Stack(ports, prefill, decode, router, direct_extra(cfg, ports))
 
 
@@ -375,7 +314,7 @@ def measure(cfg: BenchConfig, stack: Stack, spec: RunSpec) -> Measurement:
     budget = cfg.duration + 60.0 + cfg.warmup * spec.concurrency * 0.05
     load = run_loadgen(loadgen_argv(cfg, port, spec, watch, extra), budget)
     for proc in (stack.prefill, stack.decode, stack.router):
-        proc.check_alive()
+        check_alive(proc)
     return Measurement(spec.via, spec.concurrency, spec.tokens, spec.stream, load, _cpu_ms(load))
 
 
@@ -613,13 +552,7 @@ _HEADERS = [
 
 
 def render_table(rows: Sequence[Row]) -> str:
-    cells = [_HEADERS, *(_row_cells(row) for row in rows)]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(_HEADERS))]
-    lines = [
-        "  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in cells
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(text_table([_HEADERS, *(_row_cells(row) for row in rows)]))
 
 
 def _fmt(value: float | None, unit: str) -> str:
@@ -741,10 +674,6 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
     return cfg
 
 
-def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -774,12 +703,12 @@ def _execute(cfg: BenchConfig, log_dir: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="pd-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     code = 130
     try:
-        code = _execute(cfg, log_dir)
+        with sigterm_raises():
+            code = _execute(cfg, log_dir)
     except KeyboardInterrupt:
         _say("bench: interrupted; all processes stopped")
     finally:

@@ -28,7 +28,10 @@ import tracemalloc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from router.kv_cache.index import KVBlockIndex, Location, chain_keys
+from bench.common.stats import nearest_rank
+from router.kv_cache.index import KVBlockIndex
+from router.kv_cache.keys import chain_keys
+from router.kv_cache.slots import Location
 
 __all__ = ["BenchConfig", "Results", "main", "run_bench"]
 
@@ -83,14 +86,6 @@ class Results:
                 self.miss_total_us[1] <= MAX_MATCH_P99_US,
             ),
         ]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
 def _prompt(number: int) -> list[int]:
@@ -167,7 +162,7 @@ def _time_matches(
 
 
 def _p50_p99(seconds: Sequence[float]) -> tuple[float, float]:
-    return percentile(seconds, 50) * 1e6, percentile(seconds, 99) * 1e6
+    return nearest_rank(seconds, 50) * 1e6, nearest_rank(seconds, 99) * 1e6
 
 
 def _sum_each(a: Sequence[float], b: Sequence[float]) -> list[float]:

@@ -59,18 +59,27 @@ from typing import Any, Literal
 
 import httpx
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common.cli import sigterm_raises
-from bench.common.cpu import descendants, tree_cpu_seconds
-from bench.load.cluster_ttft import REPO_ROOT, BenchError, Child, free_port, wait_health
-from bench.load.loadgen import Percentiles, percentiles
+from bench.common.cli import exit_on_failure, finish, sigterm_raises, write_json
+from bench.common.cluster import Cluster, started_cluster
+from bench.common.cluster import cluster_argv as pd_cluster_argv
+from bench.common.cpu import tree_cpu_seconds
+from bench.common.process import LOOPBACK, REPO_ROOT, BenchError, Child, free_port
+from bench.common.prometheus import (
+    bucket_delta,
+    histogram_buckets,
+    histogram_quantile,
+    scrape,
+    totals,
+)
+from bench.common.ready import wait_health, wait_http_ok
+from bench.common.stats import Percentiles, percentiles
+from bench.common.table import or_na, text_table
 from bench.routing.traces import Trace, TraceRequest, sample_text, standard_traces
 from testkit.tokenizer_dir import build_tokenizer_dir
 
 __all__ = [
     "BenchSetup",
-    "Cluster",
     "FRESH",
     "Outcome",
     "POLICIES",
@@ -82,15 +91,12 @@ __all__ = [
     "TargetCheck",
     "TraceInfo",
     "WorkloadConfig",
-    "bucket_delta",
     "check_targets",
     "cluster_argv",
     "prepare",
     "drive",
     "engine_cache_tokens",
     "failed",
-    "histogram_buckets",
-    "histogram_quantile",
     "hit_ratio",
     "main",
     "pages_for",
@@ -101,10 +107,10 @@ __all__ = [
     "run_all",
     "run_one",
     "summarize",
+    "take_snapshot",
     "write_json",
 ]
 
-LOOPBACK = "127.0.0.1"
 PEER_PYTHON = REPO_ROOT / ".venv-peers" / "bin" / "python"
 PEER_MODULE = "sglang_router.launch_router"
 DECISION = "pdr_routing_decision_seconds"
@@ -218,60 +224,14 @@ def pages_for(trace: Trace, cfg: WorkloadConfig, chars_per_token: float) -> int:
 # --- metrics -----------------------------------------------------------------------------------
 
 
-def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            yield sample.name, sample.labels, float(sample.value)
-
-
 def engine_cache_tokens(text: str) -> tuple[float, float] | None:
     """(cached, prompt) prompt-token counters of one engine's ``/metrics``, summed over labels;
     None when it reports neither protocol's counters."""
-    totals: dict[str, float] = {}
-    for name, _labels, value in _samples(text):
-        totals[name] = totals.get(name, 0.0) + value
+    summed = totals(text)
     for cached, prompt in _CACHE_COUNTERS:
-        if cached in totals and prompt in totals:
-            return totals[cached], totals[prompt]
+        if cached in summed and prompt in summed:
+            return summed[cached], summed[prompt]
     return None
-
-
-def histogram_buckets(text: str, name: str) -> dict[float, float] | None:
-    """Cumulative bucket counts (upper bound -> count) of histogram ``name``, summed over its
-    label sets; None when the exposition has no such histogram."""
-    buckets: dict[float, float] = {}
-    for sample, labels, value in _samples(text):
-        if sample == f"{name}_bucket":
-            bound = float(labels["le"])
-            buckets[bound] = buckets.get(bound, 0.0) + value
-    return buckets or None
-
-
-def bucket_delta(
-    before: Mapping[float, float] | None, after: Mapping[float, float]
-) -> dict[float, float]:
-    """``after - before`` per bucket (a missing ``before`` counts as zero)."""
-    base = before or {}
-    return {bound: count - base.get(bound, 0.0) for bound, count in after.items()}
-
-
-def histogram_quantile(buckets: Mapping[float, float], q: float) -> float | None:
-    """The ``q`` quantile of cumulative ``buckets``, interpolated linearly inside its bucket
-    (as Prometheus' ``histogram_quantile``); None without observations. In the ``+Inf`` bucket
-    it is the highest finite bound."""
-    ordered = sorted(buckets.items())
-    total = ordered[-1][1] if ordered else 0.0
-    if total <= 0:
-        return None
-    rank = q * total
-    lower, below = 0.0, 0.0
-    for bound, count in ordered:
-        if count >= rank and count > below:
-            if math.isinf(bound):
-                return lower
-            return lower + (bound - lower) * (rank - below) / (count - below)
-        lower, below = (bound if not math.isinf(bound) else lower), count
-    return lower
 
 
 @dataclass(frozen=True)
@@ -284,11 +244,9 @@ class Snapshot:
     cpu_s: float | None
 
 
-def _text(client: httpx.Client, url: str) -> str | None:
-    with contextlib.suppress(httpx.HTTPError):
-        response = client.get(url)
-        if response.status_code == 200:
-            return response.text
+def _metrics(client: httpx.Client, url: str) -> str | None:
+    with contextlib.suppress(BenchError):
+        return scrape(client, url)
     return None
 
 
@@ -297,7 +255,7 @@ def _engines_cache(
 ) -> tuple[tuple[float, float], ...] | None:
     counts = []
     for url in prefills:
-        text = _text(client, f"{url}/metrics")
+        text = _metrics(client, url)
         count = engine_cache_tokens(text) if text is not None else None
         if count is None:
             return None
@@ -318,7 +276,7 @@ def take_snapshot(
     client: httpx.Client, prefills: Sequence[str], router_url: str | None, cpu_pid: int | None
 ) -> Snapshot:
     """The engines' cache counters, our router's histograms (``router_url``), the CPU time."""
-    router = _text(client, f"{router_url}/metrics") if router_url else None
+    router = _metrics(client, router_url) if router_url else None
     return Snapshot(
         cache=_engines_cache(client, prefills),
         decision=histogram_buckets(router, DECISION) if router else None,
@@ -328,22 +286,6 @@ def take_snapshot(
 
 
 # --- processes ---------------------------------------------------------------------------------
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def router_pid(cluster_pid: int) -> int | None:
-    """The process of pd-cluster's that runs ``python -m router``."""
-    for pid in descendants(cluster_pid):
-        args = _cmdline(pid)
-        if any(a == "-m" and b == "router" for a, b in zip(args, args[1:], strict=False)):
-            return pid
-    return None
 
 
 def worker_args(cfg: WorkloadConfig, setup: BenchSetup, pages: int) -> list[str]:
@@ -384,61 +326,25 @@ def cluster_argv(
         flags += ["--prefill-policy", spec.policy, "--decode-policy", spec.decode_policy]
         if spec.precise:
             flags += ["--tokenizer", str(setup.tokenizer_dir)]
-    return [
-        sys.executable,
-        "-m",
-        "worker.cluster",
-        "--prefill",
-        str(cfg.prefills),
-        "--decode",
-        str(cfg.decodes),
-        "--port",
-        str(port),
-        "--engine",
-        "sglang",
-        "--ready-timeout",
-        str(cfg.ready_timeout_s),
-        *flags,
-        "--",
-        *worker_args(cfg, setup, pages),
-    ]
-
-
-@dataclass(frozen=True)
-class Cluster:
-    child: Child
-    url: str
-    prefills: tuple[tuple[str, int], ...]  # (URL, bootstrap port)
-    decodes: tuple[str, ...]
-    model: str
-    router_pid: int | None
-
-
-def _layout(url: str) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], str]:
-    with httpx.Client(timeout=5.0) as client:
-        ready = client.get(f"{url}/ready").raise_for_status().json()
-        models = client.get(f"{url}/v1/models").raise_for_status().json()
-    prefills = tuple((str(w["url"]), int(w["bootstrap_port"])) for w in ready["prefill"])
-    decodes = tuple(str(w["url"]) for w in ready["decode"])
-    return prefills, decodes, str(models["data"][0]["id"])
+    return pd_cluster_argv(
+        prefills=cfg.prefills,
+        decodes=cfg.decodes,
+        port=port,
+        engine="sglang",
+        ready_timeout_s=cfg.ready_timeout_s,
+        flags=flags,
+        worker_args=worker_args(cfg, setup, pages),
+    )
 
 
 @contextlib.contextmanager
-def started_cluster(
+def started(
     cfg: WorkloadConfig, setup: BenchSetup, spec: PolicySpec, pages: int
 ) -> Iterator[Cluster]:
     """A fresh pd-cluster; stopped (its whole process tree) on the way out."""
-    child = Child(cluster_argv(cfg, setup, spec, pages, free_port()))
-    try:
-        url = child.wait_ready_line(cfg.ready_timeout_s + 10.0)
-        child.note_descendants()
-        try:
-            prefills, decodes, model = _layout(url)
-        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
-            raise BenchError(child.describe(f"no worker layout from /ready: {exc}")) from exc
-        yield Cluster(child, url, prefills, decodes, model, router_pid(child.proc.pid))
-    finally:
-        child.stop()
+    argv = cluster_argv(cfg, setup, spec, pages, free_port())
+    with started_cluster(argv, cfg.ready_timeout_s) as cluster:
+        yield cluster
 
 
 def peer_argv(spec: PolicySpec, cluster: Cluster, port: int, metrics_port: int) -> list[str]:
@@ -470,36 +376,33 @@ def peer_argv(spec: PolicySpec, cluster: Cluster, port: int, metrics_port: int) 
 
 
 @contextlib.contextmanager
-def started_peer(cfg: WorkloadConfig, spec: PolicySpec, cluster: Cluster) -> Iterator[Child]:
-    """sglang-router in front of ``cluster``'s workers, serving; always stopped."""
+def started_peer(
+    cfg: WorkloadConfig, spec: PolicySpec, cluster: Cluster
+) -> Iterator[tuple[Child, str]]:
+    """sglang-router in front of ``cluster``'s workers, serving, and its URL; always stopped."""
     port = free_port()
-    child = Child(peer_argv(spec, cluster, port, free_port()))
-    child.ready_url = f"http://{LOOPBACK}:{port}"
-    try:
-        wait_health(child, child.ready_url, cfg.ready_timeout_s)
-        _wait_workers(child, len(cluster.prefills) + len(cluster.decodes), cfg.ready_timeout_s)
-        yield child
-    finally:
-        child.stop()
+    url = f"http://{LOOPBACK}:{port}"
+    with Child(peer_argv(spec, cluster, port, free_port())) as child:
+        wait_health(child, url, cfg.ready_timeout_s)
+        _wait_workers(child, url, len(cluster.prefills) + len(cluster.decodes), cfg.ready_timeout_s)
+        yield child, url
 
 
-def _healthy_workers(url: str) -> int:
-    with contextlib.suppress(httpx.HTTPError, ValueError):
-        response = httpx.get(f"{url}/readiness", timeout=1.0)
-        if response.status_code == 200:
-            return int(response.json().get("healthy_workers", 0))
-    return 0
-
-
-def _wait_workers(child: Child, expected: int, timeout_s: float) -> None:
+def _wait_workers(child: Child, url: str, expected: int, timeout_s: float) -> None:
     """Until sglang-router's ``/readiness`` counts ``expected`` healthy workers (it registers
     them in the background after it starts serving)."""
-    assert child.ready_url is not None
-    deadline = time.monotonic() + timeout_s
-    while _healthy_workers(child.ready_url) < expected:
-        if child.proc.poll() is not None or time.monotonic() > deadline:
+
+    def enough(response: httpx.Response) -> bool:
+        healthy = response.json().get("healthy_workers", 0) if response.status_code == 200 else 0
+        return int(healthy) >= expected
+
+    def alive() -> None:
+        if child.exit_code is not None:
             raise BenchError(child.describe(f"not {expected} healthy workers in {timeout_s:g} s"))
-        time.sleep(0.1)
+
+    deadline = time.monotonic() + timeout_s
+    if not wait_http_ok(f"{url}/readiness", deadline, alive=alive, accept=enough, interval_s=0.1):
+        raise BenchError(child.describe(f"not {expected} healthy workers in {timeout_s:g} s"))
 
 
 # --- load --------------------------------------------------------------------------------------
@@ -699,12 +602,11 @@ def run_one(
     """``trace`` through ``spec`` on a fresh cluster (a failed start is a failed row)."""
     base = RunResult(trace.name, spec.label, spec.router, spec.client, pages, trace.requests)
     try:
-        with started_cluster(cfg, setup, spec, pages) as cluster:
+        with started(cfg, setup, spec, pages) as cluster:
             if spec.router == "ours":
                 return _measure(cfg, trace, base, cluster, cluster.url, cluster.router_pid)
-            with started_peer(cfg, spec, cluster) as peer:
-                assert peer.ready_url is not None
-                return _measure(cfg, trace, base, cluster, peer.ready_url, peer.proc.pid)
+            with started_peer(cfg, spec, cluster) as (peer, url):
+                return _measure(cfg, trace, base, cluster, url, peer.pid)
     except BenchError as exc:
         return replace(base, not_run=f"failed: {exc}", failed=True)
 
@@ -860,10 +762,6 @@ def run_all(cfg: WorkloadConfig) -> Report:
     )
 
 
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 HEADER = (
     "trace",
     "router",
@@ -899,25 +797,13 @@ def _cells(run: RunResult) -> list[str]:
         f"{run.e2e_ms.p50:.1f}",
         f"{run.e2e_ms.p99:.1f}",
         f"{run.req_per_s:.1f}",
-        _fmt(None if run.hit_ratio is None else run.hit_ratio * 100),
-        _fmt(run.prefill_skew, ".2f"),
-        _fmt(run.router_cpu_ms_per_req, ".2f"),
-        _fmt(decision[0]),
-        _fmt(decision[1]),
-        _fmt(run.tokenize_us_p50),
+        or_na(None if run.hit_ratio is None else run.hit_ratio * 100),
+        or_na(run.prefill_skew, ".2f"),
+        or_na(run.router_cpu_ms_per_req, ".2f"),
+        or_na(decision[0]),
+        or_na(decision[1]),
+        or_na(run.tokenize_us_p50),
     ]
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [rows[0], ["-" * w for w in widths], *rows[1:]]
-    return "\n".join(
-        "  ".join(
-            cell.ljust(w) if i < 4 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
-        ).rstrip()
-        for line in lines
-    )
 
 
 def render(report: Report) -> str:
@@ -935,7 +821,9 @@ def render(report: Report) -> str:
             for t in report.traces
         ),
     ]
-    table = _table([list(HEADER), *(_cells(run) for run in report.runs)])
+    table = "\n".join(
+        text_table([list(HEADER), *(_cells(run) for run in report.runs)], left=4, strip=True)
+    )
     legend = (
         "times in ms unless marked; hit % = engines' cached / prompt tokens over the run; P skew "
         "= the busiest prefill's computed (uncached) tokens / the mean (1.00: even); CPU = "
@@ -944,7 +832,7 @@ def render(report: Report) -> str:
         "a reused connection: no TCP_NODELAY)."
     )
     targets = [
-        f"  {t.verdict:4}  {t.description}: {_fmt(t.value)} vs {_fmt(t.bound)}"
+        f"  {t.verdict:4}  {t.description}: {or_na(t.value)} vs {or_na(t.bound)}"
         for t in report.targets
     ]
     notes = [
@@ -973,11 +861,6 @@ def render(report: Report) -> str:
             *(["", "notes:", *notes] if notes else []),
         ]
     )
-
-
-def write_json(report: Report, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(report, enc_hook=str)))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> WorkloadConfig:
@@ -1038,15 +921,9 @@ def failed(report: Report) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
-    try:
+    with exit_on_failure("routing_workload", "every child was stopped"):
         report = run_all(cfg)
-    except KeyboardInterrupt:
-        raise SystemExit("routing_workload: interrupted (every child was stopped)") from None
-    print(render(report), flush=True)
-    if cfg.json_path is not None:
-        write_json(report, cfg.json_path)
-    if failed(report):
-        raise SystemExit(1)
+    finish(render(report), report, cfg.json_path, failed(report))
 
 
 if __name__ == "__main__":

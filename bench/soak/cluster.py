@@ -1,11 +1,11 @@
 """The soak's ``pd-cluster``: its processes (found in ``/proc``), their resources, a monitor.
 
-``SoakCluster`` starts ``python -m worker.cluster --restart-workers`` (via
-``bench.load.cluster_ttft.Child``: its own session, always stopped), finds the router and every
-worker among its children by their command lines, and reads the router's open file descriptors,
-RSS and threads from ``/proc``. ``Monitor`` samples, every ``interval`` s, the router's
-``/status/data`` (worker health, registry state) and each worker's ``GET /debug/fault`` (its boot
-id and count of completions answered 200), for the recovery times.
+``SoakCluster`` starts ``python -m worker.cluster --restart-workers`` (``bench.common.cluster``:
+its own session, always stopped), finds the router and every worker among its children by their
+command lines, and reads the router's open file descriptors, RSS and threads from ``/proc``.
+``Monitor`` samples, every ``interval`` s, the router's ``/status/data`` (worker health, registry
+state) and each worker's ``GET /debug/fault`` (its boot id and count of completions answered
+200), for the recovery times.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,9 +20,18 @@ from typing import Any
 
 import httpx
 
-from bench.load.cluster_ttft import BenchError, Child, free_port
+from bench.common.cluster import cluster_argv, router_pid, start_cluster
+from bench.common.process import BenchError, children, cmdline, free_port
 
-__all__ = ["Monitor", "ProcStats", "Sample", "SoakCluster", "WorkerProc", "proc_stats"]
+__all__ = [
+    "Monitor",
+    "ProcStats",
+    "Sample",
+    "SoakCluster",
+    "WorkerProc",
+    "inflight",
+    "proc_stats",
+]
 
 _HOST = "127.0.0.1"
 
@@ -60,23 +68,6 @@ def proc_stats(pid: int) -> ProcStats:
     )
 
 
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as listing:
-                found += [int(child) for child in listing.read().split()]
-    return found
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as raw:
-            return raw.read().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
 def _flag(argv: Sequence[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
@@ -95,30 +86,27 @@ class SoakCluster:
     ) -> None:
         self.port = free_port()
         self.url = f"http://{_HOST}:{self.port}"
-        argv = [sys.executable, "-m", "worker.cluster", "--restart-workers"]
-        argv += ["--prefill", str(prefill), "--decode", str(decode), "--engine", engine]
-        argv += ["--port", str(self.port), "--ready-timeout", str(ready_timeout_s)]
-        argv += [f"--router-arg={arg}" for arg in router_args]
-        argv += ["--", "--fault-api", *worker_args]
-        self.child = Child(argv)
-        try:
-            self.child.wait_ready_line(ready_timeout_s + 10.0)
-            self.router_pid = self._router_pid()
-        except BaseException:
+        argv = cluster_argv(
+            prefills=prefill,
+            decodes=decode,
+            port=self.port,
+            engine=engine,
+            ready_timeout_s=ready_timeout_s,
+            flags=["--restart-workers", *(f"--router-arg={arg}" for arg in router_args)],
+            worker_args=["--fault-api", *worker_args],
+        )
+        self.child, _url = start_cluster(argv, ready_timeout_s)
+        pid = router_pid(self.child.pid)
+        if pid is None:
             self.child.stop()
-            raise
-
-    def _router_pid(self) -> int:
-        for pid in _children(self.child.proc.pid):
-            if _cmdline(pid)[1:3] == ["-m", "router"]:
-                return pid
-        raise BenchError(self.child.describe("no router process among pd-cluster's children"))
+            raise BenchError(self.child.describe("no router process among pd-cluster's children"))
+        self.router_pid = pid
 
     def workers(self, role: str | None = None) -> list[WorkerProc]:
         """The live workers (``role``: only those), ordered by port."""
         found = []
-        for pid in _children(self.child.proc.pid):
-            argv = _cmdline(pid)
+        for pid in children(self.child.pid):
+            argv = cmdline(pid)
             if argv[1:3] != ["-m", "worker"]:
                 continue
             kind, port = _flag(argv, "--role"), _flag(argv, "--port")
@@ -127,7 +115,7 @@ class SoakCluster:
         return sorted(found, key=lambda w: w.port)
 
     def alive(self) -> bool:
-        return self.child.proc.poll() is None
+        return self.child.exit_code is None
 
     def router_stats(self) -> ProcStats:
         return proc_stats(self.router_pid)
@@ -178,7 +166,7 @@ class Monitor:
             t,
             None if status is None else bool(status["registry"]["ok"]),
             {} if status is None else _health(status),
-            0 if status is None else _inflight(status),
+            0 if status is None else inflight(status),
             {
                 port: None if state is None else (str(state["boot_id"]), int(state["served_ok"]))
                 for port, state in zip(ports, served, strict=True)
@@ -202,6 +190,7 @@ def _health(status: dict[str, Any]) -> dict[str, bool]:
     return {str(w["url"]).rstrip("/"): bool(w["healthy"]) for w in workers}
 
 
-def _inflight(status: dict[str, Any]) -> int:
+def inflight(status: dict[str, Any]) -> int:
+    """Requests in flight at the router (its ``/status/data``), over every worker."""
     workers = status["workers"]["prefill"] + status["workers"]["decode"]
     return sum(int(w["inflight"]) for w in workers)

@@ -1,8 +1,8 @@
 """Fault-matrix soak: mixed requests through ``pd-cluster`` while a schedule injects faults.
 
-    python -m bench.soak.main [--requests 10000] [--engines sglang,vllm-mooncake] [--users 32]
+    python -m bench.soak [--requests 10000] [--engines sglang,vllm-mooncake] [--users 32]
                          [--deadline 60] [--json PATH] [--router-arg=FLAG ...]
-    python -m bench.soak.main --short          # the suite's version: ~300 requests, sglang, no etcd
+    python -m bench.soak --short          # the suite's version: ~300 requests, sglang, no etcd
 
 Per engine protocol (the requests split evenly), a fresh ``pd-cluster --restart-workers`` 2P2D
 (small KV pools; every worker with ``--fault-api``), the router on a real etcd
@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common.cli import sigterm_raises
-from bench.load.cluster_ttft import BenchError
-from bench.soak.cluster import Monitor, ProcStats, SoakCluster
+from bench.common.cli import exit_on_failure, sigterm_raises
+from bench.common.process import BenchError
+from bench.common.prometheus import value
+from bench.soak.cluster import Monitor, ProcStats, SoakCluster, inflight
 from bench.soak.faults import FULL, SHORT, FaultParams, FaultSpec, run_schedule
 from bench.soak.report import PhaseResult, bad_samples, counts, fault_row, render, targets
-from bench.soak.traffic import Outcome, Traffic
+from bench.soak.traffic import Clock, Outcome, Traffic
 from testkit.etcd_server import EtcdServer
 
 __all__ = ["SoakConfig", "main", "run_soak"]
@@ -91,16 +91,8 @@ SHORT_CONFIG = SoakConfig(
 )
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
-
-    def __call__(self) -> float:
-        return time.monotonic() - self.t0
-
-
 async def _warm_up(cfg: SoakConfig, cluster: SoakCluster) -> None:
-    clock = _Clock()
+    clock = Clock()
     traffic = Traffic(
         cluster.url,
         requests=cfg.warmup,
@@ -121,16 +113,8 @@ async def _router_stats(cluster: SoakCluster) -> ProcStats:
     stats = cluster.router_stats()
     async with httpx.AsyncClient(timeout=5.0) as http:
         text = (await http.get(f"{cluster.url}/metrics")).text
-    tasks = next(
-        (
-            int(sample.value)
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "pdr_event_loop_tasks"
-        ),
-        -1,
-    )
-    return dataclasses.replace(stats, tasks=tasks)
+    tasks = value(text, "pdr_event_loop_tasks")
+    return dataclasses.replace(stats, tasks=-1 if tasks is None else int(tasks))
 
 
 async def _quiet_stats(cluster: SoakCluster, window_s: float) -> ProcStats:
@@ -146,9 +130,7 @@ async def _quiet_stats(cluster: SoakCluster, window_s: float) -> ProcStats:
 
 async def _inflight(url: str) -> int:
     async with httpx.AsyncClient(timeout=5.0) as http:
-        status = (await http.get(f"{url}/status/data")).json()
-    workers = status["workers"]["prefill"] + status["workers"]["decode"]
-    return sum(int(w["inflight"]) for w in workers)
+        return inflight((await http.get(f"{url}/status/data")).json())
 
 
 async def _settle(
@@ -158,18 +140,18 @@ async def _settle(
     the settle period."""
     deadline = time.monotonic() + cfg.settle_s
     while True:
-        after, inflight = await _router_stats(cluster), await _inflight(cluster.url)
-        if after.fds <= before.fds + cfg.fd_slack and after.tasks <= before.tasks and not inflight:
-            return after, inflight
+        after, busy = await _router_stats(cluster), await _inflight(cluster.url)
+        if after.fds <= before.fds + cfg.fd_slack and after.tasks <= before.tasks and not busy:
+            return after, busy
         if time.monotonic() > deadline:
-            return after, inflight
+            return after, busy
         await asyncio.sleep(0.5)
 
 
 async def _soak(
     cfg: SoakConfig, cluster: SoakCluster, etcd: EtcdServer | None, requests: int, seed: int
 ) -> tuple[list[Outcome], list[Any], Monitor, float, int]:
-    clock = _Clock()
+    clock = Clock()
     traffic = Traffic(
         cluster.url,
         requests=requests,
@@ -206,7 +188,7 @@ async def _phase(
     outcomes, runs, monitor, wall, mid_rss = await _soak(cfg, cluster, etcd, requests, len(engine))
     if not cluster.alive():
         raise BenchError(cluster.child.describe("pd-cluster stopped during the soak"))
-    after, inflight = await _settle(cfg, cluster, before)
+    after, busy = await _settle(cfg, cluster, before)
     sent = [o for run in runs for o in run.outcomes]
     return PhaseResult(
         engine=engine,
@@ -218,7 +200,7 @@ async def _phase(
         router_before=before,
         router_mid_rss_kib=mid_rss,
         router_after=after,
-        inflight_after=inflight,
+        inflight_after=busy,
         bad_samples=bad_samples(outcomes + sent),
     )
 
@@ -272,9 +254,7 @@ def _as_json(cfg: SoakConfig, phases: Sequence[PhaseResult]) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[SoakConfig, Path | None]:
-    parser = argparse.ArgumentParser(
-        prog="bench.soak.main", description=(__doc__ or "").split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="bench.soak", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--short", action="store_true", help="the test suite's short version")
     parser.add_argument("--requests", type=int, help="requests in all, split between engines")
     parser.add_argument("--engines", help="comma-separated pd-cluster --engine values")
@@ -311,12 +291,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SoakConfig, Path | No
 
 def main(argv: Sequence[str] | None = None) -> None:
     cfg, json_path = parse_args(argv)
-    try:
+    with exit_on_failure("soak"):
         phases = run_soak(cfg)
-    except BenchError as exc:
-        raise SystemExit(f"soak: {exc}") from None
-    except KeyboardInterrupt:
-        raise SystemExit("soak: interrupted (every process was stopped)") from None
     print(render(phases, cfg.fd_slack), flush=True)
     if json_path is not None:
         json_path.write_text(json.dumps(_as_json(cfg, phases), indent=2))

@@ -1,8 +1,8 @@
 """The router's RSS curve under steady mixed traffic, without faults: a leak or a plateau?
 
     python -m bench.soak.rss_drift [--engine vllm-mooncake] [--requests 20000] [--every 1000]
-                              [--users 16] [--warmup 1000] [--router-arg=FLAG ...]
-                              [--worker-arg=FLAG ...] [--json PATH]
+                                   [--users 16] [--warmup 1000] [--router-arg=FLAG ...]
+                                   [--worker-arg=FLAG ...] [--json PATH]
 
 Starts the soak's ``pd-cluster`` (``bench.soak.cluster``: 2P2D, the soak's small workers), sends
 ``--warmup`` requests, then ``--requests`` distinct mixed requests (``bench.soak.traffic``) in
@@ -33,11 +33,10 @@ from typing import Any
 
 import httpx
 
-from bench.common.cli import sigterm_raises
-from bench.load.cluster_ttft import BenchError
+from bench.common.cli import exit_on_failure, sigterm_raises
 from bench.soak.cluster import ProcStats, SoakCluster, WorkerProc
 from bench.soak.main import SoakConfig
-from bench.soak.traffic import Traffic
+from bench.soak.traffic import Clock, Traffic
 
 __all__ = ["Drift", "IdlePages", "Point", "idle_line", "idle_pages", "leaked", "main", "measure"]
 
@@ -73,14 +72,6 @@ class Drift:
     idle: list[IdlePages]  # every worker after the run (the KV page canary)
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
-
-    def __call__(self) -> float:
-        return time.monotonic() - self.t0
-
-
 async def _chunk(cluster: SoakCluster, requests: int, users: int, seed: int) -> int:
     """Send ``requests`` mixed requests; the number answered ok (the commonest failure is
     printed)."""
@@ -92,7 +83,7 @@ async def _chunk(cluster: SoakCluster, requests: int, users: int, seed: int) -> 
         deadline_s=60.0,
         seed=seed,
         model=SoakConfig().params.model,
-        clock=_Clock(),
+        clock=Clock(),
     )
     outcomes = await traffic.run()
     failures = Counter(f"{o.kind} {o.status} {o.detail[:120]}" for o in outcomes if not o.ok)
@@ -234,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if min(args.requests, args.every, args.users) < 1 or min(args.warmup, args.idle_seconds) < 0:
         parser.error("--requests, --every and --users must be positive, --warmup >= 0")
-    try:
+    with exit_on_failure("rss_drift"):
         drift = measure(
             args.engine,
             requests=args.requests,
@@ -246,10 +237,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_s=args.max_seconds,
             idle_s=args.idle_seconds,
         )
-    except BenchError as exc:
-        raise SystemExit(f"rss_drift: {exc}") from None
-    except KeyboardInterrupt:
-        raise SystemExit("rss_drift: interrupted (every process was stopped)") from None
     points = drift.points
     total = points[-1].rss_kib / points[0].rss_kib - 1.0
     print(f"drift: {100 * total:+.1f}% overall, {100 * second_half_drift(points):+.1f}% 2nd half")

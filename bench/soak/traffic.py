@@ -24,11 +24,21 @@ from typing import Any, Literal
 
 import httpx
 
-__all__ = ["Outcome", "RequestSpec", "Traffic", "long_prompt", "mixed_request", "send"]
+__all__ = ["Clock", "Outcome", "RequestSpec", "Traffic", "long_prompt", "mixed_request", "send"]
 
 Kind = Literal["ok", "error", "unclean", "hung"]
 _DETAIL_CHARS = 200
 _WORDS = ["".join(random.Random(i).choices(string.ascii_lowercase, k=3 + i % 6)) for i in range(64)]
+
+
+class Clock:
+    """Seconds since it was made (the soak's clock: outcomes and samples are stamped with it)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __call__(self) -> float:
+        return time.monotonic() - self.t0
 
 
 @dataclass(frozen=True)

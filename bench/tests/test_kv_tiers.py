@@ -1,4 +1,4 @@
-"""bench.kv_tiers.main: the counter parsing, the row confirmation, the weights, the pool sizing, and
+"""bench.kv_tiers: the counter parsing, the row confirmation, the weights, the pool sizing, and
 one ``--quick`` run end to end (real pd-clusters, a real store): the structure and the sanity
 that must hold (every TTFT row served from the tier it claims, by the worker's own metrics; L1
 faster than recompute; the JSON written), never a performance threshold."""

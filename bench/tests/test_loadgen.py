@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from bench.common.stats import percentiles
 from bench.load.loadgen import (
     LoadResult,
     ProtocolError,
@@ -15,7 +16,6 @@ from bench.load.loadgen import (
     build_request,
     check_loopback,
     completion_body,
-    percentiles,
     run_load,
 )
 

@@ -14,7 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from bench.load.loadgen import Percentiles
+from bench.common.cluster import Cluster
+from bench.common.prometheus import bucket_delta, histogram_buckets, histogram_quantile
+from bench.common.stats import Percentiles
 from bench.routing.traces import (
     Trace,
     TraceRequest,
@@ -27,7 +29,6 @@ from bench.routing.workload import (
     POLICIES,
     POOLED,
     BenchSetup,
-    Cluster,
     Outcome,
     PolicySpec,
     Report,
@@ -35,14 +36,11 @@ from bench.routing.workload import (
     Snapshot,
     TraceInfo,
     WorkloadConfig,
-    bucket_delta,
     check_targets,
     cluster_argv,
     drive,
     engine_cache_tokens,
     failed,
-    histogram_buckets,
-    histogram_quantile,
     pages_for,
     parse_args,
     peer_argv,

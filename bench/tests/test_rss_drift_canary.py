@@ -1,6 +1,5 @@
 """The KV page canary of ``bench.soak.rss_drift``: after a short steady run on small pools, the
-decodes
-hold no KV page once idle.
+decodes hold no KV page once idle.
 
 Small decode and prefill pools (128 pages) under 16 users fill up now and then; a decode that
 kept the pages of a request given up (the router cancels the decode leg when the prefill leg

@@ -1,9 +1,9 @@
 """KV transfer benchmark: the library's bytes/s and per-request overhead against raw Mooncake.
 
-    python -m bench.transfer.kv_transfer [--layers 32] [--tokens 4096] [--bytes-per-token-per-layer
-    4096]
-                                [--page-size 16] [--run-pages 16] [--requests 5]
-                                [--concurrency 1,4] [--overhead-requests 500] [--cap 30]
+    python -m bench.transfer.kv_transfer [--layers 32] [--tokens 4096]
+                                         [--bytes-per-token-per-layer 4096] [--page-size 16]
+                                         [--run-pages 16] [--requests 5] [--concurrency 1,4]
+                                         [--overhead-requests 500] [--cap 30]
 
 One process on 127.0.0.1: a registry (uvicorn, in-process) for the rendezvous, a prefill
 ``KVSender`` and a decode ``KVReceiver`` over two ``MooncakeEngine``s (TCP), and two more native
@@ -58,8 +58,10 @@ from dataclasses import dataclass
 import zmq.asyncio
 
 from bench.common.cli import positive_ints
-from bench.discovery.registry import serve
-from bench.load.loadgen import Percentiles, percentiles
+from bench.common.process import LOOPBACK
+from bench.common.server import serve
+from bench.common.stats import Percentiles, percentiles
+from bench.common.table import text_table
 from bench.transfer.engine import raw_engines, raw_sync
 from registry.app import create_registry_app
 from registry.settings import RegistrySettings
@@ -83,7 +85,6 @@ __all__ = [
     "run_throughput",
 ]
 
-LOOPBACK = "127.0.0.1"
 AUX_LEN = 16
 TIMEOUT_S = 120.0  # one request (or one group of concurrent ones), generous on a slow VM
 START_TIMEOUT_S = 10.0
@@ -440,15 +441,7 @@ async def run_bench(cfg: KVConfig) -> Report:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(line[i]) for line in (header, *rows)) for i in range(len(header))]
-    lines = [header, ["-" * w for w in widths], *rows]
-    return "\n".join(
-        "  ".join(
-            cell.rjust(w) if i else cell.ljust(w)
-            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
-        )
-        for line in lines
-    )
+    return "\n".join(text_table([header, *rows], left=1))
 
 
 def _throughput_cells(row: ThroughputRow, raw: ThroughputRow) -> list[str]:

@@ -211,55 +211,71 @@ def sglang_routes(
     (the bare protocol, for tests and benchmarks) nothing is.
     """
 
-    def table_of(request: Request) -> SglangRankTable:
-        return resolve(namespace_of(request))
+    handlers = _BootstrapHandlers(resolve, guard)
+    router = APIRouter(route_class=_SglangRoute, tags=["engine bootstrap (SGLang)"])
+    for prefix in ROUTE_PREFIXES:
+        add = _adder(router, prefix)
+        add("/route", handlers.put_route, "PUT", doc=_PUT_ROUTE_DOC, body=SGLANG_ROUTE_BODY)
+        add("/route", handlers.get_route, "GET", doc=_GET_ROUTE_DOC)
+        add("/route", _other_route, "POST", "DELETE", "PATCH", "OPTIONS")
+        add(
+            "/register_dp_rank",
+            handlers.register_dp_rank,
+            "POST",
+            doc=_DP_RANK_DOC,
+            body=_DP_RANK_BODY,
+        )
+        add("/query_dp_ranks", handlers.query_dp_ranks, "POST", doc=_ROOMS_DOC, body=_ROOMS_BODY)
+    _adder(router, NAMESPACE_PREFIX)("/health", handlers.health, "GET", doc=_HEALTH_DOC)
+    return router
 
-    async def put_route(request: Request) -> Response:
-        table = table_of(request)
+
+class _BootstrapHandlers:
+    """The SGLang bootstrap endpoints over the tables ``resolve`` finds, checked by ``guard``."""
+
+    def __init__(self, resolve: Resolver[SglangRankTable], guard: RegistrationGuard | None) -> None:
+        self._resolve = resolve
+        self._guard = guard
+
+    def table_of(self, request: Request) -> SglangRankTable:
+        return self._resolve(namespace_of(request))
+
+    async def put_route(self, request: Request) -> Response:
+        table = self.table_of(request)
         registration = parse_route_payload(await _json_body(request))
-        if guard is not None and registration is not None:
+        if self._guard is not None and registration is not None:
             authorization = request.headers.get("authorization", "")
-            await guard.admit(await _claim(table, registration), authorization)
+            await self._guard.admit(await _claim(table, registration), authorization)
         await table.register_rank(registration)
         return _text("OK", 200)
 
-    async def get_route(request: Request) -> Response:
+    async def get_route(self, request: Request) -> Response:
         query = parse_route_query(request.query_params)
-        return await answer_route_query(table_of(request), query)
+        return await answer_route_query(self.table_of(request), query)
 
-    async def other_route() -> Response:
-        # the engine's answer, its odd JSON content type included
-        return Response("Method not allowed", 405, {"Allow": "GET, PUT"}, media_type=_JSON)
-
-    async def register_dp_rank(request: Request) -> Response:
-        table = table_of(request)
+    async def register_dp_rank(self, request: Request) -> Response:
+        table = self.table_of(request)
         body = validate_body(DpRankRegistration, await _json_body(request), "register_dp_rank body")
-        if guard is not None:
+        if self._guard is not None:
             await _check_dp_rank(table, body.dp_rank)
         await table.register_dp_rank(body.bootstrap_room, body.dp_rank)
         return _text("OK", 200)
 
-    async def query_dp_ranks(request: Request) -> Response:
-        table = table_of(request)
+    async def query_dp_ranks(self, request: Request) -> Response:
+        table = self.table_of(request)
         data = await _json_body(request)
         check_room_count(data)
         body = validate_body(DpRankQuery, data, "query_dp_ranks body")
         return _json(await table.query_dp_ranks(body.bootstrap_rooms))
 
-    async def health(request: Request) -> Response:
-        table_of(request)  # 404 for an unknown namespace
+    async def health(self, request: Request) -> Response:
+        self.table_of(request)  # 404 for an unknown namespace
         return _text("OK", 200)
 
-    router = APIRouter(route_class=_SglangRoute, tags=["engine bootstrap (SGLang)"])
-    for prefix in ROUTE_PREFIXES:
-        add = _adder(router, prefix)
-        add("/route", put_route, "PUT", doc=_PUT_ROUTE_DOC, body=SGLANG_ROUTE_BODY)
-        add("/route", get_route, "GET", doc=_GET_ROUTE_DOC)
-        add("/route", other_route, "POST", "DELETE", "PATCH", "OPTIONS")
-        add("/register_dp_rank", register_dp_rank, "POST", doc=_DP_RANK_DOC, body=_DP_RANK_BODY)
-        add("/query_dp_ranks", query_dp_ranks, "POST", doc=_ROOMS_DOC, body=_ROOMS_BODY)
-    _adder(router, NAMESPACE_PREFIX)("/health", health, "GET", doc=_HEALTH_DOC)
-    return router
+
+async def _other_route() -> Response:
+    # the engine's answer, its odd JSON content type included
+    return Response("Method not allowed", 405, {"Allow": "GET, PUT"}, media_type=_JSON)
 
 
 _PUT_ROUTE_DOC = responses(200, 400, 404, 409, 413, 503, ok_text=True, engine_text=True)

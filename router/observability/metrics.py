@@ -44,7 +44,14 @@ class RouterMetrics:
     """Counters and histograms the request path updates, served at ``GET /metrics``."""
 
     def __init__(self) -> None:
-        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, Labels], Counter | Histogram] = {}
+        self._declare_request_stages(self.registry)
+        self._declare_routing(self.registry)
+        self._declare_admission(self.registry)
+        self._start_known_labels()
+
+    def _declare_request_stages(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "pdr_requests",
             "Completion requests finished, by endpoint, final status (499: the client went "
@@ -80,6 +87,8 @@ class RouterMetrics:
             buckets=_STAGE_BUCKETS,
             registry=registry,
         )
+
+    def _declare_routing(self, registry: CollectorRegistry) -> None:
         self.retries = Counter(
             "pdr_retries",
             "Attempts retried on another worker, by the role of the worker that failed",
@@ -122,6 +131,8 @@ class RouterMetrics:
             buckets=_TOKENIZE_BUCKETS,
             registry=registry,
         )
+
+    def _declare_admission(self, registry: CollectorRegistry) -> None:
         # read at scrape time from the admission gate (router.pipeline.admission binds them)
         self.requests_inflight = Gauge(
             "pdr_requests_inflight",
@@ -140,10 +151,11 @@ class RouterMetrics:
             ["reason"],
             registry=registry,
         )
-        self._children: dict[tuple[int, Labels], Counter | Histogram] = {}
+
+    def _start_known_labels(self) -> None:
+        """Known label values start at 0: rate() sees the first failure, dashboards show 0."""
         for reason in ADMISSION_REJECT_REASONS:
             self._child(self.admission_rejected, (reason,))
-        # known label values start at 0: rate() sees the first failure, dashboards show 0
         for role in ROLES:
             self._child(self.retries, (role,))
             for kind in UPSTREAM_ERROR_KINDS:

@@ -1,10 +1,12 @@
-"""The README's "Deploy on Kubernetes" sequences stay true: each overlay it writes renders, and
-every name its commands use (namespace, secrets, deployments waited on and scaled, the service
-port-forwarded, the model curled) is what the rendered manifests contain.
+"""The deploy page's "Deploy on Kubernetes" sequences (``docs/deploy.md``) stay true: each
+overlay it writes renders, and every name its commands use (namespace, secrets, deployments waited
+on and scaled, the service port-forwarded, the model curled) is what the rendered manifests
+contain.
 
-Each ``cat > DIR/kustomization.yaml <<'EOF'`` block of the README is written to a temporary
+Each ``cat > DIR/kustomization.yaml <<'EOF'`` block of the page is written to a temporary
 directory with its ``../deploy/...`` resource made relative to there, and rendered by the real
-``kubectl kustomize`` (what ``kubectl apply -k DIR`` sends).
+``kubectl kustomize`` (what ``kubectl apply -k DIR`` sends). The page's commands run from the
+repository root, so DIR is taken as a directory there.
 """
 
 from __future__ import annotations
@@ -21,21 +23,21 @@ import yaml
 
 from tests.deploy.rendered import REPO, Doc, find, pod_templates, render
 
-README = REPO / "README.md"
+DEPLOY_PAGE = REPO / "docs" / "deploy.md"
 _HEREDOC = re.compile(r"cat > (\S+)/kustomization\.yaml <<'EOF'\n(.*?)\nEOF\n", re.S)
 _BASH_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
 
 
 @dataclass
 class Sequence:
-    directory: str  # the overlay directory the README writes
+    directory: str  # the overlay directory the page writes
     kustomization: str  # its kustomization.yaml, as written
     commands: list[list[str]]  # the kubectl and curl commands of the same block
 
 
 def _sequences() -> list[Sequence]:
     found = []
-    for block in _BASH_BLOCK.findall(README.read_text()):
+    for block in _BASH_BLOCK.findall(DEPLOY_PAGE.read_text()):
         match = _HEREDOC.search(block)
         if match is None:
             continue
@@ -49,7 +51,7 @@ def _sequences() -> list[Sequence]:
 SEQUENCES = _sequences()
 
 
-def test_the_readme_has_a_vllm_and_an_sglang_sequence() -> None:
+def test_the_deploy_page_has_a_vllm_and_an_sglang_sequence() -> None:
     overlays = {Path(yaml.safe_load(s.kustomization)["resources"][0]).name for s in SEQUENCES}
     assert {"vllm-mooncake", "sglang-mooncake"} <= overlays, overlays
 
@@ -58,7 +60,7 @@ def _render(sequence: Sequence, tmp_path: Path) -> list[Doc]:
     kustomization = yaml.safe_load(sequence.kustomization)
     workdir = tmp_path / sequence.directory
     workdir.mkdir(parents=True)
-    # the README's directory sits at the repository root: re-anchor its relative resources
+    # the page's directory sits at the repository root: re-anchor its relative resources
     kustomization["resources"] = [
         os.path.relpath(REPO / sequence.directory / r, workdir) for r in kustomization["resources"]
     ]
@@ -67,7 +69,7 @@ def _render(sequence: Sequence, tmp_path: Path) -> list[Doc]:
 
 
 def _kubectl(sequence: Sequence, verb: str) -> list[list[str]]:
-    """The README's ``kubectl [-n NS] VERB ...`` commands, with ``-n NS`` checked and removed."""
+    """The page's ``kubectl [-n NS] VERB ...`` commands, with ``-n NS`` checked and removed."""
     out = []
     for command in sequence.commands:
         if command[:1] != ["kubectl"]:
@@ -82,11 +84,11 @@ def _kubectl(sequence: Sequence, verb: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("sequence", SEQUENCES, ids=lambda s: s.directory)
-def test_the_readme_sequence_matches_what_it_deploys(sequence: Sequence, tmp_path: Path) -> None:
+def test_the_deploy_sequence_matches_what_it_deploys(sequence: Sequence, tmp_path: Path) -> None:
     docs = _render(sequence, tmp_path)
     wanted = yaml.safe_load(sequence.kustomization)
 
-    # everything lands in the namespace the README creates and uses
+    # everything lands in the namespace the page creates and uses
     (created,) = _kubectl(sequence, "create")[:1]
     assert created == ["namespace", "pd-router"], created
     assert {d["metadata"].get("namespace", "pd-router") for d in docs} == {"pd-router"}
@@ -94,7 +96,7 @@ def test_the_readme_sequence_matches_what_it_deploys(sequence: Sequence, tmp_pat
     # kubectl apply -k names the directory just written
     assert _kubectl(sequence, "apply") == [["-k", sequence.directory]]
 
-    # the router runs the README's image
+    # the router runs the page's image
     (image,) = wanted["images"]
     (router,) = find(docs, "Deployment", "pd-router")
     (container,) = [
@@ -102,7 +104,7 @@ def test_the_readme_sequence_matches_what_it_deploys(sequence: Sequence, tmp_pat
     ]
     assert container["image"] == f"{image['newName']}:{image['newTag']}"
 
-    # the model: the ConfigMap every engine reads, and the model the README curls
+    # the model: the ConfigMap every engine reads, and the model the page curls
     (model_literal,) = wanted["configMapGenerator"][0]["literals"]
     (config_map,) = [
         d for d in find(docs, "ConfigMap") if d["metadata"]["name"].startswith("pd-model")
@@ -140,9 +142,9 @@ def test_the_readme_sequence_matches_what_it_deploys(sequence: Sequence, tmp_pat
     assert all(f"localhost:{local}/" in " ".join(c) for c in curls)
 
 
-def test_the_readme_scales_workloads_that_exist(tmp_path: Path) -> None:
+def test_the_deploy_page_scales_workloads_that_exist(tmp_path: Path) -> None:
     """``kubectl -n pd-router scale KIND/NAME`` lines name workloads of the overlays."""
-    text = README.read_text()
+    text = DEPLOY_PAGE.read_text()
     scaled = re.findall(r"kubectl -n pd-router scale (\w+)/([\w-]+)", text)
     scaled += re.findall(r"`(deployment|leaderworkerset)/([\w-]+)`", text)
     assert scaled
