@@ -46,7 +46,7 @@ class PDRouterApp:
 
 
 def _registry_of(request: Request) -> RegistryService:
-    return get_context(request).registry
+    return get_context(request).fleet.registry
 
 
 def _live_view_of(request: Request) -> LiveView:

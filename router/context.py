@@ -1,18 +1,24 @@
-"""The lifespan-owned context: everything a request needs, built once, closed on shutdown."""
+"""The lifespan-owned context: everything a request needs, built once, closed on shutdown.
+
+``open_context`` builds the parts (``_build_parts``: the pool, the fleet's watchers, the KV
+cache view, the routing pipeline, the telemetry), binds the registry store, seeds discovery,
+starts the background loops and the bootstrap listeners, yields the :class:`AppContext` and
+closes everything in order on exit (``_close``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from registry.backends import open_store
+from registry.backends import RegistryStore, open_store
 from registry.engine_api import RankTables
 from registry.service import RegistryService
 from router.adapters import build_adapter
-from router.fleet.circuit_breaker import build_circuits
+from router.fleet.circuit_breaker import Circuits, build_circuits
 from router.fleet.discovery import Discovery
 from router.fleet.engine_load import EngineLoadMonitor
 from router.fleet.health import HealthProber
@@ -27,37 +33,65 @@ from router.observability.state_metrics import RouterStateCollector
 from router.observability.tracing import Tracer, build_tracer
 from router.pipeline.admission import AdmissionGate
 from router.pipeline.serve import Pipeline
-from router.scheduling.features import Featurizer, open_token_source
+from router.scheduling.features import Featurizer
 from router.scheduling.policies import build_policies
+from router.scheduling.tokenizers import open_token_source
 from router.server.bootstrap_listeners import bootstrap_servers, pool_owner_hosts
 from router.server.lifecycle import RouterLifecycle
-from router.settings import RouterSettings
+from router.settings import AdmissionSettings, RouterSettings
 from router.upstream.base import UpstreamPool
 
 if TYPE_CHECKING:
     from router.fleet.kube.pod_watch import PodWatcher
 
-__all__ = ["AppContext", "open_context"]
+__all__ = ["AppContext", "FleetView", "KVCacheView", "Telemetry", "open_context"]
 
 
 @dataclass(frozen=True, slots=True)
-class AppContext:
-    settings: RouterSettings
-    pool: UpstreamPool
-    pipeline: Pipeline
-    prober: HealthProber
+class FleetView:
+    """How the workers are found and watched: the registry, discovery, health probing and, with
+    ``--discovery k8s``, the pod watcher."""
+
     registry: RegistryService
     discovery: Discovery
-    metrics: RouterMetrics
+    prober: HealthProber
+    pod_watcher: PodWatcher | None = None  # --discovery k8s
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheView:
+    """What the router knows of the prefills' KV caches: the block index and the event feed
+    that fills it."""
+
     index: KVBlockIndex
     feed: KVEventFeed
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """What the router reports: metrics, the P<->D pair ledger, recent traffic, per-request
+    accounting and (when on) tracing."""
+
+    metrics: RouterMetrics
     pairs: PairLedger
     traffic: RecentTraffic
     accounting: RequestAccounting
     tracer: Tracer | None
+
+
+@dataclass(frozen=True, slots=True)
+class AppContext:
+    """What the routes serve requests with: the settings, the lifecycle, the worker pool, the
+    routing pipeline and its admission gate, and the fleet, KV cache and telemetry groups."""
+
+    settings: RouterSettings
     lifecycle: RouterLifecycle
+    pool: UpstreamPool
+    pipeline: Pipeline
     admission: AdmissionGate
-    pod_watcher: PodWatcher | None = None  # --discovery k8s
+    fleet: FleetView
+    kv: KVCacheView
+    telemetry: Telemetry
 
     def live_view(self, worker_id: str) -> dict[str, Any] | None:
         """This router's live state of a worker, for the admin API."""
@@ -79,8 +113,8 @@ class AppContext:
                     "pending_prefill_tokens": worker.pending_tokens(rank),
                     "engine_id": worker.engine_ids[rank] if rank < len(worker.engine_ids) else None,
                     # confirmed blocks the KV index holds for this rank, and its event stream
-                    "kv_blocks": self.index.block_count((worker.id, rank)),
-                    "kv_events": self.feed.stats((worker.id, rank)),
+                    "kv_blocks": self.kv.index.block_count((worker.id, rank)),
+                    "kv_events": self.kv.feed.stats((worker.id, rank)),
                 }
                 for rank, load in enumerate(worker.rank_inflight)
             ]
@@ -108,46 +142,91 @@ async def _open_pod_watcher(
     return await open_pod_watcher(settings.kubernetes, service)
 
 
-@contextlib.asynccontextmanager
-async def open_context(
-    settings: RouterSettings, tables: RankTables, lifecycle: RouterLifecycle
-) -> AsyncIterator[AppContext]:
-    """Build the context, start probing and registry sync, and tear all down on exit."""
-    adapter = build_adapter(settings.engine)
-    admission = settings.admission
-    pool = UpstreamPool(
-        needs_engine_ids=adapter.needs_engine_ids,
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """What ``open_context`` builds before it starts anything, and closes on exit."""
+
+    pool: UpstreamPool
+    store: RegistryStore
+    fleet: FleetView  # without the pod watcher: that one is opened after the seeding
+    load_monitor: EngineLoadMonitor
+    featurizer: Featurizer
+    kv: KVCacheView
+    telemetry: Telemetry
+    pipeline: Pipeline
+
+
+def _live_ids(pool: UpstreamPool) -> set[str]:
+    return {w.id for w in (*pool.prefill, *pool.decode)}
+
+
+def _build_pool(admission: AdmissionSettings, needs_engine_ids: bool) -> UpstreamPool:
+    return UpstreamPool(
+        needs_engine_ids=needs_engine_ids,
         caps=admission.worker_caps(),
         capacity_backoff_s=admission.capacity_backoff_s,
         retry_after_s=admission.retry_after_s,
     )
+
+
+def _build_circuits(
+    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics
+) -> Circuits:
+    return build_circuits(
+        settings.health,
+        settings.breaker,
+        live_ids=lambda: _live_ids(pool),
+        on_transition=lambda scope, to: metrics.count(metrics.circuit_transitions, scope, to),
+    )
+
+
+def _build_fleet(
+    settings: RouterSettings, tables: RankTables, pool: UpstreamPool
+) -> tuple[RegistryStore, FleetView, EngineLoadMonitor]:
+    """The registry store (not bound yet) and the fleet's watchers (not started)."""
     store = open_store(settings.registry.url)
     service = RegistryService(store)
     prober = HealthProber(pool, settings.engine, settings.health, tables)
     discovery = Discovery(pool, service, settings, prober)
     load_monitor = EngineLoadMonitor(pool, settings.engine, settings.load)
+    return store, FleetView(registry=service, discovery=discovery, prober=prober), load_monitor
+
+
+def _build_telemetry(
+    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics
+) -> Telemetry:
+    observability = settings.observability
+    pairs = PairLedger(observability.suspect_window_s, lambda: _live_ids(pool))
+    traffic = RecentTraffic(observability.traffic_window_s, observability.traffic_bucket_s)
+    return Telemetry(
+        metrics=metrics,
+        pairs=pairs,
+        traffic=traffic,
+        accounting=RequestAccounting(metrics, traffic),
+        tracer=build_tracer(settings.tracing),
+    )
+
+
+def _build_parts(settings: RouterSettings, tables: RankTables) -> _Parts:
+    """Build every part; nothing starts, nothing is sent."""
+    adapter = build_adapter(settings.engine)
+    pool = _build_pool(settings.admission, adapter.needs_engine_ids)
+    store, fleet, load_monitor = _build_fleet(settings, tables, pool)
     metrics = RouterMetrics()
     cache = settings.cache
     index = KVBlockIndex(cache.max_indexed_blocks, cache.prediction_ttl_s)
     tree = ApproxPrefixTree(cache.approx_tree_max_chars)
     prefill_policy, decode_policy = build_policies(settings.policy, cache, index, tree)
     featurizer = Featurizer(open_token_source(cache), metrics.tokenize_seconds.observe)
-    feed = KVEventFeed(lambda: pool.prefill, index, tree, cache)
-    observability = settings.observability
-    pairs = PairLedger(
-        observability.suspect_window_s, lambda: {w.id for w in (*pool.prefill, *pool.decode)}
-    )
-    traffic = RecentTraffic(observability.traffic_window_s, observability.traffic_bucket_s)
-    circuits = build_circuits(
-        settings.health,
-        settings.breaker,
-        live_ids=lambda: {w.id for w in (*pool.prefill, *pool.decode)},
-        on_transition=lambda scope, to: metrics.count(metrics.circuit_transitions, scope, to),
-    )
+    kv = KVCacheView(index=index, feed=KVEventFeed(lambda: pool.prefill, index, tree, cache))
+    telemetry = _build_telemetry(settings, pool, metrics)
+    circuits = _build_circuits(settings, pool, metrics)
+    discovery = fleet.discovery
     metrics.registry.register(
-        RouterStateCollector(pool, pairs, index, feed, lambda: discovery.status, circuits)
+        RouterStateCollector(
+            pool, telemetry.pairs, index, kv.feed, lambda: discovery.status, circuits
+        )
     )
-    tracer = build_tracer(settings.tracing)
     pipeline = Pipeline(
         pool,
         adapter,
@@ -155,52 +234,83 @@ async def open_context(
         decode_policy,
         settings.upstream,
         settings.health,
-        prober.refresh_soon,
+        fleet.prober.refresh_soon,
         metrics,
         cache_settings=cache,
         featurizer=featurizer,
-        pairs=pairs,
-        observability=observability,
+        pairs=telemetry.pairs,
+        observability=settings.observability,
         circuits=circuits,
     )
-    tables.bind(store)
+    return _Parts(
+        pool=pool,
+        store=store,
+        fleet=fleet,
+        load_monitor=load_monitor,
+        featurizer=featurizer,
+        kv=kv,
+        telemetry=telemetry,
+        pipeline=pipeline,
+    )
+
+
+async def _close(parts: _Parts, tables: RankTables) -> None:
+    """Close what ``_build_parts`` built (the pod watcher is closed first, by the caller)."""
+    tracer = parts.telemetry.tracer
+    if tracer is not None:
+        await tracer.aclose()
+    tables.bind(None)
+    await parts.kv.feed.aclose()
+    await parts.featurizer.aclose()
+    await parts.fleet.discovery.aclose()
+    await parts.fleet.prober.aclose()
+    await parts.load_monitor.aclose()
+    await parts.store.close()
+
+
+def _app_context(
+    settings: RouterSettings,
+    lifecycle: RouterLifecycle,
+    parts: _Parts,
+    pod_watcher: PodWatcher | None,
+) -> AppContext:
+    return AppContext(
+        settings=settings,
+        lifecycle=lifecycle,
+        pool=parts.pool,
+        pipeline=parts.pipeline,
+        admission=AdmissionGate(settings.admission, parts.telemetry.metrics),
+        fleet=replace(parts.fleet, pod_watcher=pod_watcher),
+        kv=parts.kv,
+        telemetry=parts.telemetry,
+    )
+
+
+@contextlib.asynccontextmanager
+async def open_context(
+    settings: RouterSettings, tables: RankTables, lifecycle: RouterLifecycle
+) -> AsyncIterator[AppContext]:
+    """Build the context, start probing and registry sync, and tear all down on exit."""
+    parts = _build_parts(settings, tables)
+    fleet = parts.fleet
+    tables.bind(parts.store)
     pod_watcher = None
     try:
-        await discovery.seed()
-        pod_watcher = await _open_pod_watcher(settings, service)
-        tasks = [prober.run(), discovery.run(), load_monitor.run(), feed.run()]
+        await fleet.discovery.seed()
+        pod_watcher = await _open_pod_watcher(settings, fleet.registry)
+        tasks = [
+            fleet.prober.run(),
+            fleet.discovery.run(),
+            parts.load_monitor.run(),
+            parts.kv.feed.run(),
+        ]
         if pod_watcher is not None:
             tasks.append(pod_watcher.run())
         background = _background(*tasks)
-        listeners = bootstrap_servers(tables, settings, pool_owner_hosts(pool))
+        listeners = bootstrap_servers(tables, settings, pool_owner_hosts(parts.pool))
         async with listeners, background:
-            yield AppContext(
-                settings,
-                pool,
-                pipeline,
-                prober,
-                service,
-                discovery,
-                metrics,
-                index,
-                feed,
-                pairs,
-                traffic,
-                RequestAccounting(metrics, traffic),
-                tracer,
-                lifecycle,
-                AdmissionGate(admission, metrics),
-                pod_watcher,
-            )
+            yield _app_context(settings, lifecycle, parts, pod_watcher)
     finally:
         if pod_watcher is not None:
             await pod_watcher.aclose()
-        if tracer is not None:
-            await tracer.aclose()
-        tables.bind(None)
-        await feed.aclose()
-        await featurizer.aclose()
-        await discovery.aclose()
-        await prober.aclose()
-        await load_monitor.aclose()
-        await store.close()
+        await _close(parts, tables)

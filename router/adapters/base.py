@@ -35,6 +35,9 @@ class PDAdapter(Protocol):
     # True: the decode's usage.prompt_tokens_details.cached_tokens counts the KV it received
     # (its own count); False: the engine reports the prefill's cache hits there instead
     decode_reports_own_cache: bool
+    # True: the decode alone serves the client's body, prefilling locally (no KV transfer), so
+    # the router may skip the prefill leg (``RouteChooser``)
+    decode_can_prefill: bool
 
     def check(self, request: ParsedRequest) -> None:
         """Raise InvalidRequest if this protocol cannot serve the request."""

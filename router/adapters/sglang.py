@@ -40,6 +40,7 @@ class SglangAdapter:
     needs_engine_ids = False
     splits_samples = True
     decode_reports_own_cache = False  # the decode reports the prefill's cached_tokens
+    decode_can_prefill = False  # the decode takes its KV from a prefill (bootstrap room)
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()

@@ -34,6 +34,7 @@ class VllmMooncakeAdapter:
     splits_samples = False
     # the router writes the decode's kv_transfer_params (no remote_prefill_cached_tokens)
     decode_reports_own_cache = True
+    decode_can_prefill = True  # a body without kv_transfer_params is a plain vLLM request
 
     def __init__(self, new_transfer_id: Callable[[], str] = _uuid_transfer_id) -> None:
         self._new_transfer_id = new_transfer_id

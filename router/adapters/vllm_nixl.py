@@ -38,6 +38,7 @@ class VllmNixlAdapter:
     splits_samples = False
     # remote_prefill_cached_tokens (copied from the prefill's answer) overrides it
     decode_reports_own_cache = False
+    decode_can_prefill = True  # a body without kv_transfer_params is a plain vLLM request
 
     def check(self, request: ParsedRequest) -> None:
         check_single_sequence(request, self.name)

@@ -38,7 +38,9 @@ async def health() -> Response:
 )
 async def metrics(ctx: Context) -> Response:
     """The router's Prometheus metrics (requests, stages, routing, workers, pairs, feeds)."""
-    return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(
+        ctx.telemetry.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )
 
 
 @router.get("/ready", responses={503: {"description": "Not ready (the same body)"}})
@@ -52,7 +54,8 @@ async def ready(ctx: Context) -> JSONResponse:
     auth). An open breaker does not make the router not ready: it is retried by itself.
     """
     pool = ctx.pool
-    registry = ctx.discovery.status
+    registry = ctx.fleet.discovery.status
+    watcher = ctx.fleet.pod_watcher
     ready = pool.ready() and not ctx.lifecycle.shutting_down
     status = "ready" if ready else "not_ready"
     body = {
@@ -61,7 +64,7 @@ async def ready(ctx: Context) -> JSONResponse:
         "decode": [_describe(w) for w in pool.decode],
         "registry": {"url": redact_url(registry.url), "ok": registry.ok, "error": registry.error},
         # --discovery k8s: whether the engine pods are listed and watched now
-        **({} if ctx.pod_watcher is None else {"kubernetes": ctx.pod_watcher.status.as_dict()}),
+        **({} if watcher is None else {"kubernetes": watcher.status.as_dict()}),
         # P<->D pairs whose decode recomputed the prompt lately: PD did not happen there
         # circuit breakers that keep traffic away now (open or half-open), with the reason
         "circuits": [t.describe() for t in ctx.pipeline.circuits.tripped()],
@@ -72,7 +75,7 @@ async def ready(ctx: Context) -> JSONResponse:
                 "recomputes": pair.recomputes,
                 "requests": pair.requests,
             }
-            for pair in ctx.pairs.suspects()
+            for pair in ctx.telemetry.pairs.suspects()
         ],
     }
     return JSONResponse(body, status_code=200 if ready else 503)

@@ -74,7 +74,8 @@ async def handle_completion(
     except RouterError as exc:
         status = exc.status
         if isinstance(exc, Overloaded):  # shed: counted, not logged (a line each under overload)
-            ctx.metrics.count(ctx.metrics.admission_rejected, exc.reason)
+            metrics = ctx.telemetry.metrics
+            metrics.count(metrics.admission_rejected, exc.reason)
         elif exc.status >= 500:
             logger.warning("request failed: %s", exc.message)
         await responder.fail(exc)
@@ -84,7 +85,7 @@ async def handle_completion(
         await responder.fail(RouterError("internal router error (logged)"))
     finally:
         ctx.lifecycle.untrack(task)
-        ctx.accounting.finish(
+        ctx.telemetry.accounting.finish(
             endpoint.value, stream, status, started, responder.started_at, receipt
         )
         if span is not None:
@@ -130,9 +131,10 @@ def _request_span(
     ctx: AppContext, endpoint: Endpoint, trace_context: dict[str, str]
 ) -> TraceSpan | None:
     """The request's server span, when tracing is on."""
-    if ctx.tracer is None:
+    tracer = ctx.telemetry.tracer
+    if tracer is None:
         return None
-    return ctx.tracer.request_span(
+    return tracer.request_span(
         endpoint.value, trace_context.get("traceparent"), trace_context.get("tracestate")
     )
 

@@ -9,8 +9,8 @@
       "policy": {"prefill": "cache_aware", "decode": "least_load"},
       "ready": true,                         # what GET /ready says (a prefill and a decode up)
       "workers": {"prefill": [W, ...], "decode": [W, ...]},
-      "pairs": [...],                        # ctx.pairs.snapshot(): per P<->D pair counters
-      "traffic": {...},                      # ctx.traffic.snapshot(): rate, errors, TTFT buckets
+      "pairs": [...],              # ctx.telemetry.pairs.snapshot(): per P<->D pair counters
+      "traffic": {...},            # ctx.telemetry.traffic.snapshot(): rate, errors, TTFT buckets
       "registry": {"url": "memory://", "ok": true, "error": null, "since": 1700000000.0},
       "kv_events": [{"worker": url, "dp_rank": 0, **FeedStats.as_dict()}, ...],
       "admission": {"inflight": 3, "queued": 0, "limit": 1024,   # limit null: no limit
@@ -57,7 +57,7 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
     """Everything the status page shows, as plain JSON-ready values."""
     now = time.monotonic()
     pool = ctx.pool
-    registry = ctx.discovery.status
+    registry = ctx.fleet.discovery.status
     circuits = [t.describe() for t in ctx.pipeline.circuits.tripped()]
     breakers = {(c["role"], c["worker"]): c for c in circuits if c["scope"] == "worker"}
     return {
@@ -66,18 +66,18 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
         "policy": ctx.pipeline.chooser.policy_names(),
         "ready": pool.ready(),
         "workers": {
-            "prefill": [_worker(w, ctx.index, now, breakers) for w in pool.prefill],
-            "decode": [_worker(w, ctx.index, now, breakers) for w in pool.decode],
+            "prefill": [_worker(w, ctx.kv.index, now, breakers) for w in pool.prefill],
+            "decode": [_worker(w, ctx.kv.index, now, breakers) for w in pool.decode],
         },
-        "pairs": ctx.pairs.snapshot(),
-        "traffic": ctx.traffic.snapshot(),
+        "pairs": ctx.telemetry.pairs.snapshot(),
+        "traffic": ctx.telemetry.traffic.snapshot(),
         "registry": {
             "url": redact_url(registry.url),
             "ok": registry.ok,
             "error": registry.error,
             "since": registry.since,
         },
-        "kv_events": _kv_events(pool.prefill, ctx.feed),
+        "kv_events": _kv_events(pool.prefill, ctx.kv.feed),
         "admission": _admission(ctx.admission, ctx.settings.admission),
         "circuits": circuits,
     }

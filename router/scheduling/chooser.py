@@ -1,11 +1,12 @@
 """Choosing where one request goes: a prefill (and DP rank) and a decode, or the decode alone.
 
-The prefill policy picks a prefill (``cache_aware`` also its DP rank, from the request's prompt
-features), the decode policy a decode; the choice is timed and counted in the router's metrics.
-With a vLLM protocol the prefill leg may be skipped (``_few_uncached``, ``saturated``): the
-decode alone gets the client's body and prefills locally, when few prompt tokens are predicted
-uncached or every prefill is saturated. No I/O here except tokenizing through a render endpoint
-(``features``).
+The prefill policy picks a prefill and its DP rank (``choose_prefill``, the same for every
+policy; ``cache_aware`` weighs the request's prompt features), the decode policy a decode; the
+choice is timed and counted in the router's metrics. When the protocol's decode can prefill by
+itself (the vLLM protocols: the adapter's ``decode_can_prefill``) the prefill leg may be skipped
+(``_few_uncached``, ``saturated``): the decode alone gets the client's body and prefills locally,
+when few prompt tokens are predicted uncached or every prefill is saturated. No I/O here except
+tokenizing through a render endpoint (``features``).
 
 Circuit breakers (``router.fleet.circuit_breaker``): a worker whose breaker is open is no candidate
 (when every healthy one of a role is open: 503). A chosen prefill -> decode pair whose breaker
@@ -25,8 +26,7 @@ from router.errors import NoWorkerAvailable
 from router.fleet.circuit_breaker import CircuitBreaker, Circuits
 from router.observability.metrics import RouterMetrics
 from router.scheduling.features import Featurizer, RequestFeatures
-from router.scheduling.policies import Policy, least_loaded_rank
-from router.scheduling.policies.cache_aware import CacheAware, PrefillChoice
+from router.scheduling.policies import Policy, PrefillChoice
 from router.schemas import ParsedRequest
 from router.settings import CacheAwareSettings
 from router.upstream.base import UpstreamPool
@@ -34,7 +34,8 @@ from router.workers import Worker
 
 __all__ = ["SKIPPED", "Route", "RouteChooser"]
 
-# Protocols whose decode prefills a request that has no kv_transfer_params by itself.
+# Protocols whose decode prefills a request that has no kv_transfer_params by itself: what
+# their adapters' ``decode_can_prefill`` says, for callers that pass the protocol's name only.
 _DECODE_CAN_PREFILL = frozenset({"vllm-mooncake", "vllm-nixl"})
 SKIPPED = "skipped"
 
@@ -46,7 +47,8 @@ class Route:
     prefill: Worker | None
     rank: int
     decode: Worker
-    choice: PrefillChoice | None = None  # cache_aware's choice, with its prediction
+    # the prefill policy's choice (cache_aware's with its prediction); None: skipped, saturated
+    choice: PrefillChoice | None = None
     reason: str | None = None  # why the prefill leg is skipped
     # prompt tokens the prefill is predicted to compute (pending at its rank meanwhile); 0 unknown
     prefill_tokens: int = 0
@@ -67,7 +69,11 @@ class RouteChooser:
         cache_settings: CacheAwareSettings,
         featurizer: Featurizer,
         circuits: Circuits | None = None,
+        *,
+        decode_can_prefill: bool | None = None,
     ) -> None:
+        """``decode_can_prefill``: the adapter's word (``PDAdapter.decode_can_prefill``); None
+        looks it up by ``protocol``, the adapter's name."""
         self._pool = pool
         self._circuits = circuits
         self._prefill_policy = prefill_policy
@@ -75,19 +81,21 @@ class RouteChooser:
         self._metrics = metrics
         self._cache = cache_settings
         self._featurizer = featurizer
-        self._cache_aware = prefill_policy if isinstance(prefill_policy, CacheAware) else None
-        self._may_skip = protocol in _DECODE_CAN_PREFILL and (
+        if decode_can_prefill is None:
+            decode_can_prefill = protocol in _DECODE_CAN_PREFILL
+        self._may_skip = decode_can_prefill and (
             cache_settings.pd_min_uncached_tokens > 0
             or cache_settings.prefill_saturated_waiting is not None
         )
+        self._wants_features = prefill_policy.reads_features or self._may_skip
         # the prompt's token ids: for precise matching, or to count uncached tokens exactly
-        self._wants_tokens = self._cache_aware is not None or (
+        self._wants_tokens = prefill_policy.reads_tokens or (
             self._may_skip and cache_settings.pd_min_uncached_tokens > 0
         )
 
     async def features(self, request: ParsedRequest) -> RequestFeatures | None:
         """The prompt's text and (when a choice needs them) token ids; None when unused."""
-        if self._cache_aware is None and not self._may_skip:
+        if not self._wants_features:
             return None
         return await self._featurizer.features(request, tokens=self._wants_tokens)
 
@@ -102,8 +110,7 @@ class RouteChooser:
         policy = self._prefill_policy.name
         metrics.observe(metrics.decision_seconds, time.perf_counter() - started, policy)
         if route.reason is None and route.choice is not None and features is not None:
-            assert self._cache_aware is not None
-            self._cache_aware.record(route.choice, features)
+            self._prefill_policy.record(route.choice, features)
         if count:  # once per request, not per retry
             metrics.count(metrics.decisions, policy, self.outcome(route))
         return route
@@ -125,21 +132,9 @@ class RouteChooser:
         prefills = self._pool.available_prefill()
         decodes = self._pool.available_decode()
         mode: str | None = None
-        candidates: list[dict[str, Any]]
-        if self._cache_aware is not None and prefills:
-            mode, candidates = self._cache_aware.scores(prefills, features or RequestFeatures())
-        else:
-            candidates = [
-                {
-                    "worker": worker.public_url,
-                    "dp_rank": rank,
-                    "load": worker.load_score(rank),
-                    "pending_prefill_tokens": worker.pending_tokens(rank),
-                    "predicted_cached_tokens": None,  # only cache_aware predicts
-                }
-                for worker in prefills
-                for rank in range(max(worker.dp_size, 1))
-            ]
+        candidates: list[dict[str, Any]] = []
+        if prefills:
+            mode, candidates = self._prefill_policy.scores(prefills, features or RequestFeatures())
         explained: dict[str, Any] = {
             "policy": self.policy_names(),
             "prompt_tokens": None if features is None else features.prompt_tokens,
@@ -161,7 +156,7 @@ class RouteChooser:
             "dp_rank": route.rank if route.prefill is not None else None,
             "decode": route.decode.public_url,
             "outcome": self.outcome(route),
-            "predicted_cached_tokens": route.choice.cached_tokens if route.choice else None,
+            "predicted_cached_tokens": _predicted_cached_tokens(route.choice),
             "predicted_uncached_tokens": _uncached_tokens(route.choice, features),
         }
         return explained
@@ -205,13 +200,10 @@ class RouteChooser:
     def _prefill_route(
         self, prefills: list[Worker], decode: Worker, features: RequestFeatures | None
     ) -> Route:
-        if self._cache_aware is not None:
-            choice = self._cache_aware.choose_prefill(prefills, features or RequestFeatures())
-            uncached = _uncached_tokens(choice, features) or 0
-            return Route(choice.worker, choice.rank, decode, choice, prefill_tokens=uncached)
-        prefill = self._prefill_policy.choose(prefills)
-        rank = least_loaded_rank(prefill) if prefill.dp_size > 1 else 0
-        return Route(prefill, rank, decode)
+        choice = self._prefill_policy.choose_prefill(prefills, features or RequestFeatures())
+        # the prompt tokens the prefill will compute, when the policy predicts its cache
+        uncached = (_uncached_tokens(choice, features) or 0) if choice.predicted else 0
+        return Route(choice.worker, choice.rank, decode, choice, prefill_tokens=uncached)
 
     def _avoid_open_pair(
         self,
@@ -255,9 +247,14 @@ class RouteChooser:
 
 
 def _uncached_tokens(choice: PrefillChoice | None, features: RequestFeatures | None) -> int | None:
-    """The prompt tokens predicted uncached at the chosen prefill (all of them without a
-    cache_aware choice); None when the prompt's size is unknown."""
+    """The prompt tokens predicted uncached at the chosen prefill (all of them without a cache
+    prediction); None when the prompt's size is unknown."""
     total = None if features is None else features.prompt_tokens
     if total is None:
         return None
     return max(total - (choice.cached_tokens if choice is not None else 0), 0)
+
+
+def _predicted_cached_tokens(choice: PrefillChoice | None) -> int | None:
+    """The prompt tokens predicted cached at the chosen prefill; None without a prediction."""
+    return choice.cached_tokens if choice is not None and choice.predicted else None

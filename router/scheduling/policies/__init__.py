@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from router.kv_cache.index import KVBlockIndex
 from router.kv_cache.prefix_tree import ApproxPrefixTree
-from router.scheduling.policies.base import Policy, least_loaded_rank
+from router.scheduling.policies.base import LoadPolicy, Policy, PrefillChoice, least_loaded_rank
 from router.scheduling.policies.cache_aware import CacheAware
 from router.scheduling.policies.least_load import LeastLoad
 from router.scheduling.policies.power_of_two import PowerOfTwo
@@ -17,7 +17,9 @@ __all__ = [
     "CACHE_AWARE",
     "POLICIES",
     "CacheAware",
+    "LoadPolicy",
     "Policy",
+    "PrefillChoice",
     "build_policies",
     "build_policy",
     "least_loaded_rank",

@@ -40,6 +40,7 @@ from router.kv_cache.index import KVBlockIndex, Location
 from router.kv_cache.prefix_tree import ApproxPrefixTree
 from router.kv_tiers import TierMatch, TierWeights
 from router.scheduling.features import RequestFeatures
+from router.scheduling.policies.base import LOAD, PrefillChoice
 from router.settings import CacheAwareSettings
 from router.workers import Worker
 
@@ -47,20 +48,7 @@ __all__ = ["APPROXIMATE", "LOAD", "PRECISE", "CacheAware", "PrefillChoice"]
 
 PRECISE = "precise"
 APPROXIMATE = "approximate"
-LOAD = "load"
 _NO_MATCH = TierMatch((0, 0, 0))
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillChoice:
-    """The chosen prefill and DP rank, how they were chosen, and the prompt tokens predicted to
-    be cached there (0 when unknown; precise: credited by cache tier)."""
-
-    worker: Worker
-    rank: int
-    how: str  # "precise" | "approximate" | "load" (imbalance, or too little cached to decide)
-    cached_tokens: int = 0
-    mode: str = LOAD  # how the cache was judged: what ``CacheAware.record`` remembers
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +69,8 @@ class CacheAware:
     """The ``cache_aware`` prefill policy over a shared index and prefix tree."""
 
     name = "cache_aware"
+    reads_features = True
+    reads_tokens = True  # precise matching, when a token source is configured
 
     def __init__(
         self,
@@ -130,7 +120,7 @@ class CacheAware:
             best = self._least(range(len(places)), loads)
         how = mode if following and cached[best] > 0 else LOAD
         worker, rank = places[best]
-        return PrefillChoice(worker, rank, how, cached[best], mode)
+        return PrefillChoice(worker, rank, how, cached[best], mode, predicted=True)
 
     def scores(
         self, candidates: Sequence[Worker], features: RequestFeatures

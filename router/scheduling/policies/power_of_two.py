@@ -1,14 +1,17 @@
+"""``power_of_two``: the less loaded of two random candidates."""
+
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
 
+from router.scheduling.policies.base import LoadPolicy
 from router.workers import Worker
 
 __all__ = ["PowerOfTwo"]
 
 
-class PowerOfTwo:
+class PowerOfTwo(LoadPolicy):
     """Two random candidates; the one with the lower ``load_score`` wins (first on a tie)."""
 
     name = "power_of_two"

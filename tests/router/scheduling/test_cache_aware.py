@@ -18,9 +18,10 @@ from router.adapters import VllmNixlAdapter
 from router.kv_cache.index import KVBlockIndex, chain_keys
 from router.kv_cache.prefix_tree import ApproxPrefixTree
 from router.kv_tiers import Tier
-from router.scheduling.features import LocalTokenizer, RequestFeatures, request_text
+from router.scheduling.features import RequestFeatures, request_text
 from router.scheduling.policies import build_policies, build_policy
 from router.scheduling.policies.cache_aware import CacheAware
+from router.scheduling.tokenizers import LocalTokenizer
 from router.schemas import Endpoint, parse_request
 from router.settings import CacheAwareSettings, PolicySettings, WorkerSpec
 from router.workers import Role, Worker

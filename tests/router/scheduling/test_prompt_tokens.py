@@ -13,13 +13,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from router.scheduling.features import (
-    Featurizer,
-    LocalTokenizer,
-    RenderTokenizer,
-    estimate_tokens,
-    request_text,
-)
+from router.scheduling.features import Featurizer, estimate_tokens, request_text
+from router.scheduling.tokenizers import LocalTokenizer, RenderTokenizer
 from router.schemas import Endpoint, parse_request
 from testkit.servers import arun_server
 

@@ -1,4 +1,4 @@
-"""The router's tokenizer (``router.scheduling.features``) and the simulated engine's
+"""The router's tokenizer (``router.scheduling.tokenizers``) and the simulated engine's
 (``worker.tokenizer``) must give the same token ids for the same request: precise cache-aware
 routing keys blocks by them, so one differing id makes every later block miss."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.scheduling.features import LocalTokenizer
+from router.scheduling.tokenizers import LocalTokenizer
 from router.schemas import Endpoint, parse_request
 from testkit.tokenizer_dir import build_tokenizer_dir
 from worker.tokenizer import HFTokenizer

@@ -1,0 +1,383 @@
+"""Loading the prompt's token ids as the engine will see them (precise routing): tokenizers
+and chat templates.
+
+Three sources, chosen by settings (``open_token_source``):
+
+* ``--tokenizer DIR``: ``tokenizer.json`` through the ``tokenizers`` library, chat messages
+  rendered with ``tokenizer_config.json``'s Jinja ``chat_template`` (else ``chat_template.jinja``,
+  where newer transformers save it) the way Hugging Face does
+  (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``add_generation_prompt=True``), then encoded
+  without special tokens; a completions prompt is encoded with them. vLLM tokenizes these
+  simple templates the same way, and so does ``pd-worker --tokenizer``.
+* ``--render-url URL``: the engine's own render API (vLLM >= 0.32, PROTOCOLS.md 11.2), 5 s
+  timeout; a failure leaves that request to approximate routing.
+* neither: no token ids (approximate routing over ``features.request_text`` only).
+
+Repeated prefixes (a long system prompt, earlier turns) are cheap: the rendered text is split at
+added-token occurrences (the tokenizer itself splits there first, so encoding piece by piece is
+exact; checked once at load, else the cache is not used) and each piece's ids are kept in a
+bounded LRU. Encoding what the cache misses runs inline when short and in a worker thread
+(``tokenizers`` releases the GIL) when long, so a huge prompt does not stall the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from router.schemas import Endpoint, ParsedRequest
+from router.settings import CacheAwareSettings
+
+__all__ = [
+    "INLINE_ENCODE_CHARS",
+    "LocalTokenizer",
+    "RenderTokenizer",
+    "TokenSource",
+    "message_text",
+    "open_token_source",
+    "token_id_prompt",
+]
+
+logger = logging.getLogger(__name__)
+
+# Uncached text longer than this is encoded in a worker thread. Measured with a Qwen-style BPE
+# (151k vocab) on this project's shared 2-core machine: ~0.5-1.5 ms per 1,000 chars of English,
+# superlinear past 16k; a thread hop costs 0.1-0.5 ms. So about 4k chars (a few ms) inline.
+INLINE_ENCODE_CHARS = 4096
+RENDER_TIMEOUT_S = 5.0
+_RENDER_PATHS = {
+    Endpoint.CHAT: "/v1/chat/completions/render",
+    Endpoint.COMPLETIONS: "/v1/completions/render",
+}
+
+
+class TokenSource(Protocol):
+    """Turns a request into the prompt token ids the engine will compute."""
+
+    async def tokens(self, request: ParsedRequest) -> list[int] | None:
+        """The ids, or None when they cannot be known (batched prompts, a failed render).
+        Never raises for a bad request: routing then falls back to approximate."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+def message_text(content: Any) -> str:
+    """A message's text: a string, or the ``text`` parts of a content list joined by newlines
+    (what vLLM's chat front end passes to the template)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and part.get("type") == "text"
+            if isinstance(part.get("text"), str)
+        ]
+        return "\n".join(texts)
+    return ""
+
+
+def token_id_prompt(request: ParsedRequest) -> list[int] | None:
+    """A completions prompt given as token ids is its own tokenization."""
+    prompt = request.body.get("prompt")
+    if (
+        request.endpoint is Endpoint.COMPLETIONS
+        and request.batch is None
+        and isinstance(prompt, list)
+    ):
+        return [int(token) for token in prompt]
+    return None
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {**message, "content": message_text(message.get("content"))}
+        for message in body.get("messages", ())
+    ]
+
+
+def _token_text(value: Any) -> str | None:
+    """``bos_token`` and friends: a string or an AddedToken dict ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+class _SegmentCache:
+    """A bounded LRU of text piece -> token ids."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, piece: str) -> tuple[int, ...] | None:
+        ids = self._entries.get(piece)
+        if ids is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(piece)
+        self.hits += 1
+        return ids
+
+    def put(self, piece: str, ids: tuple[int, ...]) -> None:
+        if self.capacity <= 0:
+            return
+        self._entries[piece] = ids
+        self._entries.move_to_end(piece)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+
+class LocalTokenizer:
+    """A Hugging Face tokenizer directory, used exactly as the engines use it."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        cache_entries: int = 8192,
+        inline_chars: int = INLINE_ENCODE_CHARS,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._specials = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
+        self._template = (
+            None if chat_template is None else _environment().from_string(chat_template)
+        )
+        self._inline_chars = inline_chars
+        self.cache = _SegmentCache(cache_entries)
+        self._added = self._splitting_tokens()
+        self._splitter = (
+            re.compile("(" + "|".join(re.escape(token) for token in self._added) + ")")
+            if self._added
+            else None
+        )
+        self._prefix, self._suffix = self._special_wrapping()
+        if self._splitter is not None and not self._segments_are_exact():
+            logger.warning("tokenizer: encoding split at added tokens is not exact; no cache")
+            self._splitter = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path, *, cache_entries: int = 8192) -> LocalTokenizer:
+        """Load ``tokenizer.json`` and ``tokenizer_config.json``; raises ValueError when the
+        directory does not hold a usable tokenizer."""
+        root = Path(path)
+        try:
+            tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
+            raise ValueError(f"cannot load {root / 'tokenizer.json'}: {exc}") from exc
+        config: dict[str, Any] = {}
+        config_path = root / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"cannot read {config_path}: {exc}") from exc
+        template = config.get("chat_template")
+        jinja_file = root / "chat_template.jinja"  # where newer transformers save it
+        if not isinstance(template, str) and jinja_file.is_file():
+            template = jinja_file.read_text()
+        return cls(
+            tokenizer,
+            chat_template=template if isinstance(template, str) else None,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            cache_entries=cache_entries,
+        )
+
+    async def tokens(self, request: ParsedRequest) -> list[int] | None:
+        ids = token_id_prompt(request)
+        if ids is not None or request.batch is not None:
+            return ids
+        if request.endpoint is Endpoint.CHAT:
+            text = self.render_chat(request.body)
+            if text is None:
+                return None
+            return await self.aencode(text, add_special_tokens=False)
+        prompt = request.body.get("prompt")
+        if not isinstance(prompt, str):
+            return None
+        return await self.aencode(prompt, add_special_tokens=True)
+
+    async def aclose(self) -> None:
+        return None
+
+    def render_chat(self, body: dict[str, Any]) -> str | None:
+        """The chat template applied to the body's messages; None without a template or when
+        the template refuses them."""
+        if self._template is None:
+            return None
+        try:
+            return self._template.render(
+                messages=_messages(body), add_generation_prompt=True, **self._specials
+            )
+        except jinja2.TemplateError as exc:
+            logger.debug("chat template failed, routing approximately: %s", exc)
+            return None
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``, equal to ``Tokenizer.encode(text, add_special_tokens)``."""
+        pieces = self._pieces(text)
+        missing = [piece for piece, ids in pieces if ids is None]
+        return self._assemble(pieces, self._encode_pieces(missing), add_special_tokens)
+
+    async def aencode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """``encode``, in a worker thread when the uncached part is long."""
+        pieces = self._pieces(text)
+        missing = [piece for piece, ids in pieces if ids is None]
+        if sum(len(piece) for piece in missing) > self._inline_chars:
+            encoded = await asyncio.to_thread(self._encode_pieces, missing)
+        else:
+            encoded = self._encode_pieces(missing)
+        return self._assemble(pieces, encoded, add_special_tokens)
+
+    def _pieces(self, text: str) -> list[tuple[str, tuple[int, ...] | None]]:
+        if self._splitter is None:
+            return [(text, None)]
+        return [(piece, self.cache.get(piece)) for piece in self._splitter.split(text) if piece]
+
+    def _encode_pieces(self, pieces: Sequence[str]) -> list[tuple[int, ...]]:
+        if not pieces:
+            return []
+        batch = self._tokenizer.encode_batch(list(pieces), add_special_tokens=False)
+        return [tuple(encoding.ids) for encoding in batch]
+
+    def _assemble(
+        self,
+        pieces: list[tuple[str, tuple[int, ...] | None]],
+        encoded: list[tuple[int, ...]],
+        add_special_tokens: bool,
+    ) -> list[int]:
+        fresh = iter(encoded)
+        out: list[int] = list(self._prefix) if add_special_tokens else []
+        for piece, cached in pieces:
+            ids = cached
+            if ids is None:
+                ids = next(fresh)
+                if self._splitter is not None:
+                    self.cache.put(piece, ids)
+            out.extend(ids)
+        if add_special_tokens:
+            out.extend(self._suffix)
+        return out
+
+    def _splitting_tokens(self) -> list[str]:
+        """The added tokens text is split at (longest first). Tokens that strip whitespace,
+        match single words or are normalized stay inside pieces: the tokenizer handles them."""
+        return sorted(
+            {
+                token.content
+                for token in self._tokenizer.get_added_tokens_decoder().values()
+                if token.content
+                and not (token.lstrip or token.rstrip or token.single_word or token.normalized)
+            },
+            key=len,
+            reverse=True,
+        )
+
+    def _special_wrapping(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The ids the post-processor puts before and after a single sequence (BOS, EOS)."""
+        plain = self._tokenizer.encode("a", add_special_tokens=False).ids
+        full = self._tokenizer.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return tuple(full[:start]), tuple(full[start + len(plain) :])
+        return (), ()
+
+    def _segments_are_exact(self) -> bool:
+        """Piecewise encoding equals whole-text encoding on a probe mixing added tokens."""
+        assert self._splitter is not None
+        probe = "Start here" + " Hello world!\n".join(["", *self._added[:3], ""]) + " tail\n\nend"
+        for special in (False, True):
+            whole = self._tokenizer.encode(probe, add_special_tokens=special).ids
+            pieces = [piece for piece in self._splitter.split(probe) if piece]
+            encoded = self._encode_pieces(pieces)
+            joined = [token for ids in encoded for token in ids]
+            if special:
+                joined = [*self._prefix, *joined, *self._suffix]
+            if joined != whole:
+                return False
+        return True
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The Jinja environment Hugging Face ``apply_chat_template`` uses."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, indent=indent, ensure_ascii=False
+    )
+    return env
+
+
+class RenderTokenizer:
+    """The engine's render API: ``POST {url}/v1/chat/completions/render`` answers one
+    ``GenerateRequest`` (``{"token_ids": [...], ...}``), ``/v1/completions/render`` a list of
+    them (vLLM 0.32 ``entrypoints/scale_out/render``)."""
+
+    def __init__(self, url: str, *, client: httpx.AsyncClient | None = None) -> None:
+        self._url = url.rstrip("/")
+        self._client = client or httpx.AsyncClient(timeout=RENDER_TIMEOUT_S)
+
+    async def tokens(self, request: ParsedRequest) -> list[int] | None:
+        ids = token_id_prompt(request)
+        if ids is not None or request.batch is not None:
+            return ids
+        url = self._url + _RENDER_PATHS[request.endpoint]
+        try:
+            response = await self._client.post(url, json=request.body)
+            response.raise_for_status()
+            return _render_ids(response.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.warning("render at %s failed, routing approximately: %s", url, exc)
+            return None
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _render_ids(answer: Any) -> list[int]:
+    """The token ids in a render answer (one object, or a one-element list of them)."""
+    if isinstance(answer, list) and len(answer) == 1:
+        answer = answer[0]
+    ids = answer.get("token_ids") if isinstance(answer, dict) else None
+    if not isinstance(ids, list) or not all(type(token) is int for token in ids):
+        raise ValueError(f"the render answer carries no token_ids list: {str(answer)[:200]}")
+    return ids
+
+
+def open_token_source(settings: CacheAwareSettings) -> TokenSource | None:
+    """The configured token source: a local tokenizer (preferred), the render API, or None."""
+    if settings.tokenizer is not None:
+        return LocalTokenizer.from_dir(
+            settings.tokenizer, cache_entries=settings.tokenize_cache_entries
+        )
+    if settings.render_url is not None:
+        return RenderTokenizer(settings.render_url)
+    return None
