@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import uvicorn
 
@@ -23,87 +23,113 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+Add = Callable[..., argparse.Action]  # a parser's or an argument group's ``add_argument``
+
+
 def build_parser() -> argparse.ArgumentParser:
     """pd-worker's argument parser."""
     parser = argparse.ArgumentParser(prog="pd-worker", description="simulated PD engine worker")
-    parser.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--registry", help="bootstrap API a prefill registers with (host:port/URL)")
-    parser.add_argument("--namespace", help="registry namespace (/bootstrap/NS)")
-    parser.add_argument(
-        "--protocol",
-        choices=["sglang", "vllm-mooncake"],
-        default="sglang",
-        help="PD protocol a prefill registers and serves (a decode reads both)",
-    )
-    parser.add_argument("--dp", type=int, default=1, help="prefill DP ranks in this process")
-    parser.add_argument("--engine-id", help="vLLM engine id (default: a uuid; _dpN per rank)")
-    parser.add_argument(
-        "--chunk-tokens",
-        type=int,
-        default=2048,
-        help="chunked prefill: prompt tokens per forward chunk",
-    )
-    parser.add_argument(
-        "--engine",
-        choices=["loopback", "mooncake"],
-        default="mooncake",
-        help="transfer engine (loopback only moves KV within one process)",
-    )
-    parser.add_argument("--model", default="sim-model")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--bytes-per-token", type=int, default=4096, help="per layer, K+V")
-    parser.add_argument("--pages", type=int, default=1024)
-    parser.add_argument("--max-prompt-tokens", type=int, default=8192)
-    parser.add_argument("--transfer-timeout", type=float, default=30.0)
-    parser.add_argument(
-        "--compute-s-per-token",
-        type=float,
-        default=0.0,
-        help="simulated prefill forward time per prompt token",
-    )
-    parser.add_argument(
-        "--decode-s-per-token",
-        type=float,
-        default=0.0,
-        help="simulated decode step: seconds between streamed tokens",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        help="Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with a "
-        "chat_template); default: one token per UTF-8 byte",
-    )
-    parser.add_argument(
-        "--hash-seed",
-        help="vLLM protocol: prefix-cache block hash seed, like PYTHONHASHSEED "
-        "(default: random per process; give the same seed across restarts for pages kept in "
-        "--hicache-storage-dir to match again)",
-    )
-    parser.add_argument(
-        "--kv-events-config",
-        metavar="JSON",
-        help='KV cache events, as vLLM/SGLang: \'{"enable_kv_cache_events": true, '
-        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; '
-        "DP rank r publishes on port+r",
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    _add_role_args(add)
+    _add_pool_args(add)
+    _add_prompt_args(add)
+    add(
         "--fault-api",
         action="store_true",
         help="serve POST/GET /debug/fault to inject 5xx answers and slow decoding (soak tests "
         "only; off by default)",
     )
     _add_hicache_args(parser)
-    parser.add_argument("--log-level", default="warning")
+    add("--log-level", default="warning")
     return parser
+
+
+def _add_role_args(add: Add) -> None:
+    """The role, where it listens, the PD protocol, its DP ranks and its transfer engine."""
+    add("--role", choices=["prefill", "decode", "both"], required=True)
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=30000)
+    add("--registry", help="bootstrap API a prefill registers with (host:port/URL)")
+    add("--namespace", help="registry namespace (/bootstrap/NS)")
+    add(
+        "--protocol",
+        choices=["sglang", "vllm-mooncake"],
+        default="sglang",
+        help="PD protocol a prefill registers and serves (a decode reads both)",
+    )
+    add("--dp", type=int, default=1, help="prefill DP ranks in this process")
+    add("--engine-id", help="vLLM engine id (default: a uuid; _dpN per rank)")
+    add(
+        "--chunk-tokens",
+        type=int,
+        default=2048,
+        help="chunked prefill: prompt tokens per forward chunk",
+    )
+    add(
+        "--engine",
+        choices=["loopback", "mooncake"],
+        default="mooncake",
+        help="transfer engine (loopback only moves KV within one process)",
+    )
+
+
+def _add_pool_args(add: Add) -> None:
+    """The model, its KV pool's shape, and the simulated times."""
+    add("--model", default="sim-model")
+    add("--layers", type=int, default=8)
+    add("--page-size", type=int, default=16)
+    add("--bytes-per-token", type=int, default=4096, help="per layer, K+V")
+    add("--pages", type=int, default=1024)
+    add("--max-prompt-tokens", type=int, default=8192)
+    add("--transfer-timeout", type=float, default=30.0)
+    add(
+        "--compute-s-per-token",
+        type=float,
+        default=0.0,
+        help="simulated prefill forward time per prompt token",
+    )
+    add(
+        "--decode-s-per-token",
+        type=float,
+        default=0.0,
+        help="simulated decode step: seconds between streamed tokens",
+    )
+
+
+def _add_prompt_args(add: Add) -> None:
+    """How prompts become tokens and block keys, and the KV event feed."""
+    add(
+        "--tokenizer",
+        metavar="DIR",
+        help="Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with a "
+        "chat_template); default: one token per UTF-8 byte",
+    )
+    add(
+        "--hash-seed",
+        help="vLLM protocol: prefix-cache block hash seed, like PYTHONHASHSEED "
+        "(default: random per process; give the same seed across restarts for pages kept in "
+        "--hicache-storage-dir to match again)",
+    )
+    add(
+        "--kv-events-config",
+        metavar="JSON",
+        help='KV cache events, as vLLM/SGLang: \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; '
+        "DP rank r publishes on port+r",
+    )
 
 
 def _add_hicache_args(parser: argparse.ArgumentParser) -> None:
     """The tiered KV cache (``worker.hicache.controller``), named after SGLang's --hicache-*."""
-    group = parser.add_argument_group("tiered KV cache (HiCache)")
-    add = group.add_argument
+    add = parser.add_argument_group("tiered KV cache (HiCache)").add_argument
+    _add_hicache_l2_args(add)
+    _add_hicache_l3_args(add)
+    _add_hicache_prefetch_args(add)
+    _add_hicache_link_args(add)
+
+
+def _add_hicache_l2_args(add: Add) -> None:
+    """L2 (host pool) size and the backup policy."""
     add("--hicache-host-pages", type=int, default=0, help="L2 host pool pages (0: no tiers)")
     add(
         "--hicache-write-policy",
@@ -116,6 +142,10 @@ def _add_hicache_args(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="write_through_selective: hits before a page is backed up",
     )
+
+
+def _add_hicache_l3_args(add: Add) -> None:
+    """L3: the page store backend and its settings."""
     add("--hicache-storage-backend", choices=["none", "file", "mooncake"], default="none")
     add(
         "--hicache-storage-dir",
@@ -127,6 +157,10 @@ def _add_hicache_args(parser: argparse.ArgumentParser) -> None:
     add("--hicache-storage-fsync", choices=["never", "page"], default="never")
     add("--hicache-mooncake-master", metavar="HOST:PORT", help="mooncake backend: the master")
     add("--hicache-mooncake-metadata", default="P2PHANDSHAKE", help="mooncake metadata server")
+
+
+def _add_hicache_prefetch_args(add: Add) -> None:
+    """L3 -> L2 prefetch: its late policy, threshold, timeout and rate."""
     add(
         "--hicache-prefetch-policy",
         choices=["best_effort", "wait_complete", "timeout"],
@@ -147,6 +181,10 @@ def _add_hicache_args(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES_PER_S",
         help="prefetch rate limit (0: none)",
     )
+
+
+def _add_hicache_link_args(add: Add) -> None:
+    """The modelled links and the layer-by-layer load."""
     add(
         "--hicache-host-bandwidth",
         type=float,

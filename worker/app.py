@@ -13,7 +13,7 @@ tests (``bench/soak/main.py``): ``POST /debug/fault`` injects a fault for a whil
 completion requests answer 500; ``{"slow_s": 10, "slow_s_per_token": 0.1}``: that much more
 time per generated token), ``GET /debug/fault`` reads the injected state and the count of
 completions answered 200 by this process. Without the flag these routes do not exist.
-Request parsing is ``worker.protocol``; what a sequence does per role is ``worker.sim``.
+Request parsing is ``worker.protocol``; what a sequence does per role is ``worker.serving``.
 """
 
 from __future__ import annotations

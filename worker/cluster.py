@@ -16,6 +16,12 @@ router (``--tokenizer`` to every worker too); any other router flag goes through
 ``--router-arg=FLAG`` each (e.g. ``--router-arg=--load-interval --router-arg=0.5``); worker flags
 go after ``--``.
 
+The console shows the router's log and pd-cluster's own lines (the ready line and a sample curl,
+the worker log directory). Each worker's stdout and stderr, its transfer engine's native log lines
+(Mooncake's glog) included, go to ``<log dir>/prefill-<i>.log`` / ``decode-<j>.log`` (``--log-dir``;
+default: a new ``pd-cluster-*`` directory under the system's temp directory, kept after exit); a
+worker that exits says so on the console with its log's path and last lines.
+
 ``--hicache-storage-dir DIR`` (given to pd-cluster, or among the worker flags after ``--``) gives
 each worker its own L3 directory, ``DIR/prefill-<i>`` and ``DIR/decode-<j>``: the same on every
 start, so a restarted cluster serves what its workers stored before (the workers also need
@@ -28,14 +34,13 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
 
-import httpx
+from worker.children import Children, supervise, terminating, wait_ready
 
 __all__ = ["main"]
 
@@ -82,6 +87,19 @@ def _kv_events_config(events: int, replay: int) -> str:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pd-cluster", description="local PD cluster")
+    _add_cluster_args(parser)
+    _add_passed_on_args(parser)
+    args = parser.parse_args(argv)
+    args.worker_args, root = _take_storage_dir(args.worker_args)
+    if root is not None:
+        if args.hicache_storage_dir not in (None, root):
+            parser.error("--hicache-storage-dir given twice, with different directories")
+        args.hicache_storage_dir = root
+    return args
+
+
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    """The cluster's shape, ports, protocol and start-up."""
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--port", type=int, default=8000, help="router port")
@@ -93,6 +111,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="PD protocol the router and the workers speak",
     )
     parser.add_argument("--ready-timeout", type=float, default=60.0)
+
+
+def _add_passed_on_args(parser: argparse.ArgumentParser) -> None:
+    """What goes on to the router and the workers, and where the workers log."""
     parser.add_argument("--policy", choices=_POLICIES, help="router policy for both roles")
     parser.add_argument("--prefill-policy", choices=_POLICIES, help="router policy for prefill")
     parser.add_argument("--decode-policy", choices=_POLICIES, help="router policy for decode")
@@ -128,17 +150,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "stable across restarts",
     )
     parser.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="worker logs (stdout and stderr, the transfer engine's native lines included): "
+        "DIR/prefill-<i>.log, DIR/decode-<j>.log (default: a new temporary directory)",
+    )
+    parser.add_argument(
         "worker_args",
         nargs=argparse.REMAINDER,
         help="after --: extra pd-worker arguments (e.g. --pages 512)",
     )
-    args = parser.parse_args(argv)
-    args.worker_args, root = _take_storage_dir(args.worker_args)
-    if root is not None:
-        if args.hicache_storage_dir not in (None, root):
-            parser.error("--hicache-storage-dir given twice, with different directories")
-        args.hicache_storage_dir = root
-    return args
 
 
 _STORAGE_DIR = "--hicache-storage-dir"
@@ -157,48 +178,6 @@ def _take_storage_dir(worker_args: list[str]) -> tuple[list[str], str | None]:
         else:
             rest.append(item)
     return rest, root
-
-
-class _Children:
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, args: list[str]) -> None:
-        self.procs.append(subprocess.Popen([sys.executable, "-m", *args], start_new_session=True))
-
-    def dead(self) -> subprocess.Popen[bytes] | None:
-        return next((p for p in self.procs if p.poll() is not None), None)
-
-    def restart(self, proc: subprocess.Popen[bytes]) -> None:
-        """Start the exited ``proc``'s command again in its place."""
-        self.procs[self.procs.index(proc)] = subprocess.Popen(proc.args, start_new_session=True)
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def _wait(url: str, children: _Children, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = children.dead()
-        if dead is not None:
-            raise SystemExit(f"pd-cluster: {dead.args!r} exited with {dead.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise SystemExit(f"pd-cluster: {url} not ready after {timeout:g} s")
 
 
 class _Layout:
@@ -271,31 +250,37 @@ def _decode_args(args: argparse.Namespace, port: int, index: int) -> list[str]:
     return out + _worker_args(args, f"decode-{index}")
 
 
-@contextlib.contextmanager
-def _terminating() -> Iterator[None]:
-    def stop(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _log_dir(args: argparse.Namespace) -> Path:
+    """The workers' log directory (``--log-dir``, created; default: a new temporary one)."""
+    if args.log_dir is None:
+        return Path(tempfile.mkdtemp(prefix="pd-cluster-"))
+    path = Path(args.log_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
-def _supervise(children: _Children, restart_workers: bool) -> None:
-    """Return when a child exits; with ``restart_workers``, a worker (any child but the router,
-    the first) is started again instead, at most once a second."""
-    while True:
-        time.sleep(0.5)
-        dead = children.dead()
-        if dead is None:
-            continue
-        if not restart_workers or dead is children.procs[0]:
-            return
-        print(f"pd-cluster: {dead.args!r} exited with {dead.returncode}; restarting", flush=True)
-        time.sleep(0.5)
-        children.restart(dead)
+def _start(args: argparse.Namespace, layout: _Layout, children: Children, router: str) -> None:
+    """The router, then (once it answers) the workers, each logging to its file."""
+    logs = _log_dir(args)
+    children.start("router", _router_args(args, layout))
+    wait_ready(f"{router}/health", children, args.ready_timeout)
+    rows = zip(layout.prefills, layout.namespaces, layout.events, strict=True)
+    for index, (port, ns_port, events) in enumerate(rows):
+        name = f"prefill-{index}"
+        children.start(
+            name, _prefill_args(args, port, ns_port, events, index), logs / f"{name}.log"
+        )
+    for index, port in enumerate(layout.decodes):
+        name = f"decode-{index}"
+        children.start(name, _decode_args(args, port, index), logs / f"{name}.log")
+    wait_ready(f"{router}/ready", children, args.ready_timeout)
+    dp = f", DP={args.dp}" if args.dp > 1 else ""
+    print(f"pd-cluster ready: {router}  ({args.prefill}P{args.decode}D{dp}, {args.engine})")
+    print(
+        f"  curl {router}/v1/completions -H 'Content-Type: application/json' "
+        '-d \'{"model": "sim-model", "prompt": "Hello", "max_tokens": 16}\''
+    )
+    print(f"  worker logs: {logs}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -303,27 +288,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if min(args.prefill, args.decode, args.dp) < 1:
         raise SystemExit("pd-cluster: --prefill, --decode and --dp must be >= 1")
     layout = _Layout(args)
-    children = _Children()
-    router = f"http://{_HOST}:{args.port}"
-    with _terminating():
+    children = Children()
+    with terminating():
         try:
-            children.start(_router_args(args, layout))
-            _wait(f"{router}/health", children, args.ready_timeout)
-            rows = zip(layout.prefills, layout.namespaces, layout.events, strict=True)
-            for index, (port, ns_port, events) in enumerate(rows):
-                children.start(_prefill_args(args, port, ns_port, events, index))
-            for index, port in enumerate(layout.decodes):
-                children.start(_decode_args(args, port, index))
-            _wait(f"{router}/ready", children, args.ready_timeout)
-            dp = f", DP={args.dp}" if args.dp > 1 else ""
-            print(f"pd-cluster ready: {router}  ({args.prefill}P{args.decode}D{dp}, {args.engine})")
-            print(
-                f"  curl {router}/v1/completions -H 'Content-Type: application/json' "
-                '-d \'{"model": "sim-model", "prompt": "Hello", "max_tokens": 16}\'',
-                flush=True,
-            )
-            _supervise(children, args.restart_workers)
-            print("pd-cluster: a child exited; stopping", file=sys.stderr)
+            _start(args, layout, children, f"http://{_HOST}:{args.port}")
+            dead = supervise(children, args.restart_workers)
+            print(f"pd-cluster: {children.exited(dead)}\npd-cluster: stopping", file=sys.stderr)
         except KeyboardInterrupt:
             pass
         finally:

@@ -205,7 +205,9 @@ class EngineLoadMonitor:
 
     Every ``interval_s`` (0: never) it reads every worker's load concurrently, each read bounded
     by ``timeout_s``, and records it on the worker (``Worker.record_engine_load``), or forgets it
-    when the read fails. It logs at INFO only when a worker's load becomes known or unknown.
+    when the read fails. It logs only when a worker's load becomes known (INFO) or unknown
+    (WARNING), every other read at DEBUG; a worker that has never answered yet (still starting:
+    connection refused, no answer in time) is unknown at DEBUG until it first answers.
     """
 
     def __init__(self, pool: WorkerPool[Any], engine: EngineProtocol, settings: LoadSettings):
@@ -219,6 +221,7 @@ class EngineLoadMonitor:
         self._read: _Reader = self._read_sglang if sglang else self._read_vllm
         self._metrics_only: set[str] = set()  # SGLang workers whose /v1/loads answered 404
         self._known: dict[str, bool] = {}  # worker id -> whether its last read succeeded
+        self._answered: set[str] = set()  # workers that have answered a read at least once
 
     async def run(self) -> None:
         """Read every worker's load now and then every ``interval_s`` until cancelled."""
@@ -235,6 +238,7 @@ class EngineLoadMonitor:
         ids = {worker.id for worker in workers}
         self._metrics_only &= ids
         self._known = {wid: known for wid, known in self._known.items() if wid in ids}
+        self._answered &= ids
         await asyncio.gather(*(self.poll(worker) for worker in workers))
 
     async def poll(self, worker: Worker) -> None:
@@ -275,17 +279,26 @@ class EngineLoadMonitor:
             response = await self._client.get(worker.url + path)
         except httpx.HTTPError as exc:
             raise LoadUnavailable(f"GET {path} failed: {exc!r}") from exc
+        self._answered.add(worker.id)
         if response.status_code != 200 and not (missing_ok and response.status_code == 404):
             raise LoadUnavailable(f"GET {path} answered HTTP {response.status_code}")
         return response
 
     def _note(self, worker: Worker, known: bool, detail: object) -> None:
-        """INFO when the worker's load turns known or unknown; DEBUG for every other read."""
+        """INFO when the worker's load turns known, WARNING when it turns unknown; DEBUG for every
+        other read. A worker that has never answered (any HTTP answer) is still starting: its
+        failed reads are DEBUG, and recorded as nothing, until it first answers."""
+        role, url = worker.role.value, worker.public_url
+        if not known and worker.id not in self._answered:
+            logger.debug("load of %s worker %s: not answering yet: %s", role, url, detail)
+            return
         if self._known.get(worker.id) is known:
-            logger.debug("load of %s worker %s: %s", worker.role.value, worker.public_url, detail)
+            logger.debug("load of %s worker %s: %s", role, url, detail)
             return
         self._known[worker.id] = known
-        state = "known" if known else "unknown (in-flight counts stand in)"
-        logger.info(
-            "load of %s worker %s is %s: %s", worker.role.value, worker.public_url, state, detail
-        )
+        if known:
+            logger.info("load of %s worker %s is known: %s", role, url, detail)
+        else:
+            logger.warning(
+                "load of %s worker %s is unknown (in-flight counts stand in): %s", role, url, detail
+            )

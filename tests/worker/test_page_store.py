@@ -19,13 +19,8 @@ import pytest
 
 from testkit.mooncake_master import MooncakeMaster, MooncakeMissing
 from testkit.polling import await_until
-from worker.hicache.stores.base import (
-    PageCorrupt,
-    PageStoreError,
-    StoredPage,
-    StoredPageHeader,
-    open_page_store,
-)
+from worker.hicache.stores import open_page_store
+from worker.hicache.stores.base import PageCorrupt, PageStoreError, StoredPage, StoredPageHeader
 from worker.hicache.stores.codec import PREFIX, decode_page, encode_page
 from worker.hicache.stores.directory import DirectoryPageStore
 from worker.hicache.stores.mooncake import MooncakePageStore

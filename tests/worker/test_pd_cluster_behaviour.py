@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -347,49 +348,72 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
 
 
+# a glog line (Mooncake's transfer engine logs through glog): "I1126 19:38:21.082234 31721 x.cpp:1]"
+_GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]", re.MULTILINE)
+_READY_LINE = re.compile(r"^pd-cluster ready: http://127\.0\.0\.1:\d+ ", re.MULTILINE)
+_CURL_LINE = re.compile(r"^  curl http://127\.0\.0\.1:\d+/v1/completions ", re.MULTILINE)
+_LOGS_LINE = re.compile(r"^  worker logs: (?P<dir>.+)$", re.MULTILINE)
+
+
+def _start_pd_cluster(tmp_path: Path, port: int, *args: str) -> subprocess.Popen[bytes]:
+    """pd-cluster with small workers, its console (stdout and stderr) in ``pd-cluster.log`` and
+    its temporary files (the default worker log directory) under ``tmp_path``."""
+    with (tmp_path / "pd-cluster.log").open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "worker.cluster", "--port", str(port), "--ready-timeout", "12"]
+            + [*args, "--", "--pages", "256", "--bytes-per-token", "64"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], tmp_path: Path, url: str) -> str:
+    """Wait for the router's /ready and pd-cluster's ready lines; the console so far."""
+    console = tmp_path / "pd-cluster.log"
+
+    def ready() -> bool:
+        assert proc.poll() is None, console.read_text()
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+        return False
+
+    wait_until(ready, 12.0, "pd-cluster ready")
+    wait_until(lambda: _CURL_LINE.search(console.read_text()) is not None, 5.0, "its ready lines")
+    return console.read_text()
+
+
+def _stop(proc: subprocess.Popen[bytes], children: list[int]) -> None:
+    """Kill pd-cluster and its children (each in its own session), also those it started before
+    the test failed without collecting them."""
+    if proc.poll() is None:
+        children = children or _children(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _assert_quiet_start(console: str) -> None:
+    """The ready line and the curl, and neither Mooncake's native log lines (the workers' are in
+    their log files) nor the router's 'load unknown' lines for workers still starting."""
+    assert _READY_LINE.search(console) and _CURL_LINE.search(console), console
+    assert not _GLOG_LINE.search(console) and "InitGoogleLogging" not in console, console
+    assert "is unknown" not in console, console
+
+
 @pytest.mark.parametrize(("engine", "dp"), [("sglang", 1), ("vllm-mooncake", 2)])
 def test_pd_cluster_process_smoke(tmp_path: Path, engine: str, dp: int) -> None:
     port = _closed_port()
-    log = (tmp_path / "pd-cluster.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "worker.cluster",
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--engine",
-            engine,
-            "--dp",
-            str(dp),
-            "--port",
-            str(port),
-            "--ready-timeout",
-            "12",
-            "--",
-            "--pages",
-            "256",
-            "--bytes-per-token",
-            "64",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    proc = _start_pd_cluster(
+        tmp_path, port, "--prefill", "1", "--decode", "1", "--engine", engine, "--dp", str(dp)
     )
-    log.close()
     children: list[int] = []
     try:
         url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            assert proc.poll() is None, (tmp_path / "pd-cluster.log").read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-            return False
-
-        wait_until(ready, 12.0, "pd-cluster ready")
+        console = _wait_ready(proc, tmp_path, url)
         children = _children(proc.pid)
         assert len(children) == 3, children  # router, prefill, decode
         status = httpx.get(f"{url}/ready").json()
@@ -398,13 +422,37 @@ def test_pd_cluster_process_smoke(tmp_path: Path, engine: str, dp: int) -> None:
             response = _post(url, "/v1/completions", {"prompt": "hello"})
             assert response.status_code == 200, response.text
             assert response.json()["usage"]["kv_bytes_received"] > 0
+        _assert_quiet_start((tmp_path / "pd-cluster.log").read_text())
+        match = _LOGS_LINE.search(console)
+        assert match is not None
+        logs = Path(match["dir"])
+        assert logs.parent == tmp_path  # a new temporary directory by default
+        for worker in ("prefill-0", "decode-0"):  # the native lines went to the workers' logs
+            assert _GLOG_LINE.search((logs / f"{worker}.log").read_text()), worker
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
         wait_until(lambda: not any(_alive(pid) for pid in children), 5.0, "children gone")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        _stop(proc, children)
+
+
+def test_a_dying_worker_says_where_its_log_is(tmp_path: Path) -> None:
+    port = _closed_port()
+    proc = _start_pd_cluster(tmp_path, port, "--log-dir", str(tmp_path / "logs"))
+    children: list[int] = []
+    try:
+        _wait_ready(proc, tmp_path, f"http://127.0.0.1:{port}")
+        children = _children(proc.pid)
+        decode = next(
+            pid
+            for pid in children
+            if b"--role\x00decode\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
+        os.killpg(decode, signal.SIGKILL)
+        proc.wait(15)  # a worker exiting stops the cluster
+        console = (tmp_path / "pd-cluster.log").read_text()
+        log = tmp_path / "logs" / "decode-0.log"
+        assert f"pd-cluster: decode-0 exited with -9; its log: {log}" in console, console
+        assert log.is_file()
+    finally:
+        _stop(proc, children)

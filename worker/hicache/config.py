@@ -4,7 +4,7 @@
 as without tiers), and with L2 on, SGLang's HiCache defaults where SGLang has the setting
 (``write_through``, 2 hits for ``write_through_selective``, ``best_effort`` prefetch from 256
 tokens). ``open_rank_store`` opens one DP rank's L3
-(``worker.hicache.stores.base.open_page_store``).
+(``worker.hicache.stores.open_page_store``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from worker.hicache.stores.base import EvictCallback, FsyncPolicy, PageStore, open_page_store
+from worker.hicache.stores import open_page_store
+from worker.hicache.stores.base import EvictCallback, FsyncPolicy, PageStore
 
 __all__ = ["PrefetchPolicy", "StorageBackend", "TierConfig", "WritePolicy", "open_rank_store"]
 

@@ -18,6 +18,10 @@ flight, the pages entering L2 (pinned for this request) in order.
 * ``close()`` (when the request ends) stops whatever still runs and unpins its L2 pages.
 
 Loaded pages become cached L1 pages when the forward pass commits them, like computed ones.
+
+``TierFetch`` sees its rank's tiers through ``RankTiers``, the part of the controller it uses
+(``worker.hicache.controller.CacheController`` is one): the controller imports this module, never
+the other way.
 """
 
 from __future__ import annotations
@@ -27,18 +31,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from worker.hicache.config import TierConfig
+from worker.hicache.costs import TokenBucket
 from worker.hicache.events import CPU_PINNED, DISK, GPU
-from worker.hicache.host_pool import HostPage
+from worker.hicache.host_pool import HostPage, HostPool
 from worker.hicache.layer_loading import LayerLoad
+from worker.hicache.metrics import RankTierMetrics
+from worker.hicache.storage_tier import StorageTier
 from worker.hicache.stores.base import PageCorrupt, StoredPage, StoredPageHeader
 from worker.prefix_cache import Lease
 
-if TYPE_CHECKING:
-    from worker.hicache.controller import CacheController
-
-__all__ = ["PREFETCH_DEPTH", "TierFetch"]
+__all__ = ["PREFETCH_DEPTH", "RankTiers", "TierFetch"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +51,45 @@ _VERIFY_BATCH = 16  # pages checked between two event-loop yields
 PREFETCH_DEPTH = 8  # L3 reads in flight per prefetch (they arrive in order all the same)
 
 
+class RankTiers(Protocol):
+    """What a ``TierFetch`` uses of its rank's tiers (``CacheController`` provides it)."""
+
+    @property
+    def config(self) -> TierConfig: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    @property
+    def host(self) -> HostPool: ...
+    @property
+    def storage(self) -> StorageTier | None: ...
+    @property
+    def metrics(self) -> RankTierMetrics: ...
+    @property
+    def prefetch_limit(self) -> TokenBucket: ...
+
+    def host_insert(self, page: StoredPage) -> HostPage | None:
+        """A prefetched page into L2, pinned (None when L2 has no unpinned slot)."""
+        ...
+
+    def host_corrupt(self, page: HostPage, error: Exception) -> None:
+        """An L2 page failed its check (``HostPool.verify`` removed it)."""
+        ...
+
+    def start_load(
+        self, pages: list[HostPage], targets: list[int]
+    ) -> tuple[LayerLoad, asyncio.Task[None]]:
+        """Load verified, pinned L2 ``pages`` into L1 ``targets`` layer by layer."""
+        ...
+
+
 class TierFetch:
     """One request's L2 run and L3 prefetch, then its load into L1 (module docstring)."""
 
     def __init__(
         self,
-        controller: CacheController,
+        controller: RankTiers,
         lease: Lease,
         host_run: list[HostPage],
         disk_run: list[StoredPageHeader],

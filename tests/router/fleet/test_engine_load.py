@@ -29,7 +29,7 @@ from router.scheduling.policies import build_policy, least_loaded_rank
 from router.settings import EngineProtocol, LoadSettings
 from router.workers import EngineLoad, Role, Worker, WorkerPool
 from testkit.polling import await_until
-from testkit.servers import arun_server
+from testkit.servers import arun_server, free_port
 
 # vLLM 0.32 /metrics of a DP=2 engine (names, help text and labels from
 # vllm/v1/metrics/loggers.py; the text as prometheus_client writes it), trimmed.
@@ -448,12 +448,47 @@ async def test_a_failing_engine_becomes_unknown_and_is_logged_once(
             await await_until(lambda: engine.hits["/metrics"] >= failed + 3, 5.0, "more reads")
         engine.mode = "ok"
         await await_until(worker.engine_load_known, 5.0, "known again")
-    transitions = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    records = [r for r in caplog.records if r.levelno >= logging.INFO]
+    transitions = [r.getMessage() for r in records]
     assert [("unknown" in m, "HTTP 500" in m) for m in transitions[-2:]] == [
         (True, True),
         (False, False),
     ]
     assert len(transitions) == 3, transitions  # known, unknown, known again: not every poll
+    assert [r.levelno for r in records] == [logging.INFO, logging.WARNING, logging.INFO]
+
+
+async def test_a_starting_engine_is_quiet_until_it_first_answers_then_failing_is_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="router.fleet.engine_load")
+    engine = _Engine({"/metrics": _vllm_metrics(running=1, waiting=0)})
+    port = free_port()
+    pool: WorkerPool[None] = WorkerPool(needs_engine_ids=False)
+
+    def loud() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+
+    def refused() -> int:
+        return sum("ConnectError" in r.getMessage() for r in caplog.records)
+
+    async with _monitoring(pool, EngineProtocol.VLLM_MOONCAKE):
+        worker = _decode(f"http://127.0.0.1:{port}")
+        pool.add(worker, None)  # nothing listens yet: the engine is still starting
+        await await_until(lambda: refused() >= 3, 5.0, "three refused reads")
+        assert loud() == []  # a starting engine is not a problem (DEBUG only)
+        assert not worker.engine_load_known()
+        async with arun_server(engine.app, port=port, lifespan="off"):
+            await await_until(worker.engine_load_known, 5.0, "the first answer")
+        before = refused()  # the engine went away after answering: a real problem
+        await await_until(lambda: not worker.engine_load_known(), 5.0, "unknown again")
+        await await_until(lambda: refused() >= before + 3, 5.0, "three more refused reads")
+    records = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert [(r.levelno, "unknown" in r.getMessage()) for r in records] == [
+        (logging.INFO, False),
+        (logging.WARNING, True),
+    ], loud()
+    assert "ConnectError" in records[1].getMessage()
 
 
 async def test_an_engine_hanging_past_the_timeout_is_unknown_while_others_are_read() -> None:

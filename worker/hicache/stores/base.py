@@ -4,7 +4,9 @@ A ``PageStore`` keeps ``StoredPage``s: one full page of one prompt (its chained 
 parent's key, its position and token ids) with the page's KV bytes. The cache controller
 (``worker.hicache.controller``) backs pages up into it and prefetches them out of it; it never
 looks inside the bytes. Backends: ``worker.hicache.stores.directory`` (a local directory) and
-``worker.hicache.stores.mooncake`` (the Mooncake distributed store); ``open_page_store`` picks one.
+``worker.hicache.stores.mooncake`` (the Mooncake distributed store);
+``worker.hicache.stores.open_page_store`` picks one. This module is the seam only: it imports no
+backend (they import it).
 
 Integrity is the store's job: ``get`` returns a page only when its bytes are exactly what was put
 (a checksum over header and data); a page that fails the check is deleted and reported as
@@ -17,14 +19,11 @@ slices are regions ``l`` and ``l + layers``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Protocol
 
 __all__ = [
-    "BACKENDS",
     "EvictCallback",
     "FsyncPolicy",
     "PageCorrupt",
@@ -32,10 +31,7 @@ __all__ = [
     "PageStoreError",
     "StoredPage",
     "StoredPageHeader",
-    "open_page_store",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 class PageStoreError(Exception):
@@ -103,46 +99,3 @@ EvictCallback = Callable[[list[StoredPageHeader]], None]
 # "never": no fsync (a crash may lose recent pages, never tear one: writes are atomic renames and
 # pages are checksummed); "page": fsync each page file and its directory before ``put`` returns.
 FsyncPolicy = Literal["never", "page"]
-
-BACKENDS = ("file", "mooncake")
-
-
-def open_page_store(
-    backend: str,
-    *,
-    directory: Path | None = None,
-    capacity_pages: int | None = None,
-    fsync: FsyncPolicy = "never",
-    mooncake_master: str | None = None,
-    mooncake_metadata: str = "P2PHANDSHAKE",
-    mooncake_key_prefix: str = "",
-    on_evict: EvictCallback | None = None,
-) -> PageStore:
-    """The ``backend`` ("file" or "mooncake") store, its module imported only when chosen.
-
-    "file" needs ``directory`` and uses ``capacity_pages``, ``fsync`` and ``on_evict``;
-    "mooncake" needs ``mooncake_master`` (``host:port``) and uses ``mooncake_metadata`` (the
-    transfer engine's metadata server: ``P2PHANDSHAKE`` or an ``http://…/metadata`` URL) and
-    ``mooncake_key_prefix`` (one per model and rank: digests hash tokens only); the distributed
-    store evicts by itself, without reporting, so it ignores ``capacity_pages`` (with a warning)
-    and ``on_evict``. Raises ``PageStoreError`` for an unknown backend or a missing argument.
-    """
-    if backend == "file":
-        if directory is None:
-            raise PageStoreError("the file page store needs a directory")
-        from worker.hicache.stores.directory import DirectoryPageStore
-
-        return DirectoryPageStore(
-            directory, capacity_pages=capacity_pages, fsync=fsync, on_evict=on_evict
-        )
-    if backend == "mooncake":
-        if mooncake_master is None:
-            raise PageStoreError("the mooncake page store needs the master's address")
-        from worker.hicache.stores.mooncake import MooncakePageStore
-
-        if capacity_pages is not None:
-            logger.warning("the mooncake page store ignores capacity_pages: the master evicts")
-        return MooncakePageStore(
-            mooncake_master, metadata_server=mooncake_metadata, key_prefix=mooncake_key_prefix
-        )
-    raise PageStoreError(f"unknown page store backend {backend!r} (known: {', '.join(BACKENDS)})")
