@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -259,9 +260,10 @@ def _log_dir(args: argparse.Namespace) -> Path:
     return path
 
 
-def _start(args: argparse.Namespace, layout: _Layout, children: Children, router: str) -> None:
-    """The router, then (once it answers) the workers, each logging to its file."""
-    logs = _log_dir(args)
+def _start(
+    args: argparse.Namespace, layout: _Layout, children: Children, router: str, logs: Path
+) -> None:
+    """The router, then (once it answers) the workers, each logging to its file in ``logs``."""
     children.start("router", _router_args(args, layout))
     wait_ready(f"{router}/health", children, args.ready_timeout)
     rows = zip(layout.prefills, layout.namespaces, layout.events, strict=True)
@@ -289,15 +291,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("pd-cluster: --prefill, --decode and --dp must be >= 1")
     layout = _Layout(args)
     children = Children()
+    logs = _log_dir(args)
     with terminating():
         try:
-            _start(args, layout, children, f"http://{_HOST}:{args.port}")
+            _start(args, layout, children, f"http://{_HOST}:{args.port}", logs)
             dead = supervise(children, args.restart_workers)
             print(f"pd-cluster: {children.exited(dead)}\npd-cluster: stopping", file=sys.stderr)
         except KeyboardInterrupt:
             pass
+        else:
+            return  # a worker died: its log (printed above) stays
         finally:
             children.stop()
+    if args.log_dir is None:  # a clean stop: nobody needs the temporary logs
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -432,6 +432,7 @@ def test_pd_cluster_process_smoke(tmp_path: Path, engine: str, dp: int) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
         wait_until(lambda: not any(_alive(pid) for pid in children), 5.0, "children gone")
+        assert not logs.exists()  # a clean stop leaves no temporary log directory behind
     finally:
         _stop(proc, children)
 
