@@ -7,7 +7,7 @@
 # run here. torch 2.13.0 has a CPU build on this machine kind, so we install sglang --no-deps and
 # then its requirements minus the CUDA-only ones under a torch==2.13.0 constraint. The kernels and
 # torchvision that SGLang imports on CPU are stood in for by tests/real_engines/sglang_stubs/,
-# which the harness puts on the engine's PYTHONPATH (see ../shared/REAL_ENGINES.md).
+# which the harness puts on the engine's PYTHONPATH (see docs/real-engines.md section 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

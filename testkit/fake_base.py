@@ -63,7 +63,7 @@ class FakeConfig:
     check_kv: bool = True  # False: validate PD fields but skip the P<->D rendezvous
     default_bootstrap_port: int = 8998  # sglang decode: used when bootstrap_port is null
     max_records: int | None = None  # keep only the newest N records (long benchmark runs)
-    # What real engines do that a router must survive (/work/shared/REAL_ENGINES.md):
+    # What real engines do that a router must survive (docs/real-engines.md section 5):
     first_token_eos: bool = False  # the first generated token is EOS (unless min_tokens masks it)
     ignore_min_tokens: bool = False  # stop tokens are not masked before min_tokens (old engines)
     die_after_answer: bool = False  # prefill: after a 200 answer, die (ports refuse, KV never sent)

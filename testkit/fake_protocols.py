@@ -14,13 +14,13 @@ engines, ranks or ids makes the decode fail instead of silently "working":
 * sglang: D POSTs `/fake/sglang/kv` on P's bootstrap port once per room; P answers only after
   D arrived (SGLang's `KVPoll.Bootstrapping`), and D only after P served the room.
 
-What real engines do when the KV does not come (REAL_ENGINES.md, "Observed router-relevant
-behaviour"), each reproduced here: a vLLM prefill whose one token is a stop token keeps no KV
-(its connectors hold KV only for a request that ended by length); a prefill that died after
-answering (`FakeConfig.die_after_answer`) or withholds the KV (`withhold_kv`) never serves it;
-a decode whose KV read hits a transport error retries until `kv_timeout` (vLLM waits its full
-abort timeout for a dead prefill); SGLang's decode waits forever for an n > 1 request
-(`sglang_n_hang`: its prefix warm-up reuses the room).
+What real engines do when the KV does not come (docs/real-engines.md section 5, "Observed
+router-relevant behaviour"), each reproduced here: a vLLM prefill whose one token is a stop
+token keeps no KV (its connectors hold KV only for a request that ended by length); a prefill
+that died after answering (`FakeConfig.die_after_answer`) or withholds the KV (`withhold_kv`)
+never serves it; a decode whose KV read hits a transport error retries until `kv_timeout` (vLLM
+waits its full abort timeout for a dead prefill); SGLang's decode waits forever for an n > 1
+request (`sglang_n_hang`: its prefix warm-up reuses the room).
 
 The HTTP app and the bootstrap app of one engine may run on different threads (tests start one
 uvicorn per app), so the rendezvous primitives (`testkit/fake_base.py`) are thread-safe.

@@ -428,7 +428,7 @@ async def test_fail_after_events_and_fail_status() -> None:
 
 
 # --------------------------------------------------------------------------- real-engine failures
-# What vLLM 0.32 / SGLang 0.5.23 did on this machine (/work/shared/REAL_ENGINES.md), reproduced so
+# What vLLM 0.32 / SGLang 0.5.23 did on this machine (docs/real-engines.md section 5), reproduced so
 # that the fast suite catches the router bugs they cause.
 
 

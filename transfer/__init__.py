@@ -9,6 +9,9 @@ Modules (import from them; this package exports nothing itself):
   client, KV pool and aux buffer registered with the engine.
 * ``room_ledger``: ``RoomLedger``, a prefill rank's rooms (early info, tombstones, draining
   writes); ``receive_ledger``: ``ReceiveLedger``, a decode rank's rooms in progress.
+* ``decode_link``: ``DecodeLink``, a prefill rank's control messages from decode ranks and the
+  statuses it pushes to them; ``prefill_peers``: ``PrefillPeers``, a decode rank's lookup of and
+  registration with prefill ranks.
 * ``chunk_writer``: ``ChunkWriter``, a prefill chunk's pages and aux slot as engine writes.
 * ``sessions``: ``DecodeSessions``, the decode sessions registered with a prefill rank.
 * ``rendezvous``: ``RendezvousClient``, prefill ranks publish and decode ranks find each other's

@@ -21,12 +21,14 @@ writes with it); otherwise this side sends ``Abort`` and waits up to ``drain_tim
 prefill's acknowledgement. When ``pages_safe`` is False the caller must keep the pages (and the aux
 slot) out of its free pool: never hand them to another request. A ``request`` that is cancelled
 sends ``Abort`` in the background and its pages count as unsafe. The rooms' bookkeeping is
-``transfer.receive_ledger.ReceiveLedger``.
+``transfer.receive_ledger.ReceiveLedger``; finding and registering with prefill ranks is
+``transfer.prefill_peers.PrefillPeers``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Coroutine, Sequence
@@ -41,10 +43,11 @@ from transfer.control import Peer, PeerUnreachable
 from transfer.endpoint import RankEndpoint
 from transfer.engine.base import TransferEngine
 from transfer.errors import ProtocolMismatch, TransferError, TransferFailed
-from transfer.messages import Abort, RegisterKVArgs, TransferInfo, TransferStatus
+from transfer.messages import Abort, TransferInfo, TransferStatus
 from transfer.page_layout import KVPageLayout
+from transfer.prefill_peers import PrefillPeers
 from transfer.receive_ledger import PendingRoom, ReceiveLedger
-from transfer.rendezvous import PrefillInfo, RendezvousClient, RendezvousError, bootstrap_url
+from transfer.rendezvous import RendezvousClient, RendezvousError, bootstrap_url
 from transfer.state import Clock, KVPoll
 from transfer.stats import ReceiverStats
 
@@ -100,11 +103,10 @@ class KVReceiver(AsyncClosing):
         self._rendezvous = self._endpoint.rendezvous
         self._clock = clock
         self._ledger = ReceiveLedger(clock)
-        self._registered: set[Peer] = set()
-        self._peer_urls: dict[Peer, set[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._serving: asyncio.Task[None] | None = None
         self.stats = ReceiverStats()
+        self._peers = PrefillPeers(self._endpoint, layout, config, self.stats)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -240,19 +242,11 @@ class KVReceiver(AsyncClosing):
         engine_id: str | None,
     ) -> None:
         """Bootstrapping -> Transferring; any failure fails the room (``request`` reports it)."""
+        remaining = functools.partial(self._remaining, room)
         try:
-            if engine_id is None:
-                peer = await self._resolve(room, pending.base_url, dp_rank)
-            else:
-                peer = await self._rendezvous.engine_address(
-                    pending.base_url,
-                    engine_id,
-                    tp=self._config.tp_rank,
-                    timeout_s=self._remaining(room),
-                )
-                self._peer_urls.setdefault(peer, set()).add(pending.base_url)
+            peer = await self._peers.locate(room, pending.base_url, dp_rank, engine_id, remaining)
             pending.peer = peer
-            await self._ensure_registered(peer, room)
+            await self._peers.ensure_registered(peer, remaining)
         except TransferError as exc:
             if isinstance(exc, PeerUnreachable | RendezvousError):
                 self._rendezvous.invalidate(pending.base_url)
@@ -272,66 +266,13 @@ class KVReceiver(AsyncClosing):
         )
         pending.info_sent = True  # from here on the prefill may write into the pages
         try:
-            await self._endpoint.control.send(peer, info, timeout_s=self._send_budget(room))
+            await self._endpoint.control.send(
+                peer, info, timeout_s=self._peers.send_budget(remaining)
+            )
         except TransferError as exc:  # unreachable, or closing: not accepted, never delivered
             pending.info_sent = False
-            self._forget(peer)
+            self._peers.forget(peer)
             self._ledger.states.fail(room, f"transfer info not sent: {exc.message}")
-
-    def _send_budget(self, room: int) -> float:
-        return max(min(self._endpoint.control.send_timeout_s, self._remaining(room)), 0.001)
-
-    async def _resolve(self, room: int, base_url: str, dp_rank: int | None) -> Peer:
-        info = await self._rendezvous.prefill_info(base_url, timeout_s=self._remaining(room))
-        self._check_prefill(info, base_url)
-        if dp_rank is None:
-            if not info.follow_bootstrap_room:
-                raise RendezvousError(
-                    f"the prefill at {base_url} does not place rooms by bootstrap_room; "
-                    "pass its dp_rank"
-                )
-            dp_rank = room % info.dp_size
-        peer = await self._rendezvous.rank_address(
-            base_url, dp=dp_rank, tp=self._config.tp_rank, timeout_s=self._remaining(room)
-        )
-        self._peer_urls.setdefault(peer, set()).add(base_url)
-        return peer
-
-    def _check_prefill(self, info: PrefillInfo, base_url: str) -> None:
-        """``RendezvousError`` when the prefill's parallel info does not match this rank's."""
-        problems = info.mismatches(
-            page_size=self._layout.page_size_tokens,
-            kv_cache_dtype=self._config.kv_cache_dtype,
-            tp_size=self._config.tp_size,
-        )
-        if problems:
-            self._rendezvous.invalidate(base_url)
-            raise RendezvousError(f"prefill at {base_url} does not match: {'; '.join(problems)}")
-
-    async def _ensure_registered(self, peer: Peer, room: int) -> None:
-        """Send RegisterKVArgs to ``peer`` once per session (again after a failure or loss)."""
-        if peer in self._registered:
-            return
-        self._registered.add(peer)  # concurrent requests queue behind this message, in order
-        address = self._endpoint.address
-        args = RegisterKVArgs(
-            ip=address.host,
-            port=address.port,
-            session_id=self._endpoint.session_id,
-            kv_data_ptrs=self._layout.base_ptrs,
-            aux_data_ptrs=(self._endpoint.aux_ptr,) if self._endpoint.aux_slots else (),
-            dst_tp_rank=self._config.tp_rank,
-            dst_tp_size=self._config.tp_size,
-            kv_item_len=self._layout.page_bytes,
-            kv_num_pages=self._layout.num_pages,
-        )
-        try:
-            await self._endpoint.control.send(peer, args, timeout_s=self._send_budget(room))
-        except TransferError:
-            self._forget(peer)
-            raise
-        self.stats.registrations_sent += 1
-        logger.info("registered KV buffers with prefill rank %s", peer)
 
     async def _settle(self, room: int, pending: PendingRoom) -> bool:
         """Whether the failed room's pages are safe to reuse (see the module notes)."""
@@ -366,19 +307,13 @@ class KVReceiver(AsyncClosing):
             if isinstance(msg, TransferStatus):
                 failed_by = self._ledger.settle(msg)
                 if failed_by is not None:
-                    self._registered.discard(failed_by)  # the prefill may have lost us: again
+                    self._peers.register_again(failed_by)  # the prefill may have lost us
             else:
                 logger.warning("decode control: unexpected %s ignored", type(msg).__name__)
 
     def _on_peer_lost(self, peer: Peer) -> None:
-        self._forget(peer)
+        self._peers.forget(peer)
         self._ledger.peer_lost(peer)
-
-    def _forget(self, peer: Peer) -> None:
-        """Register again on next contact and look the rank up again."""
-        self._registered.discard(peer)
-        for base_url in self._peer_urls.pop(peer, set()):
-            self._rendezvous.invalidate(base_url)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         async def run() -> None:

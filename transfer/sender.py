@@ -25,7 +25,8 @@ outlived its deadline (or a cancelled call) is left to drain in the background a
 follows when it has. An engine error with entries still in flight (Mooncake's ``CODE_UNDRAINED``)
 sends no status at all: the decode fails the room at its deadline, gets no answer to its
 ``Abort`` and keeps those pages out of use. The rooms' bookkeeping (early transfer info,
-tombstones, draining writes) is ``transfer.room_ledger.RoomLedger``.
+tombstones, draining writes) is ``transfer.room_ledger.RoomLedger``; the control messages from
+decode ranks and the statuses pushed to them are ``transfer.decode_link.DecodeLink``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, Self
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Self
 
 import zmq.asyncio
 
@@ -43,10 +44,10 @@ from transfer.chunk_writer import ChunkWriter
 from transfer.closing import AsyncClosing, cancel_and_wait
 from transfer.config import SenderConfig
 from transfer.control import Peer
+from transfer.decode_link import DecodeLink
 from transfer.endpoint import RankEndpoint
 from transfer.engine.base import TransferEngine
-from transfer.errors import ProtocolMismatch, TransferError
-from transfer.messages import Abort, RegisterKVArgs, TransferInfo, TransferStatus
+from transfer.errors import TransferError
 from transfer.page_layout import KVPageLayout, ready_pages
 from transfer.rendezvous import PrefillRank, RendezvousClient, bootstrap_url
 from transfer.room_ledger import ClosedRoom, OpenRoom, RoomLedger
@@ -112,15 +113,17 @@ class KVSender(AsyncClosing):
         self._writer = ChunkWriter(
             self._endpoint, self._sessions, self._ledger.states, self.stats, clock
         )
+        self._link = DecodeLink(
+            self._endpoint, self._sessions, self._ledger, self._writer, self.stats, rank.unique_rank
+        )
         self._loops: list[asyncio.Task[None]] = []
-        self._tasks: set[asyncio.Task[None]] = set()
 
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
         try:
             await self._endpoint.__aenter__()
-            self._loops.append(asyncio.create_task(self._serve(), name="kv-sender-control"))
+            self._loops.append(asyncio.create_task(self._link.serve(), name="kv-sender-control"))
             self._loops.append(asyncio.create_task(self._reap(), name="kv-sender-reaper"))
             if self._registry is not None:
                 await self._publish(self._registry)
@@ -138,13 +141,7 @@ class KVSender(AsyncClosing):
         await cancel_and_wait(self._loops)
         self._loops.clear()
         self._ledger.fail_all("prefill rank shutting down")
-        waits = set(self._tasks) | set(self._ledger.draining.values())
-        if waits:  # reports (and writes still draining) get one send timeout, plus slack
-            await asyncio.wait(waits, timeout=self._endpoint.control.send_timeout_s + 0.5)
-        self._ledger.stop_reporting()
-        if self._ledger.draining:
-            logger.error("%d engine write(s) still running at close", len(self._ledger.draining))
-        await cancel_and_wait(list(self._tasks))
+        await self._link.aclose()
         await self._endpoint.aclose()
 
     # --- public --------------------------------------------------------------------------------
@@ -233,7 +230,7 @@ class KVSender(AsyncClosing):
             return state.poll
         closed = self._ledger.finish(room)
         if closed is not None:
-            await self._report(closed)
+            await self._link.report(closed)
         state.raise_if_failed()
         return state.poll
 
@@ -285,67 +282,13 @@ class KVSender(AsyncClosing):
         except (TransferError, ValueError) as exc:
             states.fail(room, _reason(exc))
 
-    # --- reports -------------------------------------------------------------------------------
+    # --- the decode ranks (``DecodeLink``; the endpoint and the ledger call back) -----------
 
     def _report_later(self, closed: ClosedRoom) -> None:
-        self._spawn(self._report(closed))
-
-    async def _report(self, closed: ClosedRoom) -> None:
-        """Push the room's status (no write of the room is running); free its aux slot."""
-        if closed.aux_slot is not None:
-            self._writer.free_aux(closed.aux_slot)
-        status = TransferStatus(
-            room=closed.room,
-            status=closed.status,
-            prefill_rank=self._rank.unique_rank,
-            reason=closed.reason,
-        )
-        await self._push(closed.targets, status)
-
-    async def _push(self, targets: Iterable[Peer], status: TransferStatus) -> None:
-        async def one(peer: Peer) -> None:
-            try:
-                await self._endpoint.control.send(peer, status)
-            except TransferError as exc:
-                logger.warning(
-                    "room %d: status not delivered to %s: %s", status.room, peer, exc.message
-                )
-
-        await asyncio.gather(*(one(peer) for peer in targets))
-
-    # --- control messages ----------------------------------------------------------------------
-
-    async def _serve(self) -> None:
-        while True:
-            try:
-                msg = await self._endpoint.control.recv()
-            except ProtocolMismatch as exc:
-                logger.warning("prefill control: dropped a message: %s", exc)
-                continue
-            match msg:
-                case RegisterKVArgs():
-                    self._on_register(msg)
-                case TransferInfo():
-                    known = msg.session_id in self._sessions
-                    refusal = None if known else self._sessions.unregistered(msg)
-                    self._ledger.add_info(msg, refusal)
-                case Abort():
-                    self._ledger.decode_aborted(msg.room)
-                case _:
-                    logger.warning("prefill control: unexpected %s ignored", type(msg).__name__)
-
-    def _on_register(self, args: RegisterKVArgs) -> None:
-        session = self._sessions.register(args)
-        if session is None:
-            return
-        self._endpoint.control.connect(session.peer)  # watched: a decode that goes away fails
-        self.stats.registrations += 1
-        logger.info("decode session %s registered from %s", args.session_id, session.peer)
+        self._link.report_later(closed)
 
     def _on_peer_lost(self, peer: Peer) -> None:
-        lost = self._sessions.drop_peer(peer)
-        if lost:
-            self._ledger.sessions_lost(lost, peer)
+        self._link.peer_lost(peer)
 
     # --- background ----------------------------------------------------------------------------
 
@@ -366,8 +309,3 @@ class KVSender(AsyncClosing):
                 await self._publish(registry, attempts=1)
             except TransferError as exc:
                 logger.warning("rendezvous refresh failed: %s", exc.message)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

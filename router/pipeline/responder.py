@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from router.errors import RouterError, error_body, sse_error_event
 from router.types import Send
+from router.upstream.base import UpstreamResponse
 
 __all__ = ["Responder"]
 
 _JSON = b"application/json"
 _SSE_BOUNDARY = b"\n\n"
+_USAGE = b'"usage"'
 
 
 class Responder:
@@ -59,6 +62,25 @@ class Responder:
         """Forward one upstream chunk as is."""
         self._at_boundary = data.endswith(_SSE_BOUNDARY)
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def relay(
+        self, response: UpstreamResponse, chunks: AsyncIterator[bytes], chunk: bytes
+    ) -> bytes:
+        """Start an SSE response as ``response`` did and move its body through as it comes:
+        ``chunk`` (read from ``chunks`` already), then the rest of ``chunks``. Returns the last
+        chunk that mentions ``usage`` and the final one (where the usage is, when the client
+        asked for it)."""
+        await self.start(response.status, response.content_type, sse=True)
+        usage = b""
+        while chunk:
+            if response.at_eof():  # the last chunk: send it with the end of the body
+                break
+            await self.chunk(chunk)
+            if _USAGE in chunk:
+                usage = chunk
+            chunk = await anext(chunks, b"")
+        await self.finish(chunk)
+        return usage + chunk
 
     async def finish(self, data: bytes = b"") -> None:
         self.complete = True

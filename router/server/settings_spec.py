@@ -5,7 +5,7 @@ variable, default and help: what ``router.server.cli`` builds the flags from and
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, TypedDict, Union, cast, get_args, get_origin
@@ -14,9 +14,9 @@ from pydantic import BaseModel
 from pydantic.config import JsonDict
 from pydantic.fields import FieldInfo
 
-from registry.settings import RegistrySettings
 from router.scheduling.policies import POLICIES
-from router.settings import RouterSettings, cli, env_only
+from router.settings import RouterSettings
+from router.settings.registry_flags import EXTERNAL
 
 __all__ = ["EXTERNAL", "Section", "Setting", "sections", "undeclared"]
 
@@ -24,74 +24,9 @@ __all__ = ["EXTERNAL", "Section", "Setting", "sections", "undeclared"]
 _CHOICES_OF: dict[str, Callable[[], tuple[str, ...]]] = {"policies": lambda: tuple(POLICIES)}
 
 _TOP_DOC = "The engines' PD protocol and where the workers come from."
-_REGISTRY_TIMING = "registry timing, rarely tuned"
 
-# registry.settings also serves ``registry serve`` (and may not import router): the router's
-# flags for its fields are declared here, with the section's description
-_REGISTRY_CLI: dict[str, JsonDict] = {
-    "url": cli(
-        "--registry",
-        metavar="URL",
-        help="worker registry store: `memory://` (in-process), `etcd://host:2379[/prefix]`, "
-        "or `http://host:port` (a `registry serve` process) to share workers between routers",
-    ),
-    "admin_token": cli(
-        "--admin-token",
-        help="bearer token for `/admin` (none: loopback clients only); prefer the env variable",
-    ),
-    "ttl_s": env_only(_REGISTRY_TIMING, help="lease of self-registered workers and ranks, s"),
-    "resync_backoff_s": env_only(
-        _REGISTRY_TIMING, help="wait before re-listing the store after a failure, s"
-    ),
-    "drain_timeout_s": env_only(_REGISTRY_TIMING, help="a draining worker is removed by then, s"),
-    "bootstrap_ports": cli(
-        "--bootstrap-namespace",
-        metavar="NAME=PORT",
-        repeat=True,
-        adapter="name_ports",
-        help="serve namespace NAME's engine bootstrap APIs on an extra PORT",
-    ),
-    "bootstrap_port": cli(
-        "--bootstrap-port",
-        help="serve the engine bootstrap APIs (namespace `default` on the plain paths, any "
-        "other under `/bootstrap/NS/...`) on this port; the client port never serves them",
-    ),
-    "bootstrap_host": cli(
-        "--bootstrap-host", default="--host", help="address the bootstrap ports listen on"
-    ),
-    "bootstrap_allow": cli(
-        "--bootstrap-allow",
-        metavar="CIDR",
-        repeat=True,
-        help="source network allowed on the bootstrap ports; replaces the default (add "
-        "127.0.0.0/8 to keep loopback); others get 403 before their body is read",
-    ),
-    "bootstrap_check_reachable": cli(
-        "--no-bootstrap-reachability-check",
-        switch=False,
-        help="a registered rank's address must accept a TCP connection; the flag skips that "
-        "check (when the router cannot reach the engines' KV ports): a moved rank then always "
-        "needs the admin token",
-    ),
-    "bootstrap_connect_timeout_s": cli(
-        "--bootstrap-connect-timeout",
-        help="a registered rank's address must accept a TCP connection within this, s",
-    ),
-    "advertise_host": cli(
-        "--advertise-host",
-        default="`--host`, or the hostname on a wildcard address",
-        help="host decoders use to reach this router's bootstrap APIs",
-    ),
-}
-
-# section model -> (its description, its fields' ``cli``/``env_only`` declarations)
-EXTERNAL: dict[type[BaseModel], tuple[str, Mapping[str, JsonDict]]] = {
-    RegistrySettings: (
-        "The worker registry (``registry``): where workers and engine ranks register, the "
-        "admin API's token, and the engine bootstrap APIs this router serves.",
-        _REGISTRY_CLI,
-    ),
-}
+# a section declared in another package gets its description and its fields' flags from
+# ``EXTERNAL`` (``router.settings.registry_flags``: the registry's)
 
 
 class _Declared(TypedDict, total=False):

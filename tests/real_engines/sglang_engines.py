@@ -3,7 +3,7 @@
 The engines run from ``.venv-sglang`` (``scripts/setup-sglang.sh``) with
 ``tests/real_engines/sglang_stubs`` first on their ``PYTHONPATH`` (the ``sgl_kernel`` and
 ``torchvision`` stand-ins and the ``sitecustomize`` CPU-PD workarounds; see that directory and
-``../shared/REAL_ENGINES.md``). Each engine runs in its own process group (SGLang forks a
+``docs/real-engines.md`` section 4). Each engine runs in its own process group (SGLang forks a
 scheduler and a detokenizer), logs to a file, and is killed as a group; the ``/dev/shm`` files
 its processes leave behind are removed afterwards.
 

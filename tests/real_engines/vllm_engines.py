@@ -2,7 +2,7 @@
 
 Each engine is its own process group (the API server spawns an EngineCore child), logging to a
 file, so a test can freeze (SIGSTOP), kill and clean up a whole engine. Facts this relies on are
-in /work/shared/REAL_ENGINES.md (vLLM 0.32 on a CPU-only machine).
+in docs/real-engines.md section 3 (vLLM 0.32 on a CPU-only machine).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ ENGINE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "MC_FORCE_TCP": "1",  # Mooncake over TCP: no RDMA here
-    # rendering a chat template runs off the API server's loop with a 30 s limit: a NIXL engine's
-    # API server on two shared cores stalls that long (REAL_ENGINES.md), so allow more
+    # rendering a chat template runs off the API server's loop with a 30 s limit: a NIXL
+    # engine's API server on two shared cores stalls that long (docs/real-engines.md
+    # section 3.3), so allow more
     "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": "180",
 }
 

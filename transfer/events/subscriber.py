@@ -1,4 +1,8 @@
-"""Consumer side of the KV event feed: a SUB stream with gap recovery through replay."""
+"""Consumer side of the KV event feed: a SUB stream with gap recovery through replay.
+
+The seq bookkeeping (what is due, duplicates, restarts, losses) is ``sequence.SeqTracker``, the
+replay requests ``replay.ReplayClient``.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,10 @@ import zmq.asyncio
 from transfer.closing import AsyncClosing
 
 from . import codec
-from .errors import EventGapError, KVEventDecodeError, ReplayTimeout
+from .errors import KVEventDecodeError, ReplayTimeout
 from .models import EventBatch
+from .replay import ReplayClient
+from .sequence import SeqTracker, SubscriberStats
 
 __all__ = ["KVEventSubscriber", "ReceivedBatch", "SubscriberStats"]
 
@@ -31,18 +37,6 @@ class ReceivedBatch:
     topic: str | None
     batch: EventBatch
     replayed: bool
-
-
-@dataclass(slots=True)
-class SubscriberStats:
-    """Counters since the subscriber opened."""
-
-    received: int = 0  # batches yielded from the live stream
-    replayed: int = 0  # batches yielded from replay replies
-    duplicates: int = 0  # live messages dropped because replay already yielded them
-    lost: int = 0  # seqs neither received nor replayed
-    malformed: int = 0  # messages or payloads skipped because they did not decode
-    restarts: int = 0  # times the publisher's seq went backwards (it restarted)
 
 
 class KVEventSubscriber(AsyncClosing):
@@ -84,22 +78,18 @@ class KVEventSubscriber(AsyncClosing):
         self._replay_endpoint = replay_endpoint
         self._topic = topic
         self._replay_timeout = replay_timeout
-        self._strict = strict
         self._hwm = hwm
         self._context = context or zmq.asyncio.Context.instance()
-        self._expected = start_seq
-        self._dup_window: tuple[int, int] | None = None  # (after, up to and including)
         self._pending: deque[ReceivedBatch] = deque()
-        self._gap: EventGapError | None = None  # raised after the current message, if strict
         self._sub: zmq.asyncio.Socket | None = None
-        self._dealer: zmq.asyncio.Socket | None = None
-        self._replay_lock = asyncio.Lock()
+        self._replay: ReplayClient | None = None
         self.stats = SubscriberStats()
+        self._seqs = SeqTracker(endpoint, self.stats, start_seq=start_seq, strict=strict)
 
     @property
     def expected_seq(self) -> int | None:
         """The seq the live stream should deliver next (None before the first message)."""
-        return self._expected
+        return self._seqs.expected
 
     async def __aenter__(self) -> Self:
         sub = self._socket(zmq.SUB)
@@ -107,14 +97,15 @@ class KVEventSubscriber(AsyncClosing):
         self._sub = sub
         sub.connect(self._endpoint)
         if self._replay_endpoint is not None:
-            self._dealer = self._open_dealer(self._replay_endpoint)
+            self._replay = ReplayClient(self._replay_endpoint, self._replay_timeout, self._socket)
         return self
 
     async def aclose(self) -> None:
-        for sock in (self._sub, self._dealer):
-            if sock is not None:
-                sock.close(linger=0)
-        self._sub = self._dealer = None
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close()
+        self._sub, self._replay = None, None
 
     def __aiter__(self) -> Self:
         return self
@@ -162,20 +153,20 @@ class KVEventSubscriber(AsyncClosing):
         Raises RuntimeError without a replay endpoint or ``start_seq``, ReplayTimeout or
         KVEventDecodeError when the replay fails.
         """
-        start = self._expected
-        if start is None or self._dealer is None:
+        seqs, start = self._seqs, self._seqs.expected
+        if start is None or self._replay is None:
             raise RuntimeError("catch_up needs a replay endpoint and a start_seq")
         before = len(self._pending)
         for message in await self._fetch(start):
-            expected = self._expected
+            expected = seqs.expected
             assert expected is not None
             if message.seq < expected:
                 continue
             if message.seq > expected:
-                self._lose(expected, message.seq - 1, "evicted from the replay buffer")
+                seqs.lose(expected, message.seq - 1, "evicted from the replay buffer")
             self._accept(message, replayed=True)
-        if self._expected is not None and self._expected > start:
-            self._dup_window = (start - 1, self._expected - 1)
+        if seqs.expected is not None and seqs.expected > start:
+            seqs.drop_copies(start - 1, seqs.expected - 1)
         return len(self._pending) - before
 
     async def replay(self, start_seq: int) -> list[ReceivedBatch]:
@@ -189,84 +180,58 @@ class KVEventSubscriber(AsyncClosing):
         return [item for item in decoded if item is not None]
 
     async def _on_live(self, frames: list[bytes]) -> None:
-        self._gap = None
+        seqs = self._seqs
+        seqs.gap = None
         try:
             message = codec.parse_live(frames)
         except KVEventDecodeError as exc:
             self.stats.malformed += 1
             logger.warning("skipping malformed KV event message from %s: %s", self._endpoint, exc)
             return
-        if self._is_duplicate(message.seq):
+        if seqs.is_duplicate(message.seq):
             self.stats.duplicates += 1
             return
-        expected = self._expected
-        if expected is not None and message.seq < expected:
-            self.stats.restarts += 1
-            logger.warning(
-                "KV event seq went back from %d to %d at %s: publisher restarted",
-                expected - 1,
-                message.seq,
-                self._endpoint,
-            )
-            expected = 0
-        self._expected = message.seq if expected is None else expected
-        if message.seq > self._expected:
-            await self._recover(self._expected, message.seq)
-        if message.seq >= self._expected:
+        due = seqs.place(message.seq)
+        if message.seq > due:
+            await self._recover(due, message.seq)
+        expected = seqs.expected  # moved on if replay filled a gap
+        assert expected is not None
+        if message.seq >= expected:
             self._accept(message, replayed=False)
-        if self._gap is not None:
-            raise self._gap
+        if seqs.gap is not None:
+            raise seqs.gap
 
     @staticmethod
     def _readable(sock: zmq.asyncio.Socket) -> bool:
         return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
-    def _is_duplicate(self, seq: int) -> bool:
-        window = self._dup_window
-        if window is not None and window[0] < seq <= window[1]:
-            return True
-        self._dup_window = None
-        return False
-
     async def _recover(self, start: int, live_seq: int) -> None:
         """Fill ``start..live_seq-1`` from replay; whatever is not there is lost."""
-        if self._dealer is None:
-            self._lose(start, live_seq - 1, "no replay endpoint")
+        seqs = self._seqs
+        if self._replay is None:
+            seqs.lose(start, live_seq - 1, "no replay endpoint")
             return
         try:
             messages = await self._fetch(start)
         except (ReplayTimeout, KVEventDecodeError) as exc:
-            self._lose(start, live_seq - 1, str(exc))
+            seqs.lose(start, live_seq - 1, str(exc))
             return
         expected = start
         for message in messages:
             if message.seq < expected:
                 continue
             if message.seq > expected:
-                self._lose(expected, message.seq - 1, "evicted from the replay buffer")
+                seqs.lose(expected, message.seq - 1, "evicted from the replay buffer")
             self._accept(message, replayed=True)
             expected = message.seq + 1
         if expected < live_seq:
-            self._lose(expected, live_seq - 1, "not in the replay buffer")
+            seqs.lose(expected, live_seq - 1, "not in the replay buffer")
         elif expected - 1 > live_seq:
             # Live copies of (live_seq, expected) may still be queued: drop them on arrival.
-            self._dup_window = (live_seq, expected - 1)
-
-    def _lose(self, first: int, last: int, reason: str) -> None:
-        """Give up on ``first..last``: log it, count it, and note it for strict mode."""
-        self._expected = last + 1
-        self.stats.lost += last - first + 1
-        logger.warning(
-            "lost KV event batches %d..%d from %s: %s", first, last, self._endpoint, reason
-        )
-        if not self._strict:
-            return
-        if self._gap is not None:
-            first, reason = self._gap.first, f"{self._gap.reason}; {reason}"
-        self._gap = EventGapError(first, last, reason)
+            seqs.drop_copies(live_seq, expected - 1)
 
     def _accept(self, message: codec.LiveMessage, *, replayed: bool) -> None:
-        self._expected = message.seq + 1
+        self._seqs.expected = message.seq + 1
         item = self._decode(message, replayed=replayed)
         if item is None:
             return
@@ -291,40 +256,10 @@ class KVEventSubscriber(AsyncClosing):
         return ReceivedBatch(message.seq, message.topic, batch, replayed)
 
     async def _fetch(self, start_seq: int) -> list[codec.LiveMessage]:
-        """Ask the replay endpoint from ``start_seq`` and collect replies up to the end marker.
-
-        On any failure or cancellation the DEALER is replaced, so late replies to this
-        request can never be mistaken for replies to the next one.
-        """
-        if self._replay_endpoint is None or self._dealer is None:
+        """The replay endpoint's batches from ``start_seq`` on (``ReplayClient.fetch``)."""
+        if self._replay is None:
             raise RuntimeError("subscriber has no open replay endpoint")
-        async with self._replay_lock:
-            dealer, finished = self._dealer, False
-            try:
-                messages = await self._collect(dealer, start_seq)
-                finished = True
-                return messages
-            except TimeoutError as exc:
-                raise ReplayTimeout(self._replay_endpoint, start_seq, self._replay_timeout) from exc
-            finally:
-                if not finished:
-                    dealer.close(linger=0)
-                    self._dealer = self._open_dealer(self._replay_endpoint)
-
-    async def _collect(self, dealer: zmq.asyncio.Socket, start_seq: int) -> list[codec.LiveMessage]:
-        messages: list[codec.LiveMessage] = []
-        async with asyncio.timeout(self._replay_timeout):
-            await dealer.send_multipart(codec.replay_request_frames(start_seq))
-            while True:
-                reply = codec.parse_replay_reply(await dealer.recv_multipart())
-                if isinstance(reply, codec.ReplayEnd):
-                    return messages
-                messages.append(reply)
-
-    def _open_dealer(self, endpoint: str) -> zmq.asyncio.Socket:
-        dealer = self._socket(zmq.DEALER)
-        dealer.connect(endpoint)
-        return dealer
+        return await self._replay.fetch(start_seq)
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         sock = self._context.socket(kind)

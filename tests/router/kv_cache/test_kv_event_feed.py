@@ -18,7 +18,8 @@ import zmq
 
 from registry.models import WorkerRecord, decode_worker, encode_worker, worker_id
 from router.kv_cache.event_feed import KVEventFeed, rank_endpoint
-from router.kv_cache.index import KVBlockIndex, chain_keys
+from router.kv_cache.index import KVBlockIndex
+from router.kv_cache.keys import chain_keys
 from router.kv_cache.prefix_tree import ApproxPrefixTree
 from router.kv_tiers import Tier, TierMatch
 from router.settings import CacheAwareSettings

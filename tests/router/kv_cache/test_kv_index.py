@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from router.kv_cache import index as kv_index
-from router.kv_cache.index import KEY_BITS, ROOT_KEY, KVBlockIndex, Location, chain_keys
+from router.kv_cache import keys as kv_keys
+from router.kv_cache.index import KVBlockIndex
+from router.kv_cache.keys import KEY_BITS, ROOT_KEY, chain_keys
+from router.kv_cache.slots import Location
 from router.kv_tiers import Tier, TierMatch
 
 BS = 4
@@ -59,7 +61,7 @@ def test_chain_keys_do_not_depend_on_the_hash_seed() -> None:
         "m = sys.modules['kv'] = u.module_from_spec(s); s.loader.exec_module(m); "
         "print(m.chain_keys(range(40), 4))"
     )
-    path = str(Path(kv_index.__file__))
+    path = str(Path(kv_keys.__file__))
     children = [
         subprocess.Popen(
             [sys.executable, "-c", code, path],

@@ -241,7 +241,7 @@ def test_a_decode_that_recomputes_the_prompt_marks_its_pair_suspect(
     body: dict[str, Any] = {**(CHAT if "chat" in path else COMPLETION), "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    caplog.set_level(logging.WARNING, logger="router.pipeline.serve")
+    caplog.set_level(logging.WARNING, logger="router.pipeline")
     with cluster.client() as client:
         for _ in range(4):  # round robin: two requests per decode
             assert client.post(path, json=body).status_code == 200

@@ -1,0 +1,194 @@
+"""One attempt at a request: the route's legs, run in the shape its adapter asks for.
+
+``Attempt`` carries what an attempt needs (the request, its headers, the client's responder, the
+disconnect signal, the route's workers, the legs' clock, the trace) and runs the decode leg and
+its relay to the client; on its own it is the direct shape, the decode alone (the prefill
+skipped: it prefills locally). ``router.pipeline.pd_attempt.PDAttempt`` adds the prefill leg.
+An attempt lives as long as its legs; retrying on other workers is ``router.pipeline.serve``'s,
+and what an outcome means is ``router.pipeline.verdicts``'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from router.adapters import PDAdapter
+from router.errors import CAPACITY_STATUSES, UpstreamError, UpstreamStatusError
+from router.interrupt import ClientDisconnected, Interrupt
+from router.observability.metrics import RouterMetrics
+from router.observability.receipt import RoutingReceipt
+from router.observability.tracing import TraceSpan
+from router.pipeline.decode_usage import PromptUsage, prompt_usage, prompt_usage_in_sse
+from router.pipeline.leg_clock import LegClock
+from router.pipeline.responder import Responder
+from router.pipeline.verdicts import Verdicts, error_detail
+from router.scheduling.chooser import Route
+from router.schemas import ParsedRequest
+from router.settings import UpstreamSettings
+from router.upstream.base import UpstreamPool, UpstreamResponse
+from router.workers import Worker
+
+__all__ = ["Attempt", "AttemptKit"]
+
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptKit:
+    """What every attempt of a pipeline works with."""
+
+    pool: UpstreamPool
+    adapter: PDAdapter
+    settings: UpstreamSettings
+    verdicts: Verdicts
+    metrics: RouterMetrics
+
+
+class Attempt:
+    """One attempt's decode leg and its relay to the client; on its own, the direct shape."""
+
+    __slots__ = (
+        "_kit",
+        "clock",
+        "decode",
+        "disconnected",
+        "headers",
+        "prefill",
+        "prefill_tokens",
+        "rank",
+        "receipt",
+        "request",
+        "responder",
+        "trace",
+    )
+
+    def __init__(
+        self,
+        kit: AttemptKit,
+        request: ParsedRequest,
+        headers: dict[str, str],
+        responder: Responder,
+        disconnected: asyncio.Future[Any],
+        receipt: RoutingReceipt,
+        trace: TraceSpan | None,
+        route: Route,
+    ) -> None:
+        self._kit = kit
+        self.request = request
+        self.headers = headers
+        self.responder = responder
+        self.disconnected = disconnected
+        self.receipt = receipt
+        self.trace = trace
+        self.prefill: Worker | None = route.prefill  # the PD attempt's prefill, None: direct
+        self.rank = route.rank
+        self.decode = route.decode
+        self.prefill_tokens = route.prefill_tokens
+        # only a PD stream's decode has a KV-arrival deadline
+        watch = request.stream and route.prefill is not None
+        self.clock = LegClock(kit.settings.kv_arrival_timeout_s, watch_first_byte=watch)
+
+    async def run(self) -> None:
+        """The decode alone, with the client's body unchanged: it prefills locally (a vLLM
+        request without kv_transfer_params). Same relay, errors and retries as a PD attempt."""
+        call = self._decode(_encode(self.request.body))
+        interrupt = Interrupt()
+        try:
+            with interrupt.on_done(self.disconnected, lambda _: ClientDisconnected()):
+                await interrupt.guard(call)
+        finally:
+            self.clock.close()
+
+    async def _decode(self, body: bytes) -> None:
+        """The decode leg (of a PD attempt when ``prefill`` is set; else it prefills alone)."""
+        worker = self.decode
+        upstream = self._kit.pool.client(worker)
+        span = self._leg_span("pdr.decode", worker)
+        headers = self.headers
+        if span is not None:
+            headers = {**headers, **span.headers()}
+        with worker.load(), self._leg(worker, span):
+            response = await upstream.open(self.request.endpoint.value, body, headers)
+            if span is not None:
+                span.set("http.response.status_code", response.status)
+            if self.request.stream and response.status < 400:
+                tail = await self._relay(response)
+                if self.prefill is not None:
+                    self._check_recompute(prompt_usage_in_sse(tail))
+            else:
+                await self._whole(response)
+
+    async def _whole(self, response: UpstreamResponse) -> None:
+        """A decode's answer read whole: relayed as is, unless the engine is full (then another
+        decode may take the request)."""
+        worker, prefill, verdicts = self.decode, self.prefill, self._kit.verdicts
+        content = await response.read()
+        self.clock.decode_answered()
+        if response.status in CAPACITY_STATUSES:  # full: another decode may take it
+            raise UpstreamStatusError(
+                response.status,
+                error_detail(content),
+                role="decode",
+                url=worker.public_url,
+            )
+        verdicts.decode_status(response.status, content, worker, prefill)
+        if response.status >= 400:  # relayed to the client as the engine's answer
+            error = verdicts.decode_refused(response.status, content, prefill, worker)
+            if error is not None:
+                self.receipt.decode_error = error
+        elif prefill is not None:
+            self._check_recompute(prompt_usage(content))
+        await self.responder.whole(response.status, response.content_type, content)
+
+    async def _relay(self, response: UpstreamResponse) -> bytes:
+        """Move decode's SSE bytes to the client as they come; returns the last chunk that
+        mentions ``usage`` and the final one (where the usage is, when the client asked for it).
+
+        The client's response starts with the first body chunk, not with decode's headers: until
+        then nothing has reached the client, so a failing prefill can still be retried.
+        """
+        worker = self.decode
+        try:
+            chunks = response.chunks()
+            chunk = await anext(chunks, b"")
+            self.clock.decode_answered()
+            self._kit.verdicts.stale_layout(chunk, worker, self.prefill)
+            tail = await self.responder.relay(response, chunks, chunk)
+        finally:
+            await response.aclose()
+        self._kit.verdicts.record(worker, None)
+        return tail
+
+    def _check_recompute(self, usage: PromptUsage | None) -> None:
+        if self._kit.verdicts.recomputed(usage):
+            self.receipt.recomputed = True
+
+    def _leg_span(self, name: str, worker: Worker) -> TraceSpan | None:
+        trace = self.trace
+        if trace is None:
+            return None
+        span = trace.child(name)
+        span.set("pdr.worker", worker.public_url)
+        return span
+
+    @contextlib.contextmanager
+    def _leg(self, worker: Worker, span: TraceSpan | None) -> Iterator[None]:
+        """One leg's call: a failure counts against its worker (when it is the worker's fault)
+        and ends its span as failed; the span ends with the leg."""
+        try:
+            yield
+        except BaseException as exc:
+            if isinstance(exc, UpstreamError):
+                self._kit.verdicts.record(worker, exc)
+            if span is not None:
+                span.fail(exc)
+                span.end()
+            raise
+        if span is not None:
+            span.end()

@@ -1,0 +1,243 @@
+"""A PD attempt: the prefill leg too, before the decode (``sequential``: the decode's body comes
+from the prefill's answer) or beside it (``concurrent``: the same body to both), and the watch on
+the KV cache between them.
+
+Failure rules (PROTOCOLS.md 3.3, 5.7): if the prefill leg fails, the decode leg is cancelled at
+once and the client gets the prefill's error; if the client goes away, both legs are cancelled.
+
+Real engines never give up on a KV that does not come before 480-540 s, so the router does:
+- the prefill's answer ends the generation (a stop token; ``completed_by_prefill``): the client
+  gets that answer and the decode leg is cancelled;
+- the prefill is lost (marked down, restarted) while the decode may still wait for its KV: the
+  decode leg is cancelled with an error;
+- a streaming decode's first byte has not come ``kv_arrival_timeout_s`` after the prefill
+  answered (``LegClock``): the decode leg is cancelled with a 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine, Iterator
+from functools import partial
+from typing import Any
+
+import msgspec
+
+from router.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from router.interrupt import ClientDisconnected, Interrupt, failure_of, reap
+from router.pipeline.attempt import Attempt
+from router.pipeline.prefill_answer import prefill_answer_body, prefill_answer_events
+from router.pipeline.verdicts import error_detail
+from router.upstream.base import UpstreamClient
+from router.workers import Worker
+
+__all__ = ["PDAttempt"]
+
+logger = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+_JSON = b"application/json"
+
+
+class PDAttempt(Attempt):
+    """A prefill leg and a decode leg: the prefill computes the KV cache, the decode gets it and
+    generates."""
+
+    __slots__ = ()
+    prefill: Worker  # a PD attempt's route has a prefill
+
+    async def run(self) -> None:
+        """Both legs in the shape the adapter's plan asks for; the pair's verdict once served."""
+        kit, request, headers, clock = self._kit, self.request, self.headers, self.clock
+        plan = kit.adapter.plan(request, self.prefill, self.rank, self.decode)
+        self.receipt.transfer_ref = plan.transfer_ref or None
+        prefill_headers = {**headers, **plan.prefill_headers} if plan.prefill_headers else headers
+        prefill_body = _encode(plan.prefill_body)
+        prefill_call = self._prefill(prefill_body, prefill_headers)
+        try:
+            if plan.decode_body is None:
+                await self._sequential(prefill_call)
+            else:
+                # SGLang sends the very same body to both legs: encode it once.
+                same = plan.decode_body is plan.prefill_body
+                decode_body = prefill_body if same else _encode(plan.decode_body)
+                await self._concurrent(prefill_call, self._decode(decode_body))
+        except _PrefillCompleted as done:
+            await self._answer_from_prefill(done.answer)
+        finally:
+            clock.close()
+        if request.stream and clock.prefill_done is not None and clock.first_byte is not None:
+            # SGLang's decode may start before its prefill answers: the KV was there already
+            self.receipt.kv_wait_s = max(clock.first_byte - clock.prefill_done, 0.0)
+        kit.verdicts.pd_served(self.prefill, self.decode, self.receipt)
+
+    async def _sequential(self, prefill_call: Coroutine[Any, Any, bytes]) -> None:
+        """Prefill first; then the decode, built from the prefill's answer."""
+        interrupt = Interrupt()  # guards one leg at a time
+        with interrupt.on_done(self.disconnected, lambda _: ClientDisconnected()):
+            answer = _prefill_json(await interrupt.guard(prefill_call), self.prefill)
+        self.clock.prefill_answered()
+        adapter = self._kit.adapter
+        if adapter.completed_by_prefill(answer):
+            raise _PrefillCompleted(answer)
+        body = adapter.decode_after_prefill(self.request, answer)
+        decode_call = self._decode(_encode(body))
+        with self._kv_watch(interrupt):
+            await interrupt.guard(decode_call)
+
+    async def _concurrent(
+        self, prefill_call: Coroutine[Any, Any, bytes], decode_call: Coroutine[Any, Any, None]
+    ) -> None:
+        """Run both legs; a prefill failure or a disconnect cancels the decode at once.
+
+        The decode leg runs in this task (it owns the client response); the prefill leg in a
+        child task whose failure (or answer that ends the generation) interrupts this one.
+        """
+        clock, responder, adapter = self.clock, self.responder, self._kit.adapter
+
+        def prefill_outcome(task: asyncio.Future[bytes]) -> BaseException | None:
+            failure = failure_of(task)
+            if failure is not None or task.cancelled():
+                return failure
+            clock.prefill_answered()
+            answer = task.result()
+            if b'"stop"' not in answer or responder.started:
+                return None  # the common case: no stop at all, decoded by nobody
+            try:
+                data = _decode(answer)
+            except msgspec.DecodeError:
+                return None
+            return _PrefillCompleted(data) if adapter.completed_by_prefill(data) else None
+
+        prefill_task = asyncio.create_task(prefill_call)
+        interrupt = Interrupt()
+        try:
+            with interrupt.on_done(prefill_task, prefill_outcome), self._kv_watch(interrupt):
+                await interrupt.guard(decode_call)
+            try:
+                await prefill_task
+            except UpstreamError as exc:  # the client is served already
+                metrics = self._kit.metrics
+                metrics.count(metrics.upstream_errors, exc.role, exc.kind)
+                logger.warning("prefill failed after the decode answered: %s", exc.message)
+        finally:
+            await reap(prefill_task)
+
+    @contextlib.contextmanager
+    def _kv_watch(self, interrupt: Interrupt) -> Iterator[None]:
+        """While the decode leg runs: the client leaving, the prefill being lost while the KV may
+        still be on its way, or the KV-arrival deadline passing interrupt it."""
+        prefill, decode, clock = self.prefill, self.decode, self.clock
+
+        def lost(signal: asyncio.Future[str]) -> BaseException | None:
+            if not clock.kv_pending():
+                return None  # the decode has the KV: it can finish without the prefill
+            return UpstreamUnavailable(
+                f"{signal.result()} before the decode received this request's KV cache",
+                role="prefill",
+                url=prefill.public_url,
+                connect=False,
+                kind="kv_lost",
+            )
+
+        def expired(deadline: asyncio.Future[float]) -> BaseException:
+            return UpstreamTimeout(
+                f"no first byte {deadline.result():g}s after prefill {prefill.public_url} "
+                "answered: the KV cache did not arrive",
+                role="decode",
+                url=decode.public_url,
+                kind="kv_timeout",
+            )
+
+        with (
+            interrupt.on_done(self.disconnected, lambda _: ClientDisconnected()),
+            interrupt.on_done(prefill.loss_signal(), lost),
+            interrupt.on_done(clock.expired, expired),
+        ):
+            yield
+
+    async def _answer_from_prefill(self, answer: dict[str, Any]) -> None:
+        logger.info("the prefill's one token ended the generation: answering with it")
+        request, responder = self.request, self.responder
+        if request.stream:
+            await responder.whole(200, b"text/event-stream", prefill_answer_events(request, answer))
+        else:
+            await responder.whole(200, _JSON, prefill_answer_body(answer))
+
+    async def _prefill(self, body: bytes, headers: dict[str, str]) -> bytes:
+        """The prefill leg: its whole answer (the KV's whereabouts), or its error."""
+        worker, rank = self.prefill, self.rank
+        upstream = self._kit.pool.client(worker)
+        span = self._leg_span("pdr.prefill", worker)
+        if span is not None:
+            span.set("pdr.dp_rank", rank)
+            headers = {**headers, **span.headers()}
+        started = time.perf_counter()
+        with worker.load(rank, self.prefill_tokens), self._leg(worker, span):
+            interrupt = Interrupt()  # a prefill marked down (frozen, gone) ends its leg now
+            with interrupt.on_done(worker.loss_signal(), partial(_lost_during_prefill, worker)):
+                call = self._post_whole(upstream, body, headers)
+                answer: tuple[int, bytes] = await interrupt.guard(call)
+            status, content = answer
+            if span is not None:
+                span.set("http.response.status_code", status)
+            if status >= 400:
+                raise UpstreamStatusError(
+                    status, error_detail(content), role="prefill", url=worker.public_url
+                )
+        self.receipt.prefill_s = time.perf_counter() - started
+        self._kit.verdicts.record(worker, None)
+        return content
+
+    async def _post_whole(
+        self, upstream: UpstreamClient, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        """POST and read the whole answer within the prefill's total deadline."""
+        settings = self._kit.settings
+        try:
+            async with asyncio.timeout(settings.prefill_timeout_s):
+                response = await upstream.open(self.request.endpoint.value, body, headers)
+                return response.status, await response.read()
+        except TimeoutError as exc:
+            worker = upstream.worker
+            raise UpstreamTimeout(
+                f"no complete answer within {settings.prefill_timeout_s:g}s",
+                role=worker.role.value,
+                url=worker.public_url,
+            ) from exc
+
+
+class _PrefillCompleted(Exception):
+    """The prefill's answer already ends the generation; the decode leg is cancelled."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        super().__init__("the prefill's answer ends the generation")
+        self.answer = answer
+
+
+def _prefill_json(answer: bytes, prefill: Worker) -> Any:
+    try:
+        return _decode(answer)
+    except msgspec.DecodeError as exc:
+        raise UpstreamUnavailable(
+            f"answered invalid JSON: {answer[:200]!r}",
+            role="prefill",
+            url=prefill.public_url,
+            connect=False,
+            kind="invalid_answer",
+        ) from exc
+
+
+def _lost_during_prefill(worker: Worker, signal: asyncio.Future[str]) -> BaseException:
+    """The prefill was marked down while its leg waited: the request may go elsewhere, rather
+    than wait out the prefill timeout on an engine that may never answer."""
+    return UpstreamUnavailable(
+        f"{signal.result()} while its prefill leg ran",
+        role="prefill",
+        url=worker.public_url,
+        connect=False,
+        kind="worker_lost",
+    )

@@ -1,0 +1,113 @@
+"""Choosing the workers: the routing policies and KV-cache-aware prefill selection."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, field_validator
+
+from router.kv_tiers import DEFAULT_TIER_WEIGHTS, check_tier_weights, parse_tier_weights
+from router.settings.flags import DOCUMENTED, PositiveFloat, cli
+
+__all__ = ["CacheAwareSettings", "PolicySettings"]
+
+
+class PolicySettings(BaseModel):
+    """How a prefill and a decode worker are chosen (``router.scheduling.policies``)."""
+
+    model_config = DOCUMENTED
+
+    policy: str = Field(
+        default="round_robin", json_schema_extra=cli("--policy", choices_of="policies")
+    )
+    """policy for both roles: `least_load` takes the lowest engine-reported load,
+    `cache_aware` the prefill holding most of the prompt's KV cache (the decode: least_load)"""
+    prefill_policy: str | None = Field(
+        default=None,
+        json_schema_extra=cli("--prefill-policy", choices_of="policies", default="--policy"),
+    )
+    """policy for prefill"""
+    decode_policy: str | None = Field(
+        default=None,
+        json_schema_extra=cli("--decode-policy", choices_of="policies", default="--policy"),
+    )
+    """policy for decode"""
+
+
+class CacheAwareSettings(BaseModel):
+    """KV-cache-aware prefill selection (``cache_aware``) and skipping the prefill leg."""
+
+    model_config = DOCUMENTED
+
+    tokenizer: str | None = Field(default=None, json_schema_extra=cli("--tokenizer", metavar="DIR"))
+    """the engines' Hugging Face tokenizer directory (`tokenizer.json`, the chat template from
+    `tokenizer_config.json`): precise `cache_aware`"""
+    render_url: str | None = Field(
+        default=None, json_schema_extra=cli("--render-url", metavar="URL")
+    )
+    """tokenize with this vLLM engine's (or render server's) `POST /v1/.../render` instead of
+    `--tokenizer` (5 s timeout, then approximate)"""
+    kv_events_port: int | None = Field(
+        default=None, ge=1, le=65535, json_schema_extra=cli("--kv-events-port")
+    )
+    """KV event port of every prefill (on its URL's host; DP rank r at port + r)"""
+    kv_events_replay_port: int | None = Field(
+        default=None, ge=1, le=65535, json_schema_extra=cli("--kv-events-replay-port")
+    )
+    """KV event replay port of every prefill"""
+    max_indexed_blocks: int = Field(
+        default=4_000_000, gt=0, json_schema_extra=cli("--max-indexed-blocks")
+    )
+    """cap on the KV blocks indexed, all workers together"""
+    prediction_ttl_s: PositiveFloat = Field(default=2.0, json_schema_extra=cli("--prediction-ttl"))
+    """seconds the entries a routing decision predicts live unless the engine's events
+    confirm them"""
+    # SMG's cache_threshold
+    cache_threshold: float = Field(
+        default=0.3, ge=0.0, le=1.0, json_schema_extra=cli("--cache-threshold")
+    )
+    """a cached prefix counts only when it covers at least this share of the prompt (a shared
+    template header alone must not pull every request along); below it the rank with the
+    least queued prefill work wins"""
+    # defaults measured by bench/kv_tiers/main.py; the env takes JSON ({"DISK": 0.7})
+    tier_weights: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS),
+        json_schema_extra=cli("--cache-tier-weights", metavar="TIER=WEIGHT,..."),
+    )
+    """tiered KV caches: what a cached block only in host memory (`CPU_PINNED`, or vLLM's
+    `CPU`) or on `DISK` counts for in `cache_aware`, a GPU block being 1; each 0..1, a tier not
+    given keeps its default"""
+    balance_abs_threshold: float = Field(
+        default=32.0, ge=0, json_schema_extra=cli("--balance-abs-threshold")
+    )
+    """`cache_aware`: load wins over the cache when max - min load exceeds this ..."""
+    balance_rel_threshold: float = Field(
+        default=1.5, ge=1.0, json_schema_extra=cli("--balance-rel-threshold")
+    )
+    """... and the max load exceeds this times the min"""
+    approx_tree_max_chars: int = Field(
+        default=16 * 1024 * 1024, gt=0, json_schema_extra=cli("--approx-tree-max-chars")
+    )
+    """approximate `cache_aware` (no tokenizer): prefix tree size cap per worker, chars"""
+    tokenize_cache_entries: int = Field(
+        default=8192, ge=0, json_schema_extra=cli("--tokenize-cache-entries")
+    )
+    """cached tokenized prompt segments"""
+    pd_min_uncached_tokens: int = Field(
+        default=0, ge=0, json_schema_extra=cli("--pd-min-uncached-tokens")
+    )
+    """vLLM protocols: a request with fewer predicted uncached prompt tokens skips the prefill
+    leg (the decode prefills it; 0: never)"""
+    prefill_saturated_waiting: int | None = Field(
+        default=None, ge=1, json_schema_extra=cli("--prefill-saturated-waiting")
+    )
+    """vLLM protocols: when every prefill reports this many waiting requests, the decode
+    prefills locally (none: never for load)"""
+
+    @field_validator("tier_weights", mode="before")
+    @classmethod
+    def _parse_tier_weights(cls, value: object) -> object:
+        return parse_tier_weights(value) if isinstance(value, str) else value
+
+    @field_validator("tier_weights")
+    @classmethod
+    def _check_tier_weights(cls, value: dict[str, float]) -> dict[str, float]:
+        return check_tier_weights(value)

@@ -1,0 +1,114 @@
+"""The client-facing side: the HTTP server's bounds and admission control (overload)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from router.settings.flags import DOCUMENTED, TUNING, PositiveFloat, cli
+
+__all__ = ["AdmissionSettings", "ServerSettings"]
+
+
+class ServerSettings(BaseModel):
+    """The client-facing HTTP server: where it listens, the bounds of a request (400 beyond
+    them; ``router.schemas.RequestLimits``), connection limits (``router.server.http_limits``)
+    and the graceful shutdown."""
+
+    model_config = DOCUMENTED
+
+    host: str = Field(default="127.0.0.1", json_schema_extra=cli("--host"))
+    """address to listen on"""
+    port: int = Field(default=8000, ge=0, le=65535, json_schema_extra=cli("--port"))
+    """port to listen on"""
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, gt=0, json_schema_extra=cli("--max-body-bytes")
+    )
+    """larger request bodies get 413 (completions, `/admin` and the engine bootstrap
+    listeners)"""
+    max_n: int = Field(default=128, ge=1, json_schema_extra=cli("--max-n"))
+    """largest `n`: each sample is a full sequence, and with SGLang a request and a bootstrap
+    room of its own; 128 is OpenAI's own cap on chat `n` and covers best-of sampling"""
+    max_batch: int = Field(default=256, ge=1, json_schema_extra=cli("--max-batch"))
+    """most prompts in one batched `/v1/completions` request"""
+    max_sequences: int = Field(default=1024, ge=1, json_schema_extra=cli("--max-sequences"))
+    """most sequences one request asks for, `n` x prompts"""
+    max_request_id_bytes: int = Field(
+        default=256, ge=1, le=4096, json_schema_extra=cli("--max-request-id-bytes")
+    )
+    """longest `X-Request-Id`; a longer one, or one with a byte outside printable ASCII
+    (0x21-0x7E), gets 400 (the id goes into both legs' headers, which the engines echo within
+    an 8190-byte limit, and into every log line)"""
+    max_json_depth: int = Field(default=64, ge=1, le=512, json_schema_extra=TUNING)
+    """deepest nesting of arrays and objects in a request body, the body being level 1 (chat
+    content parts need ~6, nested tool schemas a few dozen)"""
+    graceful_shutdown_s: PositiveFloat = Field(
+        default=30.0, json_schema_extra=cli("--shutdown-grace")
+    )
+    """on SIGTERM, `/ready` answers 503 and new connections are refused; requests in flight
+    get this many seconds to finish, then end with an error; exit status 0"""
+    max_header_bytes: int = Field(
+        default=64 * 1024, ge=1024, le=16 * 1024 * 1024, json_schema_extra=cli("--max-header-bytes")
+    )
+    """most bytes of a request's head (request line + headers); beyond it 431 and the
+    connection closes"""
+    header_timeout_s: PositiveFloat = Field(default=10.0, json_schema_extra=cli("--header-timeout"))
+    """seconds a request's headers may take from their first byte; then 408 and close (idle
+    keep-alive connections between requests are uvicorn's: 75 s)"""
+    body_timeout_s: PositiveFloat = Field(default=30.0, json_schema_extra=cli("--body-timeout"))
+    """seconds a request body may go without data (idle time, not a total); then 408"""
+    max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        json_schema_extra=cli("--max-connections", default="from the open file limit"),
+    )
+    """open client connections; one more is answered 503 at once (by default a third of the
+    open file limit, raised to its hard limit at start, minus 256, within 64..16384)"""
+
+
+class AdmissionSettings(BaseModel):
+    """Overload: admission control before routing, per-worker in-flight caps, and the back-off
+    from an engine that answered it is full (``router.pipeline.admission``, ``WorkerPool``)."""
+
+    model_config = DOCUMENTED
+
+    max_concurrent_requests: int = Field(
+        default=1024, ge=0, json_schema_extra=cli("--max-concurrent-requests")
+    )
+    """completion requests served at once, admitted after their body was read and parsed;
+    more wait in a FIFO queue (0: no limit)"""
+    max_queued_requests: int = Field(
+        default=2048, ge=0, json_schema_extra=cli("--max-queued-requests")
+    )
+    """requests waiting for a slot; beyond it 429 with `Retry-After` at once (0: no queue)"""
+    queue_timeout_s: PositiveFloat = Field(default=30.0, json_schema_extra=cli("--queue-timeout"))
+    """a request queued this long gets 429"""
+    retry_after_s: int = Field(default=1, ge=1, le=3600, json_schema_extra=TUNING)
+    """the `Retry-After` (whole seconds) of the router's 429s"""
+    max_inflight_per_worker: int = Field(
+        default=0, ge=0, json_schema_extra=cli("--max-inflight-per-worker")
+    )
+    """legs one worker (all its DP ranks) may have in flight from this router; at the cap it
+    is no candidate, and with every candidate at it the request gets 429 (0: no cap)"""
+    max_inflight_per_prefill: int | None = Field(
+        default=None,
+        ge=0,
+        json_schema_extra=cli("--max-inflight-per-prefill", default="--max-inflight-per-worker"),
+    )
+    """the same for prefill workers only"""
+    max_inflight_per_decode: int | None = Field(
+        default=None,
+        ge=0,
+        json_schema_extra=cli("--max-inflight-per-decode", default="--max-inflight-per-worker"),
+    )
+    """the same for decode workers only"""
+    capacity_backoff_s: float = Field(
+        default=1.0, ge=0, json_schema_extra=cli("--capacity-backoff")
+    )
+    """a worker that answered 429/503 (full) is avoided this long while another candidate
+    exists; it stays healthy (0: never avoided)"""
+
+    def worker_caps(self) -> tuple[int, int]:
+        """The in-flight caps of a prefill and of a decode worker (0: none)."""
+        default = self.max_inflight_per_worker
+        prefill, decode = self.max_inflight_per_prefill, self.max_inflight_per_decode
+        return (default if prefill is None else prefill, default if decode is None else decode)
