@@ -1,7 +1,8 @@
 """KV cache tiers: where a cached block lives at a rank, and what a block there is worth.
 
 Engines with a tiered KV cache (SGLang HiCache, vLLM's offloading connector) report each block's
-``medium`` in ``BlockStored`` / ``BlockRemoved`` (PROTOCOLS.md section 7.2): ``GPU`` (device
+``medium`` in ``BlockStored`` / ``BlockRemoved`` (docs/concepts/protocols.md section 7.2): ``GPU``
+(device
 memory), ``CPU_PINNED`` (host memory; vLLM's offloading connector says ``CPU``) and ``DISK``
 (storage). A block may be in several tiers at once (write-through copies it to host and disk
 while it stays on the GPU). A block only on a lower tier is still a hit, but the engine must load

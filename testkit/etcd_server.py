@@ -65,7 +65,7 @@ class EtcdServer(ChildServer):
         """Start etcd and wait until it reports healthy; raises EtcdMissing or RuntimeError."""
         if not self.running and not os.access(self.binary, os.X_OK):
             raise EtcdMissing(
-                f"etcd binary not found at {self.binary}: run scripts/setup.sh "
+                f"etcd binary not found at {self.binary}: run scripts/setup-test.sh "
                 "(it installs the Debian package etcd-server)"
             )
         super().start()

@@ -1,7 +1,7 @@
 """A fast fake vLLM / SGLang prefill or decode engine (no model) for tests and benchmarks.
 
 It speaks the engines' OpenAI-compatible HTTP surface and the PD wire contract of
-/work/shared/PROTOCOLS.md, and fails a request loudly (HTTP 400 / 500 with an OpenAI error
+docs/concepts/protocols.md, and fails a request loudly (HTTP 400 / 500 with an OpenAI error
 JSON) when the router sent a PD field wrong. Modules:
 
 * `testkit/fake_engine.py`: `FakeEngine` (routes, knobs, records) and the CLI;

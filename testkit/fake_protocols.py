@@ -1,7 +1,8 @@
 """Per-protocol PD checks and KV rendezvous for the fake engine (`testkit/fake_engine.py`).
 
 One class per (protocol, role) checks the fields a router must send, exactly as the real
-engines need them (PROTOCOLS.md sections 2-5), and raises `EngineError` (answered as an
+engines need them (docs/concepts/protocols.md sections 2-5), and raises `EngineError` (answered as
+an
 OpenAI error JSON) when one is missing or wrong. With `FakeConfig.check_kv` the classes also
 play the KV hand-over between a prefill (P) and a decode (D), so a router that pairs the wrong
 engines, ranks or ids makes the decode fail instead of silently "working":
@@ -138,7 +139,8 @@ def _require_one(body: Mapping[str, Any], key: str) -> None:
 
 
 def check_vllm_prefill(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The prefill rewrite of the reference proxies (PROTOCOLS.md 2); returns the KV params."""
+    """The prefill rewrite of the reference proxies (docs/concepts/protocols.md 2); returns the KV
+    params."""
     if body.get("stream") is not False:
         raise bad_request(f"prefill request must set stream=false, got {body.get('stream')!r}")
     _require_one(body, "max_tokens")
@@ -195,7 +197,7 @@ def parse_dp_rank(headers: Mapping[str, str], dp_size: int) -> int:
 
 
 class MooncakePrefill(RoleHandler):
-    """vLLM >= 0.16 MooncakeConnector producer (PROTOCOLS.md 3.2, 3.3)."""
+    """vLLM >= 0.16 MooncakeConnector producer (docs/concepts/protocols.md 3.2, 3.3)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
@@ -322,7 +324,8 @@ class MooncakeDecode(RoleHandler):
 
 
 class NixlPrefill(RoleHandler):
-    """vLLM NixlConnector producer: returns the params D must receive verbatim (PROTOCOLS.md 4)."""
+    """vLLM NixlConnector producer: returns the params D must receive verbatim
+    (docs/concepts/protocols.md 4)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
@@ -483,7 +486,7 @@ def _list_form(body: Mapping[str, Any], shape: Shape) -> Bootstrap:
 
 
 def parse_bootstrap(body: Mapping[str, Any], shape: Shape) -> Bootstrap:
-    """Check `bootstrap_host/port/room` (PROTOCOLS.md 5.1).
+    """Check `bootstrap_host/port/room` (docs/concepts/protocols.md 5.1).
 
     All three are scalars (a single prompt; with n > 1 the engine uses rooms `room + i`) or
     all three are lists with one entry per sequence: batch size x n.
@@ -519,7 +522,8 @@ def _optional_ranks(body: Mapping[str, Any], key: str, boot: Bootstrap) -> list[
 
 
 class SglangPrefill(RoleHandler):
-    """SGLang prefill: same body as D, DP rank follows the room (PROTOCOLS.md 5.1, 5.5, 5.6)."""
+    """SGLang prefill: same body as D, DP rank follows the room (docs/concepts/protocols.md 5.1,
+    5.5, 5.6)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)

@@ -18,7 +18,8 @@ TRANSFER_STATUS    room, status (KVPoll value), prefill_rank, reason (UTF-8; emp
 ABORT              room
 =================  ==========================================================================
 
-Where and why this differs from SGLang 0.4.10's Mooncake frames (PROTOCOLS.md 6.3-6.5):
+Where and why this differs from SGLang 0.4.10's Mooncake frames (docs/concepts/protocols.md
+6.3-6.5):
 
 * A versioned header comes first. SGLang's frames carry no version, and its message kind is
   implied by frame 0 (``b"None"`` for a registration, a room number otherwise) or, in 0.5.x, by

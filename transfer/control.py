@@ -1,7 +1,8 @@
 """The control plane between decode and prefill ranks: typed messages over pyzmq (``zmq.asyncio``).
 
 Each rank binds one PULL socket and sends to peers through one cached PUSH socket per peer, as
-SGLang's Mooncake backend does (PROTOCOLS.md 6.2). Frames are made and read by ``transfer.codec``
+SGLang's Mooncake backend does (docs/concepts/protocols.md 6.2). Frames are made and read by
+``transfer.codec``
 only. The process owns one ``zmq.asyncio.Context`` and passes it in; a ``ControlPlane`` owns its
 sockets and closes them when its ``async with`` block ends.
 

@@ -1,6 +1,7 @@
 """A prefill rank's traffic with its decode ranks: ``DecodeLink``.
 
-What decode ranks send a prefill rank arrives on its control socket (PROTOCOLS.md 6.3-6.7):
+What decode ranks send a prefill rank arrives on its control socket (docs/concepts/protocols.md
+6.3-6.7):
 ``RegisterKVArgs`` opens a decode session (``transfer.sessions``) and connects back to the decode,
 so that a connection that drops is noticed; ``TransferInfo`` and ``Abort`` go to the room ledger.
 A decode whose connection dropped takes its sessions with it, and the ledger fails their rooms.

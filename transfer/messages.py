@@ -10,7 +10,8 @@ Prefill -> decode:
 
 * ``TransferStatus``: a room reached a state (Success or Failed, with a reason when Failed).
 
-The fields follow SGLang 0.4.10's Mooncake messages (PROTOCOLS.md 6.3-6.5); ``transfer/codec.py``
+The fields follow SGLang 0.4.10's Mooncake messages (docs/concepts/protocols.md 6.3-6.5);
+``transfer/codec.py``
 turns them into frames and back and is the only module that knows the byte layout. Bump
 ``PROTOCOL_VERSION`` on any change to a message's fields or frames.
 

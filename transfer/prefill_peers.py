@@ -1,7 +1,8 @@
 """The prefill ranks a decode rank receives from: ``PrefillPeers``.
 
 Before a room's transfer info can go, ``KVReceiver`` needs the room's prefill rank and that rank
-must know this one. This is that half of the receiver (PROTOCOLS.md 6.3-6.4): find the rank
+must know this one. This is that half of the receiver (docs/concepts/protocols.md 6.3-6.4): find
+the rank
 through the rendezvous client (an SGLang prefill by DP rank after checking its parallel info, a
 vLLM MooncakeConnector engine by engine id), and send it ``RegisterKVArgs`` (this rank's buffers
 and address) on first contact in the session. A rank that failed a room, was unreachable or whose

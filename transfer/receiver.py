@@ -1,6 +1,6 @@
 """The decode role: expose this rank's KV pages and receive a request's KV from a prefill rank.
 
-Flow (SGLang's Mooncake receiver, PROTOCOLS.md 6.3-6.5), per request ``room``::
+Flow (SGLang's Mooncake receiver, docs/concepts/protocols.md 6.3-6.5), per request ``room``::
 
     Bootstrapping    look up the prefill rank through the rendezvous client (the registry's
                      GET /route, cached) and, on first contact in this session, send it

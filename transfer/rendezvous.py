@@ -1,5 +1,6 @@
 """The transfer rendezvous client: prefill ranks publish their control address, decode ranks look
-it up, through the registry's engine bootstrap APIs: SGLang's (PROTOCOLS.md 5.6) and vLLM's (3.2).
+it up, through the registry's engine bootstrap APIs: SGLang's (docs/concepts/protocols.md 5.6) and
+vLLM's (3.2).
 
 Prefill ranks announce their control address with the SGLang 0.5.x ``PUT /route`` payload; decode
 ranks read the prefill's parallel layout and a rank's address with the 0.5.10+ ``GET /route``

@@ -1,6 +1,7 @@
 """The prefill role: write a request's KV pages into the decode's memory and report the outcome.
 
-Flow (SGLang's Mooncake sender, PROTOCOLS.md 6.3-6.7). Once open, the rank publishes its control
+Flow (SGLang's Mooncake sender, docs/concepts/protocols.md 6.3-6.7). Once open, the rank publishes
+its control
 address through the rendezvous client (the registry's ``PUT /route``). Decode ranks send
 ``RegisterKVArgs`` once per session (``transfer.sessions``) and ``TransferInfo`` per request; per
 request ``room``::

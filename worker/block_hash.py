@@ -1,7 +1,8 @@
 """Chained block keys over token ids, as vLLM and SGLang compute their prefix-cache hashes.
 
 A block is one full KV page (``page_size`` tokens). Each block's key chains the previous block's,
-so a key names a whole prefix. What the engines put in KV events (PROTOCOLS.md 7.2, 11.2):
+so a key names a whole prefix. What the engines put in KV events (docs/concepts/protocols.md 7.2,
+11.2):
 
 * SGLang: ``sha256(parent_digest + tokens as little-endian uint32)`` (no parent for the first
   page); the event id is the digest's high 64 bits as a signed int64.

@@ -2,7 +2,7 @@
 
 One ``CollectorRegistry`` per worker (no global registry). Gauges and counters are read from
 ``RankSnapshot``s at scrape time; the time-to-first-token histogram is observed as requests get
-their first token. One series per DP rank. Names and meanings (PROTOCOLS.md 11.1):
+their first token. One series per DP rank. Names and meanings (docs/concepts/protocols.md 11.1):
 
 vLLM (``vllm-mooncake``), labels ``model_name`` and ``engine`` (the DP rank as a string):
   ``vllm:num_requests_running`` (in the forward pass or decoding), ``vllm:num_requests_waiting``

@@ -1,6 +1,7 @@
 """Read a completion request's prompts and PD fields, as SGLang and vLLM engines receive them.
 
-* SGLang (PROTOCOLS.md 5.1, 5.5): ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room``,
+* SGLang (docs/concepts/protocols.md 5.1, 5.5): ``bootstrap_host`` / ``bootstrap_port`` /
+``bootstrap_room``,
   scalars or one list entry per sequence (batches, ``n`` > 1); ``routed_dp_rank`` names the
   prefill DP rank, ``disagg_prefill_dp_rank`` the one a decode pulls from.
 * vLLM MooncakeConnector >= 0.16 (3.3): ``kv_transfer_params`` with the router's ``transfer_id``,

@@ -178,7 +178,7 @@ def build_chooser(policy: str, pool: UpstreamPool) -> RouteChooser:
     """The router's routing decision as ``router/pipeline/serve.py`` builds it (vLLM Mooncake)."""
     return RouteChooser(
         pool,
-        build_adapter(EngineProtocol.VLLM_MOONCAKE).name,
+        build_adapter(EngineProtocol.VLLM_MOONCAKE).decode_can_prefill,
         build_policy(policy),
         build_policy(policy),
         RouterMetrics(),

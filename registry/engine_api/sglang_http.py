@@ -1,4 +1,5 @@
-"""SGLang's prefill bootstrap server API over HTTP, from the rank tables (PROTOCOLS.md 5.5, 5.6).
+"""SGLang's prefill bootstrap server API over HTTP, from the rank tables
+(docs/concepts/protocols.md 5.5, 5.6).
 
 Engines call these paths on ``bootstrap_host:bootstrap_port`` and cannot add a path prefix, so the
 plain paths (``/route``, ``/register_dp_rank``, ``/query_dp_ranks``) belong to namespace

@@ -1,4 +1,4 @@
-"""SGLang's bootstrap API payloads, every engine generation (PROTOCOLS.md 5.5, 5.6).
+"""SGLang's bootstrap API payloads, every engine generation (docs/concepts/protocols.md 5.5, 5.6).
 
 Told apart by their fields:
 

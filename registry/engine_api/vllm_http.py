@@ -2,11 +2,13 @@
 
 vLLM >= 0.32 can point its prefill workers at an external bootstrap server
 (``kv_connector_extra_config.bootstrap_server_address="host:port"``); the registry answers for it
-with vLLM 0.32's exact answers (PROTOCOLS.md 3.2): 422 on a schema error, ``{"status":"ok"}``, and
+with vLLM 0.32's exact answers (docs/concepts/protocols.md 3.2): 422 on a schema error,
+``{"status":"ok"}``, and
 ``{"detail": ...}`` 400s for refused registrations. Older vLLM runs its own server; the router
 then only reads ``/query`` from it.
 
-Paths (PROTOCOLS.md 3.6). vLLM builds the registration URL from ``host:port`` alone, so two
+Paths (docs/concepts/protocols.md 3.6). vLLM builds the registration URL from ``host:port`` alone,
+so two
 prefill instances registering ``dp_rank=0`` at one address would collide ("Engine ID mismatch"
 and a crashed worker). Hence:
 

@@ -1,6 +1,7 @@
 """vLLM MooncakeConnector's bootstrap API payloads (``POST /register``, ``GET /query``).
 
-Field for field vLLM 0.32's own (``mooncake_utils.py``, PROTOCOLS.md 3.2), so schema errors are
+Field for field vLLM 0.32's own (``mooncake_utils.py``, docs/concepts/protocols.md 3.2), so schema
+errors are
 the same 422s and answers the same JSON.
 """
 

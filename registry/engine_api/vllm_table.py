@@ -1,8 +1,9 @@
 """vLLM Mooncake's prefill rank table, one per namespace, kept in the registry store.
 
-vLLM 0.32's semantics (PROTOCOLS.md 3.2): idempotent re-registration and the two refusals
+vLLM 0.32's semantics (docs/concepts/protocols.md 3.2): idempotent re-registration and the two
+refusals
 ("Engine ID mismatch ..." and "Worker ... is already registered at ...", ``Conflict``, answered
-400). One namespace is one prefill instance (PROTOCOLS.md 3.6).
+400). One namespace is one prefill instance (docs/concepts/protocols.md 3.6).
 
 Restart rule (our design; vLLM's own server dies with its prefill, ours outlives it): each
 namespace holds an *epoch*, an int kept in the store. A registration bringing a new

@@ -1,6 +1,7 @@
 """SGLang PD: the same body to P and D, concurrently, with bootstrap host/port/room.
 
-PROTOCOLS.md sections 5.1 and 5.5. Rooms are random in [1, 2**63-1] (0 means "not ready" on the
+docs/concepts/protocols.md sections 5.1 and 5.5. Rooms are random in [1, 2**63-1] (0 means "not
+ready" on the
 decode side); batched prompts and n > 1 get one room per sequence. With a DP prefill every room
 satisfies ``room % dp_size == rank``, and P gets ``routed_dp_rank`` while D gets
 ``disagg_prefill_dp_rank``. ``n > 1`` reaches this adapter only as n requests with ``n: 1``

@@ -1,4 +1,4 @@
-"""The prefill-leg rewrite shared by both vLLM protocols (PROTOCOLS.md section 2)."""
+"""The prefill-leg rewrite shared by both vLLM protocols (docs/concepts/protocols.md section 2)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """vLLM MooncakeConnector >= 0.16: router-minted transfer_id, P and D sent concurrently.
 
-PROTOCOLS.md section 3.3: P gets ``X-data-parallel-rank`` and ``max_tokens=1`` (with
+docs/concepts/protocols.md section 3.3: P gets ``X-data-parallel-rank`` and ``max_tokens=1`` (with
 ``min_tokens=1``: see ``vllm_prefill_body``); D gets the client's body with the
 prefill's bootstrap address, the engine id of the pinned DP rank and the same ``transfer_id``.
 """

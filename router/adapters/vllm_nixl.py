@@ -1,6 +1,7 @@
 """vLLM NixlConnector: prefill first, then decode with the prefill's kv_transfer_params verbatim.
 
-PROTOCOLS.md section 4. The prefill copy gets ``min_tokens=1`` (see ``vllm_prefill_body``); the
+docs/concepts/protocols.md section 4. The prefill copy gets ``min_tokens=1`` (see
+``vllm_prefill_body``); the
 decode receives the client's original body, ``min_tokens`` included. A DP prefill gets the chosen
 rank in ``X-data-parallel-rank`` (section 2), as with Mooncake.
 """

@@ -1,6 +1,6 @@
 """Engine load: poll each worker's own load report and keep it on the worker.
 
-Sources, by engine protocol (PROTOCOLS.md 11.1):
+Sources, by engine protocol (docs/concepts/protocols.md 11.1):
 
 * vLLM (``vllm-mooncake``, ``vllm-nixl``): ``GET /metrics``, per DP engine (label ``engine``):
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``.

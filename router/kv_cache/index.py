@@ -1,7 +1,8 @@
 """Which worker rank holds which KV blocks: the index behind KV-cache-aware routing.
 
 Engines report their prefix cache through KV events (``BlockStored`` / ``BlockRemoved`` /
-``AllBlocksCleared``, PROTOCOLS.md section 7). Their block hashes cannot be reproduced here (the
+``AllBlocksCleared``, docs/concepts/protocols.md section 7). Their block hashes cannot be
+reproduced here (the
 seed, algorithm and extra keys differ per engine, section 11.2), so, like llm-d's indexer, the index
 keys blocks by the router's *own* chained keys (``chain_keys``, in ``keys``) computed from the
 ``token_ids`` every ``BlockStored`` carries, and keeps an engine-hash -> own-key map per location so

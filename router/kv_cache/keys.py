@@ -1,7 +1,8 @@
 """The router's own block keys: ``chain_keys`` and the constants of the key space.
 
 Engines' block hashes cannot be reproduced here (the seed, algorithm and extra keys differ per
-engine, PROTOCOLS.md section 11.2), so the index keys blocks by keys chained from the token ids
+engine, docs/concepts/protocols.md section 11.2), so the index keys blocks by keys chained from the
+token ids
 every ``BlockStored`` carries. Keys and folded engine hashes are 60-bit ints, which keeps each int
 object at 32 bytes.
 

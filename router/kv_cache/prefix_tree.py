@@ -1,7 +1,8 @@
 """An approximate prefix-cache map from request text alone: which location has seen which prefix.
 
 The ``cache_aware`` policy's fallback when engines publish no KV events (the sglang-router / SMG
-approach, PROTOCOLS.md section 11.2): every request text routed to a location is inserted into one
+approach, docs/concepts/protocols.md section 11.2): every request text routed to a location is
+inserted into one
 radix tree over characters, and ``match`` answers, per location, the longest prefix of a new text
 that location has seen. An engine's real cache is only approximated (it evicts on its own), so
 each location's share of the tree is capped at ``max_chars_per_location`` characters, evicting its

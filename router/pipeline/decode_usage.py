@@ -1,6 +1,7 @@
 """Did the decode use the prefill's KV? Read from the ``usage`` the decode reports.
 
-Signals, by engine (PROTOCOLS.md 11; checked against vLLM 0.32 and SGLang 0.5 sources):
+Signals, by engine (docs/concepts/protocols.md 11; checked against vLLM 0.32 and SGLang 0.5
+sources):
 
 * vLLM >= 0.32 with ``--enable-prompt-tokens-details``, chat answers only:
   ``usage.prompt_tokens_details.created_cache_tokens`` is the prompt tokens the engine computed

@@ -2,7 +2,8 @@
 from the prefill's answer) or beside it (``concurrent``: the same body to both), and the watch on
 the KV cache between them.
 
-Failure rules (PROTOCOLS.md 3.3, 5.7): if the prefill leg fails, the decode leg is cancelled at
+Failure rules (docs/concepts/protocols.md 3.3, 5.7): if the prefill leg fails, the decode leg is
+cancelled at
 once and the client gets the prefill's error; if the client goes away, both legs are cancelled.
 
 Real engines never give up on a KV that does not come before 480-540 s, so the router does:

@@ -1,7 +1,7 @@
 """Per-request orchestration: pick a pair, run an attempt, retry when safe, fill the receipt.
 
 Only connect errors and an engine saying it is full (429/503: not a fault) are retried, on other
-workers, and only before any byte reached the client (PROTOCOLS.md 3.3, 5.7).
+workers, and only before any byte reached the client (docs/concepts/protocols.md 3.3, 5.7).
 
 Choosing the workers (and whether to skip the prefill leg) is
 ``router.scheduling.chooser.RouteChooser``; one attempt's legs are ``router.pipeline.attempt``
@@ -83,7 +83,7 @@ class Pipeline:
         self._metrics = metrics = metrics or RouterMetrics()
         self.chooser = RouteChooser(
             pool,
-            adapter.name,
+            adapter.decode_can_prefill,
             prefill_policy,
             decode_policy,
             metrics,

@@ -34,9 +34,6 @@ from router.workers import Worker
 
 __all__ = ["SKIPPED", "Route", "RouteChooser"]
 
-# Protocols whose decode prefills a request that has no kv_transfer_params by itself: what
-# their adapters' ``decode_can_prefill`` says, for callers that pass the protocol's name only.
-_DECODE_CAN_PREFILL = frozenset({"vllm-mooncake", "vllm-nixl"})
 SKIPPED = "skipped"
 
 
@@ -62,18 +59,16 @@ class RouteChooser:
     def __init__(
         self,
         pool: UpstreamPool,
-        protocol: str,
+        decode_can_prefill: bool,
         prefill_policy: Policy,
         decode_policy: Policy,
         metrics: RouterMetrics,
         cache_settings: CacheAwareSettings,
         featurizer: Featurizer,
         circuits: Circuits | None = None,
-        *,
-        decode_can_prefill: bool | None = None,
     ) -> None:
-        """``decode_can_prefill``: the adapter's word (``PDAdapter.decode_can_prefill``); None
-        looks it up by ``protocol``, the adapter's name."""
+        """``decode_can_prefill``: the protocol adapter's word (``PDAdapter.decode_can_prefill``):
+        whether the decode prefills a request without KV transfer fields by itself."""
         self._pool = pool
         self._circuits = circuits
         self._prefill_policy = prefill_policy
@@ -81,8 +76,6 @@ class RouteChooser:
         self._metrics = metrics
         self._cache = cache_settings
         self._featurizer = featurizer
-        if decode_can_prefill is None:
-            decode_can_prefill = protocol in _DECODE_CAN_PREFILL
         self._may_skip = decode_can_prefill and (
             cache_settings.pd_min_uncached_tokens > 0
             or cache_settings.prefill_saturated_waiting is not None

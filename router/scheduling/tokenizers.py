@@ -9,7 +9,8 @@ Three sources, chosen by settings (``open_token_source``):
   (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``add_generation_prompt=True``), then encoded
   without special tokens; a completions prompt is encoded with them. vLLM tokenizes these
   simple templates the same way, and so does ``pd-worker --tokenizer``.
-* ``--render-url URL``: the engine's own render API (vLLM >= 0.32, PROTOCOLS.md 11.2), 5 s
+* ``--render-url URL``: the engine's own render API (vLLM >= 0.32, docs/concepts/protocols.md
+11.2), 5 s
   timeout; a failure leaves that request to approximate routing.
 * neither: no token ids (approximate routing over ``features.request_text`` only).
 

@@ -129,7 +129,8 @@ def engine_argv(model: Path, role: Role, port: int, extra: Iterable[str] = ()) -
 
 @dataclass(frozen=True)
 class KVEventPorts:
-    """Where an engine publishes its KV cache events (PROTOCOLS.md section 7): the live PUB
+    """Where an engine publishes its KV cache events (docs/concepts/protocols.md section 7): the
+    live PUB
     stream and the replay ROUTER, both bound on all interfaces by the engine (DP rank 0)."""
 
     live: int

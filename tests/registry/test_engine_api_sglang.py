@@ -1,4 +1,5 @@
-"""SGLang bootstrap API (registry/engine_api/sglang_*) against PROTOCOLS.md 5.5/5.6, every version.
+"""SGLang bootstrap API (registry/engine_api/sglang_*) against docs/concepts/protocols.md 5.5/5.6,
+every version.
 
 Request/response checks go through ``httpx.ASGITransport``; one test serves ``namespace_app`` on a
 real socket; the shared-store tests run over memory and a real etcd (``store`` fixture).

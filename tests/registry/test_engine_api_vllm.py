@@ -1,4 +1,5 @@
-"""vLLM Mooncake bootstrap API (registry/engine_api/vllm_*.py) against PROTOCOLS.md 3.2 and 3.6.
+"""vLLM Mooncake bootstrap API (registry/engine_api/vllm_*.py) against docs/concepts/protocols.md
+3.2 and 3.6.
 
 Answers are compared byte for byte with a copy of vLLM 0.32's own FastAPI server
 (``mooncake_utils.py``: the same pydantic payload and handler logic), built below.

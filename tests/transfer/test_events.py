@@ -1,4 +1,5 @@
-"""KV cache event feed: codec against PROTOCOLS.md 7, publisher and subscriber on real sockets."""
+"""KV cache event feed: codec against docs/concepts/protocols.md 7, publisher and subscriber on
+real sockets."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from transfer.events import (
 )
 from transfer.events.codec import LiveMessage
 
-# PROTOCOLS.md 7.2, verbatim (split only where JSON allows whitespace).
+# docs/concepts/protocols.md 7.2, verbatim (split only where JSON allows whitespace).
 OLD_JSON = """[1.5, [["BlockStored", [11,12], null, [1,2,3,4], 2, null, "GPU"],
                 ["AllBlocksCleared"]], 0]"""
 NEW_JSON = """[1.5, [{"type":"BlockStored","block_hashes":[11,12],"parent_block_hash":null,

@@ -1,4 +1,4 @@
-"""KV cache event feed (PROTOCOLS.md section 7): typed events, publisher, subscriber.
+"""KV cache event feed (docs/concepts/protocols.md section 7): typed events, publisher, subscriber.
 
 Engines publish with :class:`KVEventPublisher`; the router follows each engine (one per DP
 rank) with :class:`KVEventSubscriber`, which decodes every encoding and framing that vLLM

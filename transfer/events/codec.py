@@ -1,4 +1,4 @@
-"""The one place that knows the KV event byte layout (PROTOCOLS.md section 7).
+"""The one place that knows the KV event byte layout (docs/concepts/protocols.md section 7).
 
 Payloads: our encoder writes the current encoding (map-form events inside the array-form
 :class:`EventBatch`); the decoder reads both that and the older array-like events, with an

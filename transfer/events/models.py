@@ -1,4 +1,4 @@
-"""Typed KV cache event model (PROTOCOLS.md section 7.2).
+"""Typed KV cache event model (docs/concepts/protocols.md section 7.2).
 
 The events are msgspec Structs in a ``tag=True`` union whose tag is the class name, so each
 encodes as a map ``{"type": "BlockStored", ...}``: the current encoding of vLLM >= 0.24 and
@@ -28,7 +28,8 @@ class KVCacheEvent(msgspec.Struct, tag=True, frozen=True, gc=False):
 
     ``omit_defaults`` stays off: every field of ours is one that vLLM 0.33 declares without a
     default (``medium``, ``lora_name``), so it is written even when null, exactly as in
-    PROTOCOLS.md's example. The engines' null-defaulted extras (``extra_keys``, ``group_idx``,
+    docs/concepts/protocols.md's example. The engines' null-defaulted extras (``extra_keys``,
+    ``group_idx``,
     ``cache_salt``, ...) are not part of this model: decoding ignores them, encoding never has them.
     """
 

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 class KVEventPublisher(AsyncClosing):
-    """Publishes :class:`EventBatch` es as vLLM >= 0.26 / SGLang 0.5.23 do (PROTOCOLS.md 7.1).
+    """Publishes :class:`EventBatch` es as vLLM >= 0.26 / SGLang 0.5.23 do
+    (docs/concepts/protocols.md 7.1).
 
     Use as ``async with KVEventPublisher(endpoint, replay_endpoint=...) as pub``. The PUB
     socket binds ``endpoint`` (``tcp://127.0.0.1:0`` picks a free port; read the result from

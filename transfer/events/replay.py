@@ -1,6 +1,7 @@
 """Asking a publisher's replay endpoint for the batches it still buffers: ``ReplayClient``.
 
-The subscriber's side of the replay exchange (PROTOCOLS.md section 7): a DEALER sends the start
+The subscriber's side of the replay exchange (docs/concepts/protocols.md section 7): a DEALER sends
+the start
 seq, and the replies (the buffered batches from that seq on, in order) are collected up to the end
 marker within a timeout. One request runs at a time. After a request that did not finish (timed
 out, failed or cancelled) the DEALER is replaced, so that its late replies can never be taken for

@@ -1,6 +1,7 @@
 """KV events of the lower cache tiers: ``BlockStored`` / ``BlockRemoved`` with their ``medium``.
 
-SGLang's names (PROTOCOLS.md 7.2): ``GPU`` (L1, the device pool: ``worker.prefix_cache`` emits
+SGLang's names (docs/concepts/protocols.md 7.2): ``GPU`` (L1, the device pool:
+``worker.prefix_cache`` emits
 those), ``CPU_PINNED`` (L2, host memory) and ``DISK`` (L3, storage). A tier's ``BlockStored``
 carries the same ``token_ids`` and parent chaining as the GPU one: consecutive pages of one
 prompt (each the parent of the next) share one event, whose parent is the first page's parent.

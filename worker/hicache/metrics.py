@@ -1,7 +1,7 @@
 """``/metrics`` of the tiered KV cache (``worker.hicache.controller``), registered only when a tier
 is configured (``--hicache-host-pages`` > 0), in the worker's own ``CollectorRegistry``.
 
-PROTOCOLS.md names no SGLang HiCache metrics, so these carry our own prefix,
+docs/concepts/protocols.md names no SGLang HiCache metrics, so these carry our own prefix,
 ``pd_worker_hicache_``. Labels: ``model_name``, the rank label of the worker's protocol
 (``engine`` for vLLM, ``dp_rank`` for SGLang, as ``worker.metrics``) and, where it applies,
 ``tier``: the KV event medium, ``GPU`` (L1), ``CPU_PINNED`` (L2) or ``DISK`` (L3).

@@ -1,6 +1,6 @@
 """``cache_aware``: send a prompt to the prefill DP rank that already holds most of its prefix.
 
-Two ways to know what a rank holds (PROTOCOLS.md 11.2):
+Two ways to know what a rank holds (docs/concepts/protocols.md 11.2):
 
 * precise: the engines' KV cache events fill a :class:`KVBlockIndex` of chained block keys per
   (worker, DP rank); the request's token ids, chained the same way, are matched against it.

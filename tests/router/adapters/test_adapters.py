@@ -1,4 +1,4 @@
-"""Each PD adapter's rewrite, field by field, against PROTOCOLS.md."""
+"""Each PD adapter's rewrite, field by field, against docs/concepts/protocols.md."""
 
 from __future__ import annotations
 

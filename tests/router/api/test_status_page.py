@@ -286,7 +286,7 @@ async def _complete(client: httpx.AsyncClient, count: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not chromium_available(), reason="needs Chromium (scripts/setup.sh)")
+@pytest.mark.skipif(not chromium_available(), reason="needs Chromium (scripts/setup-test.sh)")
 async def test_status_page_in_headless_chromium(pd_cluster: ClusterProcess, tmp_path: Path) -> None:
     async with httpx.AsyncClient(base_url=pd_cluster.url, timeout=20) as client:
         await _complete(client, 3)

@@ -1,4 +1,4 @@
-"""What real engines did to the router (issue 8; /work/shared/REAL_ENGINES.md), through the router.
+"""What real engines did to the router (issue 8; docs/real-engines.md), through the router.
 
 vLLM 0.32 and SGLang 0.5.23 showed failure modes the router must survive: a prefill whose one
 token is a stop token keeps no KV, a prefill killed after answering never sends it, a busy engine

@@ -126,7 +126,7 @@ async def test_saturated_prefills_are_skipped() -> None:
 def _chooser(saturated_at: int) -> RouteChooser:
     return RouteChooser(
         UpstreamPool(needs_engine_ids=False),
-        VllmNixlAdapter().name,
+        VllmNixlAdapter().decode_can_prefill,
         build_policy("round_robin"),
         build_policy("round_robin"),
         RouterMetrics(),
