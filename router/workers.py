@@ -238,7 +238,7 @@ class Worker:
         self.signal_loss(f"it became unhealthy ({reason})")
 
     def record_success(self) -> None:
-        """It served a request (failed requests feed its circuit breaker, router.pipeline.verdicts)."""
+        """It served a request (failed ones feed its circuit breaker: router.pipeline.verdicts)."""
         self.last_success = time.monotonic()
 
 
