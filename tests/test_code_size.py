@@ -21,16 +21,14 @@ def oversized(root: Path) -> list[str]:
             if (lines := len(source.splitlines())) > MAX_MODULE:
                 found.append(f"{where} {lines}")
             for node in ast.walk(ast.parse(source)):
-                limit = (
-                    MAX_CLASS
-                    if isinstance(node, ast.ClassDef)
-                    else MAX_FUNCTION
-                    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-                    else None
-                )
-                if limit is None or node.end_lineno is None:
+                if isinstance(node, ast.ClassDef):
+                    limit = MAX_CLASS
+                elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    limit = MAX_FUNCTION
+                else:
                     continue
-                if (lines := node.end_lineno - node.lineno + 1) > limit:
+                end = node.end_lineno or node.lineno
+                if (lines := end - node.lineno + 1) > limit:
                     found.append(f"{where}:{node.name} {lines}")
     return found
 
