@@ -8,8 +8,8 @@ cites a document outside the repository.
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,18 +22,18 @@ _CITATION = re.compile(
     rf"\s*{_NUMBER}(?:\s*[-\u2013]\s*{_NUMBER})?)*)"
 )
 _OUTSIDE = re.compile(r"\b(PROTOCOLS|REAL_ENGINES)\.md")
+# folders that are not the repository's sources (dot-folders: .git, .venv*, caches, too)
+_NOT_SOURCES = frozenset({"site", "__pycache__", "build", "dist"})
+_TEXT = frozenset({".py", ".md", ".yaml", ".yml", ".sh", ".toml"})
 
 
 def _tracked_text_files() -> list[Path]:
-    names = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
+    """The repository's text files (not its environments, caches or built site)."""
     found = []
-    for name in names:
-        path = ROOT / name
-        if path.suffix in {".py", ".md", ".yaml", ".yml", ".sh", ".toml"} and path.is_file():
-            found.append(path)
-    return found
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [s for s in subfolders if not s.startswith(".") and s not in _NOT_SOURCES]
+        found += [Path(folder, name) for name in files if Path(name).suffix in _TEXT]
+    return sorted(found)
 
 
 def cited_sections(text: str) -> set[tuple[str, str]]:
