@@ -1,11 +1,10 @@
 """Per-protocol PD checks and KV rendezvous for the fake engine (`testkit/fake_engine.py`).
 
-One class per (protocol, role) checks the fields a router must send, exactly as the real
-engines need them (docs/concepts/protocols.md sections 2-5), and raises `EngineError` (answered as
-an
-OpenAI error JSON) when one is missing or wrong. With `FakeConfig.check_kv` the classes also
-play the KV hand-over between a prefill (P) and a decode (D), so a router that pairs the wrong
-engines, ranks or ids makes the decode fail instead of silently "working":
+One class per (protocol, role) checks the fields a router must send, exactly as the real engines
+need them (docs/concepts/protocols.md sections 2-5), and raises `EngineError` (answered as an OpenAI
+error JSON) when one is missing or wrong. With `FakeConfig.check_kv` the classes also play the KV
+hand-over between a prefill (P) and a decode (D), so a router that pairs the wrong engines, ranks or
+ids makes the decode fail instead of silently "working":
 
 * vllm-mooncake: D GETs `{remote_bootstrap_addr}/query` and looks up `remote_engine_id`, then
   POSTs `{remote_bootstrap_addr}/fake/pull`; P's bootstrap port answers once P has served the

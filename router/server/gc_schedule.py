@@ -11,8 +11,7 @@ reference cycle (``Response`` <-> ``BoundAsyncStream``), so each health probe an
 leaves ~40 objects (~5 KiB with their buffers) that only the collector frees, as do exceptions
 kept with their tracebacks on error paths; an automatic collection came only after 50,000 of
 them. The soak saw the router's RSS climb ~15% over 5,000 requests (bench/soak/rss_drift.py showed
-it
-linear in time). ``collect_periodically`` (a task on the router's event loop) therefore collects
+it linear in time). ``collect_periodically`` (a task on the router's event loop) therefore collects
 the young generations every ``interval_s`` (cost: the objects allocated since the last tick) and
 everything every ``full_every`` ticks, so garbage lives about a second, not until 50,000 objects.
 """
