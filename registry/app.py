@@ -24,10 +24,9 @@ from registry.engine_api import (
     BootstrapProtection,
     OwnerHosts,
     RankTables,
+    include_engine_routes,
     is_engine_path,
     protect,
-    sglang_routes,
-    vllm_routes,
 )
 from registry.engine_api.http_errors import error_json
 from registry.http_allow import error_headers
@@ -94,8 +93,7 @@ def create_registry_app(
         dependencies=[Depends(authorizer(settings))],
     )
     tables = RankTables()
-    app.include_router(sglang_routes(tables.sglang, protection.guard))
-    app.include_router(vllm_routes(tables.vllm, protection.guard))
+    include_engine_routes(app, tables, protection)
     protect(app, protection, is_engine_path)
 
     @app.get("/health", response_class=PlainTextResponse)

@@ -4,6 +4,7 @@ RegistryError
 ├── NotFound               a worker, rank, key or engine-API namespace does not exist
 ├── Conflict               a registration contradicts the registered one (vLLM engine id mismatch)
 ├── BadEngineApiRequest    an engine's bootstrap API call with missing or invalid fields (400)
+├── TooManyNamespaces      a bootstrap API call would create a namespace beyond the cap (429)
 ├── RegistryUnavailable    the store cannot be reached (etcd down); callers keep their last view
 └── ConfigurationError     a bad store URL, a missing optional dependency
 """
@@ -17,6 +18,7 @@ __all__ = [
     "NotFound",
     "RegistryError",
     "RegistryUnavailable",
+    "TooManyNamespaces",
 ]
 
 
@@ -34,6 +36,10 @@ class Conflict(RegistryError):
 
 class BadEngineApiRequest(RegistryError):
     """An engine's bootstrap API call with missing or invalid fields (answered 400)."""
+
+
+class TooManyNamespaces(RegistryError):
+    """A bootstrap API call would create one namespace more than the cap (answered 429)."""
 
 
 class RegistryUnavailable(RegistryError):

@@ -1,4 +1,6 @@
-"""Registry rules over a store: add / update / drain / remove workers, list them, watch them."""
+"""Registry rules over a store: add / update / drain / remove workers, list them, watch them.
+
+Worker URLs are logged without their credentials (``redact_url``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from registry.models import (
     WorkerRecord,
     decode_worker,
     encode_worker,
+    redact_url,
     worker_id,
     worker_key,
 )
@@ -84,7 +87,11 @@ class RegistryService:
                 return old
         await self.store.put(worker_key(wid), encode_worker(record), ttl=ttl)
         logger.info(
-            "registry: %s %s %s (epoch %d)", "updated" if old else "added", role, url, record.epoch
+            "registry: %s %s %s (epoch %d)",
+            "updated" if old else "added",
+            role,
+            redact_url(url),
+            record.epoch,
         )
         return record
 

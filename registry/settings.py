@@ -38,6 +38,20 @@ class RegistrySettings(BaseModel):
     # a registered rank's address must accept a TCP connection within the timeout (else 400)
     bootstrap_check_reachable: bool = True
     bootstrap_connect_timeout_s: float = Field(default=1.0, gt=0, le=30)
+    # a rank registration must come from (TCP peer address) the host of the prefill worker
+    # owning its namespace, when one is known (else 409)
+    bootstrap_check_source: bool = True
+    # namespaces the engine bootstrap APIs create on first use; beyond: 429 (error JSON)
+    max_namespaces: int = Field(default=4096, ge=1)
+    # a store that suddenly lost the workers it listed is suspect (an empty or wiped etcd):
+    # the router keeps the workers it knew for up to this long unless the store shows them again
+    suspect_grace_s: float = Field(default=120.0, gt=0)
+    # a listing removing more than this share of the (live, at least 2) discovered workers at
+    # once is suspect
+    suspect_removed_share: float = Field(default=0.5, gt=0, le=1)
+    # a worker deleted from the store leaves after this settle time (a re-list judges deletes
+    # that arrive together, like a wiped prefix, as one batch)
+    removal_settle_s: float = Field(default=0.25, gt=0, le=10)
     # the host decoders use to reach this process's bootstrap APIs (default: the listen host, or
     # this machine's name when listening on a wildcard address)
     advertise_host: str | None = None

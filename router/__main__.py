@@ -18,13 +18,13 @@ from registry.models import redact_url
 from router.app import create_app
 from router.observability.logs import configure_logging
 from router.server.cli import parse_args
-from router.server.gc_schedule import collect_periodically, tune_gc
-from router.server.http_limits import (
-    HttpLimits,
+from router.server.connection_caps import (
     auto_max_connections,
-    limited_http_protocol,
+    default_per_source,
     raise_open_file_limit,
 )
+from router.server.gc_schedule import collect_periodically, tune_gc
+from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.server.lifecycle import RouterLifecycle
 from router.settings import RouterSettings
 
@@ -80,7 +80,15 @@ def _http_limits(settings: RouterSettings) -> HttpLimits:
     server = settings.server
     fd_limit = raise_open_file_limit()
     max_connections = server.max_connections or auto_max_connections(fd_limit)
-    logger.info("open file limit %d; at most %d client connections", fd_limit, max_connections)
+    per_source = server.max_connections_per_source
+    if per_source is None:
+        per_source = default_per_source(max_connections)
+    logger.info(
+        "open file limit %d; at most %d client connections, %s per source",
+        fd_limit,
+        max_connections,
+        per_source or "any number",
+    )
     if max_connections > fd_limit:
         logger.warning(
             "--max-connections %d exceeds the open file limit %d", max_connections, fd_limit
@@ -90,6 +98,7 @@ def _http_limits(settings: RouterSettings) -> HttpLimits:
         header_timeout_s=server.header_timeout_s,
         body_timeout_s=server.body_timeout_s,
         max_connections=max_connections,
+        max_connections_per_source=per_source,
     )
 
 

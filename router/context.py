@@ -22,6 +22,7 @@ from router.fleet.circuit_breaker import Circuits, build_circuits
 from router.fleet.discovery import Discovery
 from router.fleet.engine_load import EngineLoadMonitor
 from router.fleet.health import HealthProber
+from router.fleet.outlier import OutlierDetector
 from router.kv_cache.event_feed import KVEventFeed
 from router.kv_cache.index import KVBlockIndex
 from router.kv_cache.prefix_tree import ApproxPrefixTree
@@ -154,6 +155,7 @@ class _Parts:
     kv: KVCacheView
     telemetry: Telemetry
     pipeline: Pipeline
+    outlier: OutlierDetector
 
 
 def _live_ids(pool: UpstreamPool) -> set[str]:
@@ -242,6 +244,11 @@ def _build_parts(settings: RouterSettings, tables: RankTables) -> _Parts:
         observability=settings.observability,
         circuits=circuits,
     )
+    outlier = OutlierDetector(
+        pool,
+        settings.outlier,
+        on_eject=lambda role, why: metrics.count(metrics.outlier_ejections, role, why),
+    )
     return _Parts(
         pool=pool,
         store=store,
@@ -251,6 +258,7 @@ def _build_parts(settings: RouterSettings, tables: RankTables) -> _Parts:
         kv=kv,
         telemetry=telemetry,
         pipeline=pipeline,
+        outlier=outlier,
     )
 
 
@@ -303,6 +311,7 @@ async def open_context(
             fleet.discovery.run(),
             parts.load_monitor.run(),
             parts.kv.feed.run(),
+            parts.outlier.run(),
         ]
         if pod_watcher is not None:
             tasks.append(pod_watcher.run())

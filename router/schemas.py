@@ -2,10 +2,17 @@
 
 The envelope is also where a request's size in sequences is bounded (``RequestLimits``): one
 72-byte body with ``n: 10**9`` would otherwise make the router build 10^9 SGLang requests.
+
+A body over ``LAZY_BODY_BYTES`` keeps each large top-level field that the router never reads (a
+``logit_bias`` map, ``tools``, ...) as a ``msgspec.Raw`` slice of the body, which msgspec encodes
+back verbatim for the engines: decoding 28 MB of ``logit_bias`` builds ~280 MB of Python objects
+in ~0.85 s on the event loop, holding the GIL (a worker thread would stall the loop as long),
+while slicing it takes ~17 ms and no memory. Smaller bodies take the one-call decode.
 """
 
 from __future__ import annotations
 
+import codecs
 import itertools
 from dataclasses import dataclass
 from enum import StrEnum
@@ -18,7 +25,15 @@ from router.errors import InvalidRequest
 if TYPE_CHECKING:
     from router.settings import ServerSettings
 
-__all__ = ["Endpoint", "ParsedRequest", "RequestLimits", "json_depth_within", "parse_request"]
+__all__ = [
+    "LAZY_BODY_BYTES",
+    "Endpoint",
+    "ParsedRequest",
+    "RequestLimits",
+    "check_body",
+    "json_depth_within",
+    "parse_request",
+]
 
 
 class Endpoint(StrEnum):
@@ -62,14 +77,27 @@ class RequestLimits:
 
 
 _decoder = msgspec.json.Decoder()
+_fields_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _DEFAULT_LIMITS = RequestLimits()
+
+LAZY_BODY_BYTES = 1 << 20  # bodies above this keep large fields the router never reads raw
+_RAW_FIELD_BYTES = 64 << 10  # the size from which such a field stays raw
+# the top-level fields the router (envelope, features, tokenizers, adapters) reads
+_READ_FIELDS = frozenset({"model", "stream", "n", "prompt", "messages", "stream_options"})
+_UTF8_SLICE = 1 << 20  # invalid UTF-8 in a raw field is found slice by slice
 
 
 def parse_request(
-    endpoint: Endpoint, raw: bytes, limits: RequestLimits = _DEFAULT_LIMITS
+    endpoint: Endpoint,
+    raw: bytes | bytearray,
+    limits: RequestLimits = _DEFAULT_LIMITS,
+    *,
+    checked: bool = False,
 ) -> ParsedRequest:
-    """Decode and check the envelope; raises InvalidRequest with the offending parameter."""
-    body = _decode(raw, limits.max_json_depth)
+    """Decode and check the envelope; raises InvalidRequest with the offending parameter.
+    ``checked``: ``check_body`` passed already (a caller may run it in a loop step of its
+    own)."""
+    body = _decode(raw, limits.max_json_depth, checked)
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     model = body.get("model")
@@ -92,21 +120,57 @@ def parse_request(
     return ParsedRequest(endpoint=endpoint, body=body, stream=stream, batch=batch, n=n)
 
 
-def _decode(raw: bytes, max_depth: int) -> Any:
+def check_body(raw: bytes | bytearray, max_depth: int) -> None:
+    """The checks of the whole body that decoding it does not make: its nesting depth and, for
+    a body over ``LAZY_BODY_BYTES`` (whose large fields may stay raw, unchecked), its UTF-8.
+    Raises InvalidRequest."""
+    if not json_depth_within(raw, max_depth):
+        raise InvalidRequest(_too_deep(max_depth))
+    if len(raw) > LAZY_BODY_BYTES and not raw.isascii():
+        try:
+            _check_utf8(raw)
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(f"request body is not valid JSON: invalid UTF-8 ({exc})") from exc
+
+
+def _decode(raw: bytes | bytearray, max_depth: int, checked: bool) -> Any:
     """The JSON value, or InvalidRequest: malformed JSON, invalid UTF-8 in a string (msgspec
     raises UnicodeDecodeError there), or nesting deeper than ``max_depth`` (msgspec itself raises
     RecursionError near Python's recursion limit, ~1000 levels)."""
     try:
-        body = _decoder.decode(raw)
+        body = _decoder.decode(raw) if len(raw) <= LAZY_BODY_BYTES else _decode_lazily(raw)
+    except msgspec.ValidationError as exc:  # only the lazy decoder's: not an object
+        raise InvalidRequest("request body must be a JSON object") from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: invalid UTF-8 ({exc})") from exc
     except RecursionError as exc:
         raise InvalidRequest(_too_deep(max_depth)) from exc
-    if not json_depth_within(raw, max_depth):
-        raise InvalidRequest(_too_deep(max_depth))
+    if not checked:
+        check_body(raw, max_depth)
     return body
+
+
+def _decode_lazily(raw: bytes | bytearray) -> dict[str, Any]:
+    """The body's fields, those the router reads and the small ones decoded, the other large
+    ones kept raw (valid JSON, as msgspec checks while slicing; their UTF-8: ``check_body``)."""
+    fields = _fields_decoder.decode(raw)
+    return {
+        name: _decoder.decode(value)
+        if name in _READ_FIELDS or len(value) <= _RAW_FIELD_BYTES
+        else value
+        for name, value in fields.items()
+    }
+
+
+def _check_utf8(raw: bytes | bytearray) -> None:
+    """Raises UnicodeDecodeError for invalid UTF-8, holding at most a slice's text at once."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(raw)
+    for start in range(0, len(raw), _UTF8_SLICE):
+        decoder.decode(view[start : start + _UTF8_SLICE])
+    decoder.decode(b"", final=True)
 
 
 def _too_deep(max_depth: int) -> str:
@@ -118,7 +182,7 @@ _NOT_STRUCTURE = bytes(range(256)).translate(None, b'[]{}"')
 _BRACKET_STEPS = bytes.maketrans(b"[]{}", b"\x01\xff\x01\xff")  # +1 / -1 as signed bytes
 
 
-def json_depth_within(raw: bytes, max_depth: int) -> bool:
+def json_depth_within(raw: bytes | bytearray, max_depth: int) -> bool:
     """Whether the nesting of arrays and objects in valid JSON ``raw`` is at most ``max_depth``.
 
     No recursion and no work per JSON value in Python: bytes methods drop escapes, everything

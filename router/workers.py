@@ -15,6 +15,7 @@ import httpx
 
 from registry.models import redact_url
 from router.errors import WorkersBusy
+from router.leg_stats import LegStats
 
 __all__ = ["EngineLoad", "LoadReading", "Role", "Worker", "WorkerPool", "format_host"]
 
@@ -92,6 +93,11 @@ class Worker:
     bootstrap_path: str = ""
     # the URL as shown (errors, headers, metrics, pages): any user:password@ hidden
     public_url: str = ""
+    # request-path outlier detection: its legs' timestamps, and whether it ejected this worker
+    # (marked down; probes bring it back, not before ``ejected_until``: time.monotonic())
+    legs: LegStats = field(default_factory=LegStats)
+    ejected: bool = False
+    ejected_until: float = 0.0
     # Resolved (with the reason) when this prefill is lost: requests waiting for its KV give up.
     _loss: asyncio.Future[str] | None = None
 
@@ -126,7 +132,8 @@ class Worker:
     def load(self, rank: int = 0, tokens: int = 0) -> Iterator[None]:
         """Count one in-flight request (and DP rank) for as long as the block runs, and one more
         request dispatched to the rank (credited to it until the engine's next load report);
-        ``tokens``: the prompt tokens it is predicted to compute there, pending meanwhile."""
+        ``tokens``: the prompt tokens it is predicted to compute there, pending meanwhile. The
+        leg's start and end go to ``legs`` (outlier detection)."""
         self.inflight += 1
         ranks = self.rank_inflight
         pending = self.rank_pending_tokens
@@ -135,9 +142,14 @@ class Worker:
             ranks[rank] += 1
             self.rank_dispatched[rank] += 1
             pending[rank] += tokens
+        legs = self.legs
+        leg = legs.begin()
+        completed = False
         try:
             yield
+            completed = True
         finally:
+            legs.end(leg, completed=completed)
             self.inflight -= 1
             if rank_ok:
                 ranks[rank] -= 1
@@ -231,6 +243,7 @@ class Worker:
 
     def mark_up(self) -> None:
         self.healthy = self.seen_healthy = True
+        self.ejected = False
 
     def mark_down(self, reason: str) -> None:
         self.healthy = False

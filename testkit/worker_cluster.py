@@ -106,9 +106,8 @@ def _sides(
         engines: list[LoopbackEngine] = []
         config = WorkerConfig(
             role,
-            shape=SHAPE,
             registry=registry,
-            **{"transfer_timeout_s": TRANSFER_TIMEOUT_S, **options},
+            **{"shape": SHAPE, "transfer_timeout_s": TRANSFER_TIMEOUT_S, **options},
         )
         sides.append(Side(SimWorker(config, _factory(engines, network)), engines))
     return sides
@@ -122,12 +121,14 @@ def pd_cluster(
     dp: int = 1,
     *,
     prefill_options: dict[str, Any] | None = None,
+    decode_options: dict[str, Any] | None = None,
     transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
     **router: Any,
 ) -> Iterator[PDCluster]:
     """``prefill``P``decode``D, ``dp`` ranks per prefill, behind the router speaking
-    ``engine`` (``prefill_options``: more ``WorkerConfig`` fields for the prefills; ``router``:
-    settings overrides); every worker gives a transfer ``transfer_timeout_s``."""
+    ``engine`` (``prefill_options``/``decode_options``: more ``WorkerConfig`` fields for the
+    prefills/decodes, e.g. a smaller ``shape``; ``router``: settings overrides); every worker
+    gives a transfer ``transfer_timeout_s``."""
     network = LoopbackNetwork()
     with contextlib.ExitStack() as stack:
         own = [stack.enter_context(contextlib.ExitStack()) for _ in range(prefill)]
@@ -145,7 +146,13 @@ def pd_cluster(
             **(prefill_options or {}),
         )
         decodes = _sides(
-            "decode", decode, network, [], transfer_timeout_s=transfer_timeout_s, protocol=engine
+            "decode",
+            decode,
+            network,
+            [],
+            transfer_timeout_s=transfer_timeout_s,
+            protocol=engine,
+            **(decode_options or {}),
         )
         reference = SimWorker(WorkerConfig("both", shape=SHAPE), None)
         ports = stack.enter_context(

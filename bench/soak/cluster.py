@@ -3,9 +3,9 @@
 ``SoakCluster`` starts ``python -m worker.cluster --restart-workers`` (``bench.common.cluster``:
 its own session, always stopped), finds the router and every worker among its children by their
 command lines, and reads the router's open file descriptors, RSS and threads from ``/proc``.
-``Monitor`` samples, every ``interval`` s, the router's ``/status/data`` (worker health, registry
-state) and each worker's ``GET /debug/fault`` (its boot id and count of completions answered
-200), for the recovery times.
+``Monitor`` samples, every ``interval`` s, the router's ``/status/data`` (worker health, which
+workers it keeps traffic away from, open breakers, readiness, registry state) and each worker's
+``GET /debug/fault`` (its boot id and count of completions answered 200), for the recovery times.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ __all__ = [
     "SoakCluster",
     "WorkerProc",
     "inflight",
+    "out_of_rotation",
     "proc_stats",
 ]
 
@@ -132,6 +133,10 @@ class Sample:
     healthy: dict[str, bool]  # worker URL -> the router's view
     inflight: int  # requests in flight at the router, all workers
     served: dict[int, tuple[str, int] | None]  # worker port -> (boot id, served_ok) | no answer
+    roles: dict[str, str] = field(default_factory=dict)  # worker URL -> prefill | decode
+    out: frozenset[str] = frozenset()  # worker URLs out of rotation (``out_of_rotation``)
+    decode_breakers: frozenset[str] = frozenset()  # decodes whose own breaker is not closed
+    ready: bool | None = None  # a usable prefill and decode (what /ready says); None: no answer
 
 
 @dataclass
@@ -162,15 +167,20 @@ class Monitor:
             _get_json(http, f"{self.cluster.url}/status/data"),
             *(_get_json(http, f"http://{_HOST}:{port}/debug/fault") for port in ports),
         )
+        rows = [] if status is None else _rows(status)
         return Sample(
             t,
             None if status is None else bool(status["registry"]["ok"]),
-            {} if status is None else _health(status),
+            {_url(w): bool(w["healthy"]) for w in rows},
             0 if status is None else inflight(status),
             {
                 port: None if state is None else (str(state["boot_id"]), int(state["served_ok"]))
                 for port, state in zip(ports, served, strict=True)
             },
+            {_url(w): str(w["role"]) for w in rows},
+            frozenset(_url(w) for w in rows if out_of_rotation(w)),
+            frozenset(_url(w) for w in rows if w["role"] == "decode" and w.get("circuit")),
+            None if status is None else bool(status["ready"]),
         )
 
     def _known_ports(self) -> set[int]:
@@ -185,9 +195,20 @@ async def _get_json(http: httpx.AsyncClient, url: str) -> Any:
         return None
 
 
-def _health(status: dict[str, Any]) -> dict[str, bool]:
-    workers = status["workers"]["prefill"] + status["workers"]["decode"]
-    return {str(w["url"]).rstrip("/"): bool(w["healthy"]) for w in workers}
+def _rows(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(status["workers"]["prefill"]) + list(status["workers"]["decode"])
+
+
+def _url(row: dict[str, Any]) -> str:
+    return str(row["url"]).rstrip("/")
+
+
+def out_of_rotation(row: dict[str, Any]) -> bool:
+    """Whether the router keeps normal traffic away from this ``/status/data`` worker row: not
+    healthy, ejected by outlier detection (a truthy ``ejected``, if the router reports it) or its
+    own breaker open (half-open lets one trial through: not counted)."""
+    circuit = row.get("circuit") or {}
+    return not row["healthy"] or bool(row.get("ejected")) or circuit.get("state") == "open"
 
 
 def inflight(status: dict[str, Any]) -> int:

@@ -2,11 +2,17 @@
 
 Worker faults go through the workers' opt-in fault API (``pd-worker --fault-api``:
 ``POST /debug/fault``) or signals to a worker's process group (pd-cluster ``--restart-workers``
-starts a killed worker again on its ports); etcd is stopped and started again on the same ports
-and data dir; the KV-pool-full burst sends prompts bigger than what the pools hold at once;
-slowloris connections send a request head one header line per interval and never finish it.
-Faults run one after the other, each at its offset from the start (later when the one before ran
-long). Each yields a ``FaultRun``: when it started and ended (soak clock) and on what.
+starts a killed worker again on its ports). The frozen prefill is one of the two prefills
+SIGSTOPped under load: the fault also polls the router's ``/status/data`` for the moment it
+takes that prefill out of rotation (``cluster.out_of_rotation``). etcd is stopped and started
+again on the same ports and data dir, or (empty etcd) started again on a fresh data dir: the
+store comes back without a key. The KV-pool-full burst sends prompts bigger than what the pools
+hold at once. The attacks (``bench.soak.attacks``: large bodies, a chunked trailer flood, idle
+keep-alive connections, slowloris) come from another source address, under a ``RouterWatch``
+(``bench.soak.watch``: the router's peak RSS and ``/health`` latency) while completions on new
+connections keep arriving. Faults run one after the other, each at its offset from the start
+(later when the one before ran long). Each yields a ``FaultRun``: when it started and ended
+(soak clock), on what, and what it measured itself.
 """
 
 from __future__ import annotations
@@ -15,29 +21,46 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 import signal
-import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
-from bench.soak.cluster import SoakCluster, WorkerProc
+from bench.soak import attacks
+from bench.soak.cluster import SoakCluster, WorkerProc, out_of_rotation
 from bench.soak.traffic import Outcome, client, long_prompt, send
+from bench.soak.watch import RouterWatch, fresh_requests
 from testkit.etcd_server import EtcdServer
 
-__all__ = ["FULL", "LABELS", "SHORT", "FaultParams", "FaultRun", "FaultSpec", "run_schedule"]
+__all__ = [
+    "ATTACKS",
+    "FULL",
+    "LABELS",
+    "SHORT",
+    "FaultParams",
+    "FaultRun",
+    "FaultSpec",
+    "run_schedule",
+]
 
 LABELS = {
     "prefill_5xx": "prefill 5xx",
     "decode_sigkill": "decode SIGKILL mid-stream",
-    "prefill_sigstop": "prefill SIGSTOP",
+    "prefill_sigstop": "frozen prefill (1 of 2)",
     "etcd_stop": "etcd stopped",
+    "etcd_empty": "empty etcd",
     "slow_decode": "slow decode",
     "kv_burst": "KV-pool-full burst",
+    "big_bodies": "large bodies",
+    "trailer_flood": "chunked trailer flood",
+    "conn_flood": "idle keep-alive flood",
     "slowloris": "slowloris",
 }
+ATTACKS = frozenset({"big_bodies", "trailer_flood", "conn_flood", "slowloris"})
+ETCD_FAULTS = frozenset({"etcd_stop", "etcd_empty"})
 
 
 @dataclass(frozen=True)
@@ -50,18 +73,26 @@ class FaultSpec:
 FULL = (
     FaultSpec("prefill_5xx", 10, 5),
     FaultSpec("decode_sigkill", 25),
-    FaultSpec("prefill_sigstop", 45, 10),
-    FaultSpec("etcd_stop", 70, 15),
-    FaultSpec("slow_decode", 95, 10),
-    FaultSpec("kv_burst", 115),
-    FaultSpec("slowloris", 125, 15),  # past the router's --header-timeout (10 s)
+    FaultSpec("prefill_sigstop", 45, 15),
+    FaultSpec("etcd_stop", 75, 15),
+    FaultSpec("slow_decode", 100, 10),
+    FaultSpec("kv_burst", 120),
+    FaultSpec("trailer_flood", 135, 5),  # before the bodies: RSS they leave would hide its own
+    FaultSpec("big_bodies", 150),  # as long as the bodies take
+    FaultSpec("conn_flood", 165, 10),
+    FaultSpec("slowloris", 185, 15),  # past the router's --header-timeout (10 s)
+    FaultSpec("etcd_empty", 210, 5),  # last: a fleet emptied by it fails everything after
 )
 SHORT = (
-    FaultSpec("prefill_5xx", 2, 1.5),
-    FaultSpec("decode_sigkill", 5),
-    FaultSpec("prefill_sigstop", 9, 2),
-    FaultSpec("kv_burst", 13),
-    FaultSpec("slowloris", 15, 2),
+    FaultSpec("prefill_sigstop", 3, 6),  # first: nothing else recovering meanwhile
+    FaultSpec("prefill_5xx", 13, 1.5),
+    FaultSpec("decode_sigkill", 18),
+    FaultSpec("kv_burst", 26),
+    FaultSpec("trailer_flood", 29, 2),  # before the bodies: RSS they leave would hide its own
+    FaultSpec("big_bodies", 32),
+    FaultSpec("conn_flood", 36, 3),
+    FaultSpec("slowloris", 40, 2),
+    FaultSpec("etcd_empty", 43, 1.5),
 )
 
 
@@ -74,8 +105,17 @@ class FaultParams:
     victim_tokens: int = 200
     burst_requests: int = 24
     burst_prompt_chars: int = 3000
+    big_bodies: int = 8
+    big_body_bytes: int = 28_000_000  # under the router's --max-body-bytes (32 MiB)
+    big_body_pace_s: float = 0.05  # between 1 MiB writes
+    trailer_connections: int = 4
+    trailer_bytes: int = 256 * 2**20  # per connection, at most
+    conn_flood_connections: int = 600  # past the soak router's --max-connections (512)
     slowloris_connections: int = 100
     slowloris_interval_s: float = 1.0
+    fresh_every_s: float = 0.2  # a completion on a new connection, during an attack
+    body_budget_mib: float = 2048.0  # the router's --max-body-memory (main.py reads it)
+    rss_slack_mib: float = 128.0  # RSS bound of an attack: before it + this (+ the budget)
 
 
 @dataclass
@@ -86,6 +126,7 @@ class FaultRun:
     target: str  # a worker URL, "etcd" or "router"
     note: str = ""
     outcomes: list[Outcome] = field(default_factory=list)  # requests the fault itself sent
+    measures: dict[str, float] = field(default_factory=dict)  # what the fault measured itself
 
     @property
     def label(self) -> str:
@@ -113,14 +154,16 @@ class _Injector:
         return workers[-1] if last else workers[0]
 
     async def run(self, spec: FaultSpec) -> FaultRun:
+        if spec.kind in ATTACKS:
+            return await self._attack(spec)
         faults: dict[str, Callable[[FaultSpec], Awaitable[FaultRun]]] = {
             "prefill_5xx": self._prefill_5xx,
             "decode_sigkill": self._decode_sigkill,
             "prefill_sigstop": self._prefill_sigstop,
             "etcd_stop": self._etcd_stop,
+            "etcd_empty": self._etcd_stop,
             "slow_decode": self._slow_decode,
             "kv_burst": self._kv_burst,
-            "slowloris": self._slowloris,
         }
         return await faults[spec.kind](spec)
 
@@ -163,25 +206,34 @@ class _Injector:
         return FaultRun(spec, start, start, worker.url, note, list(outcomes))
 
     async def _prefill_sigstop(self, spec: FaultSpec) -> FaultRun:
+        """SIGSTOP the last prefill for ``duration_s``; ``detection_s``: until the router's
+        ``/status/data`` first showed it out of rotation (absent: never while frozen)."""
         worker = self._worker("prefill", last=True)
         start = self.clock()
         os.killpg(worker.pid, signal.SIGSTOP)
         try:
-            await asyncio.sleep(spec.duration_s)
+            seen = await _wait_out(self.cluster.url, worker.url, spec.duration_s)
+            await asyncio.sleep(max(spec.duration_s - (time.monotonic() - seen[1]), 0.0))
         finally:
             os.killpg(worker.pid, signal.SIGCONT)
-        return FaultRun(spec, start, self.clock(), worker.url)
+        measures = {} if seen[0] is None else {"detection_s": round(seen[0], 2)}
+        return FaultRun(spec, start, self.clock(), worker.url, "", [], measures)
 
     async def _etcd_stop(self, spec: FaultSpec) -> FaultRun:
+        """Stop etcd for ``duration_s``; start it again on its data dir, or (``etcd_empty``) on
+        a fresh one: a store without a key, like a new cluster or a wiped prefix."""
         if self.etcd is None:
-            raise RuntimeError("etcd_stop needs the router on etcd")
+            raise RuntimeError(f"{spec.kind} needs the router on etcd")
         start = self.clock()
         await asyncio.to_thread(self.etcd.stop)
         try:
             await asyncio.sleep(spec.duration_s)
+            if spec.kind == "etcd_empty":
+                await asyncio.to_thread(shutil.rmtree, self.etcd.data_dir / "data", True)
         finally:
             await asyncio.to_thread(self.etcd.start)
-        return FaultRun(spec, start, self.clock(), "etcd", "restarted on its data dir and ports")
+        fresh = "a fresh data dir (no key)" if spec.kind == "etcd_empty" else "its data dir"
+        return FaultRun(spec, start, self.clock(), "etcd", f"restarted on {fresh} and ports")
 
     async def _kv_burst(self, spec: FaultSpec) -> FaultRun:
         p = self.params
@@ -198,13 +250,49 @@ class _Injector:
         note = f"{len(specs)} x {p.burst_prompt_chars}-token prompts, statuses {statuses}"
         return FaultRun(spec, start, self.clock(), "router", note, list(outcomes))
 
-    async def _slowloris(self, spec: FaultSpec) -> FaultRun:
-        p = self.params
-        start = self.clock()
-        closed = await _slowloris(
-            self.cluster.port, p.slowloris_connections, spec.duration_s, p.slowloris_interval_s
+    def _launch(self, spec: FaultSpec, body: bytes) -> Awaitable[attacks.AttackResult]:
+        p, port = self.params, self.cluster.port
+        if spec.kind == "big_bodies":
+            return attacks.big_bodies(port, body, p.big_bodies, p.big_body_pace_s, p.deadline_s)
+        if spec.kind == "trailer_flood":
+            body = b'{"model": "%s", "prompt": "hi", "max_tokens": 1}' % p.model.encode()
+            return attacks.trailer_flood(
+                port, body, p.trailer_connections, p.trailer_bytes, spec.duration_s
+            )
+        if spec.kind == "conn_flood":
+            return attacks.conn_flood(port, p.conn_flood_connections, spec.duration_s)
+        return attacks.slowloris(
+            port, p.slowloris_connections, spec.duration_s, p.slowloris_interval_s
         )
-        return FaultRun(spec, start, self.clock(), "router", _slowloris_note(closed))
+
+    async def _attack(self, spec: FaultSpec) -> FaultRun:
+        """An attack under a ``RouterWatch``, with completions on new connections meanwhile."""
+        p, stop = self.params, asyncio.Event()
+        big = spec.kind == "big_bodies"
+        body = await asyncio.to_thread(attacks.logit_bias_body, p.model, p.big_body_bytes * big)
+        async with RouterWatch(self.cluster.router_pid, self.cluster.port) as watch:
+            start = self.clock()
+            probing = asyncio.create_task(
+                fresh_requests(
+                    self.cluster.url,
+                    stop,
+                    every_s=p.fresh_every_s,
+                    most=int(p.deadline_s / p.fresh_every_s),
+                    model=p.model,
+                    deadline_s=p.deadline_s,
+                    clock=self.clock,
+                )
+            )
+            try:
+                result = await self._launch(spec, body)
+            finally:
+                stop.set()
+                probes = await probing
+        end = self.clock()
+        measures = watch.result.measures()
+        budget = p.body_budget_mib if big else 0.0
+        measures["rss_bound_mib"] = measures["rss_base_mib"] + budget + p.rss_slack_mib
+        return FaultRun(spec, start, end, "router", result.note, probes, measures | result.measures)
 
 
 async def _wait_inflight(http: httpx.AsyncClient, router: str, worker: str, limit_s: float) -> int:
@@ -221,53 +309,19 @@ async def _wait_inflight(http: httpx.AsyncClient, router: str, worker: str, limi
     return 0
 
 
-_REFUSED = -1.0
-
-
-async def _slow_connection(port: int, duration_s: float, interval_s: float) -> float | None:
-    """One slowloris connection: seconds until the server closed or answered it, None if it
-    stayed open for ``duration_s``, ``_REFUSED`` if it could not connect."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5.0)
-    except (OSError, TimeoutError):
-        return _REFUSED
-    opened = time.monotonic()
-    try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        while (left := duration_s - (time.monotonic() - opened)) > 0:
-            await writer.drain()
-            try:
-                await asyncio.wait_for(reader.read(4096), min(interval_s, left))
-            except TimeoutError:
-                writer.write(b"X-Slow: a\r\n")
-                continue
-            return time.monotonic() - opened  # an answer (408?) or EOF: the server gave up
-        return None
-    except OSError:
-        return time.monotonic() - opened
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-
-
-async def _slowloris(
-    port: int, connections: int, duration_s: float, interval_s: float
-) -> list[float | None]:
-    return list(
-        await asyncio.gather(
-            *(_slow_connection(port, duration_s, interval_s) for _ in range(connections))
-        )
-    )
-
-
-def _slowloris_note(closed: Sequence[float | None]) -> str:
-    refused = sum(1 for c in closed if c == _REFUSED)
-    ended = [c for c in closed if c is not None and c != _REFUSED]
-    held = sum(1 for c in closed if c is None)
-    when = f" (median after {statistics.median(ended):.1f} s)" if ended else ""
-    ended_by = f"{len(ended)} closed by the router{when}"
-    return f"{len(closed)} conns: {ended_by}, {held} held, {refused} refused"
+async def _wait_out(router: str, worker: str, limit_s: float) -> tuple[float | None, float]:
+    """Poll the router's ``/status/data`` until it shows ``worker`` out of rotation: (seconds
+    it took or None after ``limit_s``, the monotonic time the poll began)."""
+    began = time.monotonic()
+    async with httpx.AsyncClient(timeout=1.0) as http:
+        while (waited := time.monotonic() - began) < limit_s:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                status = (await http.get(f"{router}/status/data")).json()
+                rows = status["workers"]["prefill"]
+                if any(str(r["url"]).rstrip("/") == worker and out_of_rotation(r) for r in rows):
+                    return waited, began
+            await asyncio.sleep(0.1)
+    return None, began
 
 
 async def run_schedule(

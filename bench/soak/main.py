@@ -2,18 +2,21 @@
 
     python -m bench.soak [--requests 10000] [--engines sglang,vllm-mooncake] [--users 32]
                          [--deadline 60] [--json PATH] [--router-arg=FLAG ...]
-    python -m bench.soak --short          # the suite's version: ~300 requests, sglang, no etcd
+    python -m bench.soak --short          # the suite's version: ~600 requests, sglang
 
 Per engine protocol (the requests split evenly), a fresh ``pd-cluster --restart-workers`` 2P2D
 (small KV pools; every worker with ``--fault-api``), the router on a real etcd
-(``testkit.etcd_server``) unless ``--short``; after a warm-up, mixed requests (stream or not,
-chat or completions) at a fixed rate spread over the fault schedule (``bench.soak.faults``:
-prefill 5xx, decode SIGKILL mid-stream, prefill SIGSTOP, etcd stopped, slow decode,
-KV-pool-full burst, slowloris), a monitor sampling the router's and workers' state, then a settle
-period. Reports per fault (table: start, end, errors during, recovery) and per run: requests
-hung past their deadline, requests without a complete answer or a clean error
-(``bench.soak.traffic``), the router's fd, RSS and thread counts before and after
-(``bench.soak.report``). Exit status 1 when a target is missed.
+(``testkit.etcd_server``, when the schedule has an etcd fault) with a 256 MiB body memory budget
+and 512 connections at most; after a warm-up, mixed requests (stream or not, chat or
+completions) at a fixed rate spread over the fault schedule (``bench.soak.faults``: prefill 5xx,
+decode SIGKILL mid-stream, a frozen prefill (1 of 2), etcd stopped, empty etcd, slow decode,
+KV-pool-full burst, large bodies, a chunked trailer flood, idle keep-alive connections,
+slowloris), a monitor sampling the router's and workers' state, then a settle period. Reports
+per fault (table: start, end, errors during, errors after the detection window, recovery,
+whether its targets were met: ``bench.soak.rows``) and per run: requests hung past their
+deadline, requests without a complete answer or a clean error (``bench.soak.traffic``), the
+router's fd, RSS and thread counts before and after (``bench.soak.report``). Exit status 1 when
+a target is missed.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from bench.common.cli import exit_on_failure, sigterm_raises
 from bench.common.process import BenchError
 from bench.common.prometheus import value
 from bench.soak.cluster import Monitor, ProcStats, SoakCluster, inflight
-from bench.soak.faults import FULL, SHORT, FaultParams, FaultSpec, run_schedule
+from bench.soak.faults import ETCD_FAULTS, FULL, SHORT, FaultParams, FaultSpec, run_schedule
 from bench.soak.report import PhaseResult, bad_samples, counts, fault_row, render, targets
 from bench.soak.traffic import Clock, Outcome, Traffic
 from testkit.etcd_server import EtcdServer
@@ -46,6 +49,8 @@ __all__ = ["SoakConfig", "main", "run_soak"]
 
 ENGINES = ("sglang", "vllm-mooncake")
 QUIET_S = 6.0  # before the baseline: past the router's upstream keep-alive (4 s)
+BODY_MEMORY_FLAG = "--max-body-memory"
+ROUTER_DEFAULT_BODY_MEMORY = 2 * 2**30  # the router's own default
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,11 @@ class SoakConfig:
     fd_slack: int = 0
     prefill: int = 2
     decode: int = 2
-    router_args: tuple[str, ...] = ("--health-interval", "1")
+    router_args: tuple[str, ...] = (
+        "--health-interval", "1",
+        BODY_MEMORY_FLAG, str(256 * 2**20),  # one large body at a time: the row's RSS bound
+        "--max-connections", "512",  # the idle keep-alive flood goes past it
+    )  # fmt: skip
     worker_args: tuple[str, ...] = (
         "--layers", "2", "--bytes-per-token", "256", "--pages", "256",
         "--decode-s-per-token", "0.005",
@@ -70,7 +79,7 @@ class SoakConfig:
 
     @property
     def uses_etcd(self) -> bool:
-        return any(f.kind == "etcd_stop" for f in self.schedule)
+        return any(f.kind in ETCD_FAULTS for f in self.schedule)
 
     @property
     def planned_s(self) -> float:
@@ -78,17 +87,30 @@ class SoakConfig:
 
 
 SHORT_CONFIG = SoakConfig(
-    requests=300,
+    requests=600,
     engines=("sglang",),
     schedule=SHORT,
-    tail_s=3.0,
+    tail_s=5.0,  # the empty etcd's row watches 3 s past its recovery
     users=16,
     warmup=32,
     deadline_s=20.0,
     settle_s=20.0,
     fd_slack=4,
-    params=FaultParams(deadline_s=20.0, burst_requests=12, slowloris_connections=20),
+    params=FaultParams(
+        deadline_s=20.0, burst_requests=12, slowloris_connections=20, trailer_bytes=64 * 2**20
+    ),
 )
+
+
+def body_budget_mib(router_args: Sequence[str]) -> float:
+    """The router's body memory budget in MiB, from its arguments (the last one wins)."""
+    budget = ROUTER_DEFAULT_BODY_MEMORY
+    for index, arg in enumerate(router_args):
+        if arg == BODY_MEMORY_FLAG and index + 1 < len(router_args):
+            budget = int(router_args[index + 1])
+        elif arg.startswith(BODY_MEMORY_FLAG + "="):
+            budget = int(arg.split("=", 1)[1])
+    return budget / 2**20
 
 
 async def _warm_up(cfg: SoakConfig, cluster: SoakCluster) -> None:
@@ -152,6 +174,7 @@ async def _soak(
     cfg: SoakConfig, cluster: SoakCluster, etcd: EtcdServer | None, requests: int, seed: int
 ) -> tuple[list[Outcome], list[Any], Monitor, float, int]:
     clock = Clock()
+    params = dataclasses.replace(cfg.params, body_budget_mib=body_budget_mib(cfg.router_args))
     traffic = Traffic(
         cluster.url,
         requests=requests,
@@ -165,10 +188,16 @@ async def _soak(
     monitor, stop = Monitor(cluster, clock), asyncio.Event()
     watching = asyncio.create_task(monitor.run(stop))
     mid = asyncio.create_task(_rss_at(cluster, cfg.planned_s / 2))
+    scheduled = asyncio.Event()  # the last fault ended tail_s ago: the traffic may stop
+
+    async def faults() -> list[Any]:
+        runs = await run_schedule(cluster, etcd, cfg.schedule, params, clock)
+        await asyncio.sleep(cfg.tail_s)
+        scheduled.set()
+        return runs
+
     try:
-        outcomes, runs = await asyncio.gather(
-            traffic.run(), run_schedule(cluster, etcd, cfg.schedule, cfg.params, clock)
-        )
+        outcomes, runs = await asyncio.gather(traffic.run(scheduled), faults())
     finally:
         stop.set()
         await watching
@@ -264,7 +293,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SoakConfig, Path | No
         "--router-arg",
         action="append",
         metavar="ARG",
-        help="router argument, replacing the default --health-interval 1 (repeat)",
+        help="router argument, replacing the defaults (SoakConfig.router_args) (repeat)",
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the result here")
     args = parser.parse_args(argv)

@@ -5,7 +5,9 @@ that worker healthy and the worker has answered a completion 200 since (its ``/d
 count grew, or it is a new process that answered one); of etcd, until the router's registry is
 back and a request sent after the end succeeded; of the others, until a request sent after the
 end succeeded. "Errors during" counts the main traffic's failed requests (clean or not) that
-overlapped the fault or its recovery.
+overlapped the fault or its recovery; "errors after window" and "met" are the targeted rows'
+checks (``bench.soak.rows``: the frozen prefill, empty etcd, the KV burst and the attacks; the
+other rows are met once recovered).
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from bench.soak.cluster import ProcStats, Sample
-from bench.soak.faults import FaultRun
+from bench.soak.faults import ETCD_FAULTS, FaultRun
+from bench.soak.rows import UNRECOVERED_WINDOW_S, check
 from bench.soak.traffic import Outcome
 
 __all__ = ["FaultRow", "PhaseResult", "Targets", "fault_row", "render", "targets"]
 
-_UNRECOVERED_WINDOW_S = 10.0
 _MAX_SAMPLES = 5
 WORKER_FAULTS = frozenset({"prefill_5xx", "decode_sigkill", "prefill_sigstop", "slow_decode"})
 
@@ -36,6 +38,10 @@ class FaultRow:
     recovery_s: float | None  # None: not recovered while the soak watched
     note: str
     top_error: str = ""  # the commonest failure among "errors during", with its count
+    errors_after_window: int | None = None  # the targeted rows' (None: not one of them)
+    met: bool = True  # recovered, and a targeted row's checks passed
+    measures: dict[str, float] = field(default_factory=dict)
+    misses: list[str] = field(default_factory=list)  # the targeted checks it failed
 
 
 @dataclass
@@ -97,7 +103,7 @@ def _recovery(run: FaultRun, samples: Sequence[Sample], main: Sequence[Outcome])
     first_ok = _first_ok_after(main, run.end)
     if first_ok is None:
         return None
-    if run.spec.kind == "etcd_stop":
+    if run.spec.kind in ETCD_FAULTS:
         back = next((s.t for s in samples if s.t >= run.end and s.registry_ok), None)
         return None if back is None else max(back, first_ok) - run.end
     return first_ok - run.end
@@ -105,11 +111,26 @@ def _recovery(run: FaultRun, samples: Sequence[Sample], main: Sequence[Outcome])
 
 def fault_row(run: FaultRun, samples: Sequence[Sample], main: Sequence[Outcome]) -> FaultRow:
     recovery = _recovery(run, samples, main)
-    until = run.end + (_UNRECOVERED_WINDOW_S if recovery is None else recovery)
+    until = run.end + (UNRECOVERED_WINDOW_S if recovery is None else recovery)
     failed = [o for o in main if not o.ok and o.start <= until and o.end >= run.start]
     common = Counter(f"{o.status} {o.detail[:90]}" for o in failed).most_common(1)
     top = f"{common[0][1]}x {common[0][0]}" if common else ""
-    return FaultRow(run.label, run.target, run.start, run.end, len(failed), recovery, run.note, top)
+    checked = check(run, samples, main, recovery)
+    note = "; ".join(part for part in (run.note, checked.summary) if part)
+    return FaultRow(
+        run.label,
+        run.target,
+        run.start,
+        run.end,
+        len(failed),
+        recovery,
+        note,
+        top,
+        checked.errors_after_window,
+        recovery is not None and not checked.misses,
+        checked.measures,
+        checked.misses,
+    )
 
 
 def counts(outcomes: Sequence[Outcome]) -> dict[str, int]:
@@ -135,6 +156,8 @@ class Targets:
     rss_drift: float
     inflight_after: int
     unrecovered: int
+    errors_after_window: int = 0  # summed over the targeted rows
+    rows_missed: int = 0  # targeted rows that missed a check
 
     def met(self, fd_slack: int) -> bool:
         return (
@@ -145,6 +168,8 @@ class Targets:
             and self.rss_drift <= 0.10
             and self.inflight_after == 0
             and self.unrecovered == 0
+            and self.errors_after_window == 0
+            and self.rows_missed == 0
         )
 
 
@@ -157,6 +182,8 @@ def targets(phases: Sequence[PhaseResult]) -> Targets:
         rss_drift=max((p.rss_drift for p in phases), default=0.0),
         inflight_after=sum(p.inflight_after for p in phases),
         unrecovered=sum(1 for p in phases for f in p.faults if f.recovery_s is None),
+        errors_after_window=sum(f.errors_after_window or 0 for p in phases for f in p.faults),
+        rows_missed=sum(1 for p in phases for f in p.faults if f.misses),
     )
 
 
@@ -179,7 +206,9 @@ def _fault_cells(engine: str, row: FaultRow) -> list[str]:
         f"{row.start:.1f}",
         f"{row.end:.1f}",
         str(row.errors_during),
+        "-" if row.errors_after_window is None else str(row.errors_after_window),
         recovery,
+        "yes" if row.met else "NO",
         row.note,
     ]
 
@@ -196,12 +225,14 @@ def _phase_lines(p: PhaseResult) -> list[str]:
         f"settling: {p.inflight_after}",
         *(f"  {line}" for line in p.bad_samples),
         *(f"  {f.fault}: {f.top_error}" for f in p.faults if f.top_error),
+        *(f"  {f.fault} missed: {'; '.join(f.misses)}" for f in p.faults if f.misses),
     ]
 
 
 def render(phases: Sequence[PhaseResult], fd_slack: int) -> str:
-    header = ["engine", "fault", "target", "start s", "end s", "errors during", "recovery s"]
-    rows = [header + ["note"]] + [_fault_cells(p.engine, f) for p in phases for f in p.faults]
+    header = ["engine", "fault", "target", "start s", "end s", "errors during"]
+    header += ["errors after window", "recovery s", "met", "note"]
+    rows = [header] + [_fault_cells(p.engine, f) for p in phases for f in p.faults]
     t = targets(phases)
     verdict = "all targets met" if t.met(fd_slack) else "TARGETS MISSED"
     lines = [
@@ -213,7 +244,8 @@ def render(phases: Sequence[PhaseResult], fd_slack: int) -> str:
         f"router fd leak {t.fd_leak} (target 0, slack {fd_slack}), task leak {t.task_leak} "
         f"(target 0), RSS drift "
         f"{100 * t.rss_drift:+.1f}% (target <= 10%), in flight after settling "
-        f"{t.inflight_after} (target 0), faults not recovered {t.unrecovered} (target 0): "
-        f"{verdict}",
+        f"{t.inflight_after} (target 0), faults not recovered {t.unrecovered} (target 0), "
+        f"errors after the detection window {t.errors_after_window} (target 0), rows missed "
+        f"{t.rows_missed} (target 0): {verdict}",
     ]
     return "\n".join(lines)

@@ -4,8 +4,10 @@ A request is ``ok`` (2xx with a complete answer: a JSON body with ``choices``, o
 ending in ``[DONE]`` without an error event), a clean ``error`` (a non-2xx status with an
 OpenAI error JSON body, or an SSE stream carrying an ``{"error": ...}`` event), ``unclean``
 (anything else: a truncated stream without an error event, a body that is not an error JSON, a
-connection reset) or ``hung`` (no outcome within its deadline). ``run_traffic`` sends a budget of
-them at a fixed rate from a bounded number of users (requests in flight never exceed it).
+connection reset) or ``hung`` (no outcome within its deadline). ``Traffic`` sends a budget of
+them at a fixed rate from a bounded number of users (requests in flight never exceed it), and
+goes on at that rate past the budget while told to (``run(until=...)``: the fault schedule ran
+late), up to twice the budget.
 
 The loop is httpx rather than ``bench.load.loadgen``'s lean parser: classifying needs each SSE
 event's payload, which that parser does not keep; at the soak's rate the client's CPU is small.
@@ -207,15 +209,21 @@ class Traffic:
         self._issued = 0
         self._t0 = 0.0
 
-    async def run(self) -> list[Outcome]:
-        """Send the whole budget; return every outcome (in completion order)."""
+    async def run(self, until: asyncio.Event | None = None) -> list[Outcome]:
+        """Send the whole budget, and more until ``until`` is set (at most the budget again);
+        return every outcome (in completion order)."""
         self._t0 = time.monotonic()
         async with client(self.users) as http:
-            await asyncio.gather(*(self._user(http) for _ in range(self.users)))
+            await asyncio.gather(*(self._user(http, until) for _ in range(self.users)))
         return self.outcomes
 
-    async def _user(self, http: httpx.AsyncClient) -> None:
-        while self._issued < self.requests:
+    def _more(self, until: asyncio.Event | None) -> bool:
+        if self._issued < self.requests:
+            return True
+        return until is not None and not until.is_set() and self._issued < 2 * self.requests
+
+    async def _user(self, http: httpx.AsyncClient, until: asyncio.Event | None) -> None:
+        while self._more(until):
             slot = self._t0 + self._issued / self.rate
             self._issued += 1
             spec = mixed_request(self._rng, self.model)

@@ -17,6 +17,10 @@ Semantics beyond ``RegistryStore``'s contract:
   starts at the first revision it sees afterwards (inclusive), or, having seen none when the
   stream is created, from then on. So list-then-watch and watch-then-list both leave no gap; the
   latter may replay changes the list already showed, in order, which ends in the same state.
+* A reply whose revision is below the newest one seen means a new or restored etcd (revisions
+  never go back in one cluster's history): the store logs it once and starts over from that
+  revision, so watches opened from then on (or opened before and not yet started) see the new
+  cluster's changes instead of waiting for its revision to pass the old one.
 * Every call runs under one deadline (``timeout``, default 2 s); any aetcd or gRPC error and any
   deadline overrun becomes ``RegistryUnavailable``, as does a watch stream that breaks, including
   one on a connection that stops answering keepalive pings (after ``keepalive`` s idle, default
@@ -143,6 +147,8 @@ class EtcdStore:
         self._errors_or_timeout = (TimeoutError, *self._errors)
         self._revision = 0  # the newest revision seen in any reply or event
         self._first_revision = 0  # the first one seen
+        self._history = 0  # bumped when the revision went back: a new or restored etcd
+        self._history_start = 0  # the revision that showed the current history
         self._closed = False
 
     @classmethod
@@ -156,7 +162,7 @@ class EtcdStore:
         async with self._guard("put"):
             lease_id = 0 if ttl is None else await self._grant(ttl)
             reply = await self._client.put(self._full(key), value, lease=lease_id, prev_kv=True)
-            self._observe(reply.header.revision)
+            self._observe_reply(reply.header.revision)
             old_lease = int(reply.prev_kv.lease) if reply.prev_kv is not None else 0
             if old_lease and old_lease != lease_id:
                 await self._revoke(old_lease)
@@ -177,19 +183,19 @@ class EtcdStore:
     async def list(self, prefix: str) -> dict[str, bytes]:
         async with self._guard("list"):
             reply = await self._client.get_prefix(self._full(prefix))
-        self._observe(reply.header.revision)
+        self._observe_reply(reply.header.revision)
         return {self._relative(kv.key): bytes(kv.value) for kv in reply}
 
     async def delete(self, key: str) -> bool:
         full = self._full(key)
         async with self._guard("delete"):
             reply = await self._client.delete_range(full, full + b"\0")
-        self._observe(reply.header.revision)
+        self._observe_reply(reply.header.revision)
         return int(reply.deleted) > 0
 
     def watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         """Changes under ``prefix`` from the newest revision seen so far on (see the module doc)."""
-        return self._watch(self._full(prefix), self._revision)
+        return self._watch(self._full(prefix), self._revision, self._history)
 
     async def close(self) -> None:
         if self._closed:
@@ -201,7 +207,11 @@ class EtcdStore:
         except self._errors_or_timeout as exc:
             raise RegistryUnavailable(f"etcd close failed: {exc}") from exc
 
-    async def _watch(self, full_prefix: bytes, seen: int) -> AsyncGenerator[WatchEvent, None]:
+    async def _watch(
+        self, full_prefix: bytes, seen: int, history: int
+    ) -> AsyncGenerator[WatchEvent, None]:
+        if history != self._history:  # a new etcd since watch(): its revisions start over
+            seen = self._history_start
         handle = await self._open_watch(full_prefix, seen)
         if handle is None:
             return
@@ -268,7 +278,7 @@ class EtcdStore:
     async def _get_kv(self, full: bytes) -> Any:
         # get_range, unlike get, returns the reply header (and its revision) for a missing key too.
         reply = await self._client.get_range(full, full + b"\0")
-        self._observe(reply.header.revision)
+        self._observe_reply(reply.header.revision)
         return reply[0] if reply.count else None
 
     def _event(self, raw: Any) -> WatchEvent:
@@ -282,6 +292,20 @@ class EtcdStore:
     def _observe(self, revision: int) -> None:
         self._revision = max(self._revision, int(revision))
         self._first_revision = self._first_revision or self._revision
+
+    def _observe_reply(self, revision: int) -> None:
+        """A reply header's revision is the cluster's current one: lower means a new etcd."""
+        revision = int(revision)
+        if revision < self._revision:
+            logger.warning(
+                "etcd revision went back from %d to %d: a new or restored cluster; following "
+                "its history from there",
+                self._revision,
+                revision,
+            )
+            self._revision, self._history = revision, self._history + 1
+            self._history_start = revision
+        self._observe(revision)
 
     def _full(self, key: str) -> bytes:
         return (self._base + key).encode()

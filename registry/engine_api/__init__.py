@@ -23,7 +23,13 @@ client-facing port.
 
 from __future__ import annotations
 
-from registry.engine_api.app import BootstrapProtection, namespace_app, protect, shared_app
+from registry.engine_api.app import (
+    BootstrapProtection,
+    include_engine_routes,
+    namespace_app,
+    protect,
+    shared_app,
+)
 from registry.engine_api.namespaces import DEFAULT_NAMESPACE, is_engine_path
 from registry.engine_api.rank_checks import (
     OwnerHosts,
@@ -57,6 +63,7 @@ __all__ = [
     "SglangRankTable",
     "VllmRankSnapshot",
     "VllmRankTable",
+    "include_engine_routes",
     "is_engine_path",
     "namespace_app",
     "protect",

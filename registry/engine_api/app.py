@@ -11,7 +11,8 @@ checks (``rank_checks.RegistrationGuard``).
   ``/register_dp_rank``, ``/query_dp_ranks``, ``/register``, ``/query``), the same under
   ``/bootstrap/{namespace}/...`` and ``GET /health``;
 * ``shared_app``: namespace ``"default"`` on the plain paths and any namespace under
-  ``/bootstrap/{namespace}/...`` (the router's ``--bootstrap-port``);
+  ``/bootstrap/{namespace}/...`` (the router's ``--bootstrap-port``), at most
+  ``max_namespaces`` of them (429 beyond, ``RankTables.capped``);
 * ``protect``: the same protection for an app that serves other things too (the standalone
   registry: only its engine paths are guarded).
 
@@ -40,17 +41,24 @@ from registry.engine_api.vllm_http import vllm_routes
 from registry.engine_api.vllm_table import VllmRankTable
 from registry.settings import RegistrySettings
 
-__all__ = ["BootstrapProtection", "namespace_app", "protect", "shared_app"]
+__all__ = [
+    "BootstrapProtection",
+    "include_engine_routes",
+    "namespace_app",
+    "protect",
+    "shared_app",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class BootstrapProtection:
     """What every bootstrap listener enforces: sources allowed (empty: nobody), the largest
-    request body, and the registration checks."""
+    request body, the registration checks, and how many namespaces engines may create."""
 
     allow: tuple[Network, ...]
     max_body_bytes: int
     guard: RegistrationGuard
+    max_namespaces: int = RegistrySettings.model_fields["max_namespaces"].default
 
     @classmethod
     def from_settings(
@@ -63,6 +71,7 @@ class BootstrapProtection:
             allow=tuple(settings.bootstrap_allow),
             max_body_bytes=max_body_bytes,
             guard=RegistrationGuard.from_settings(settings, owner_hosts),
+            max_namespaces=settings.max_namespaces,
         )
 
 
@@ -108,6 +117,14 @@ def namespace_app(
 def shared_app(tables: RankTables, protection: BootstrapProtection) -> FastAPI:
     """Every namespace's engine APIs: ``"default"`` plain, the others under ``/bootstrap/``."""
     app = _listener_app("pd-router engine bootstrap", protection)
-    app.include_router(sglang_routes(tables.sglang, protection.guard))
-    app.include_router(vllm_routes(tables.vllm, protection.guard))
+    include_engine_routes(app, tables, protection)
     return app
+
+
+def include_engine_routes(
+    app: FastAPI, tables: RankTables, protection: BootstrapProtection
+) -> None:
+    """Both protocols' routes over every namespace of ``tables``, capped and guarded."""
+    cap = protection.max_namespaces
+    app.include_router(sglang_routes(tables.capped(tables.sglang, cap), protection.guard))
+    app.include_router(vllm_routes(tables.capped(tables.vllm, cap), protection.guard))

@@ -111,6 +111,14 @@ class NamespaceTables(Generic[T]):
         self._store = store
         self._tables.clear()
 
+    def holds(self, namespace: str) -> bool:
+        """Whether a table for ``namespace`` was made (and not forgotten)."""
+        return namespace in self._tables
+
+    def names(self) -> set[str]:
+        """The namespaces with a table."""
+        return set(self._tables)
+
     def __call__(self, namespace: str) -> T:
         table = self._tables.get(namespace)
         if table is None:

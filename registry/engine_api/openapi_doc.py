@@ -2,7 +2,8 @@
 
 Each route lists the statuses it really answers: the engines' own (SGLang's plain text, vLLM's
 ``{"detail": ...}`` and FastAPI 422) and the listeners' refusals as error JSON (403 source not
-allowed, 413 body over ``--max-body-bytes``, 409 refused registration).
+allowed, 413 body over ``--max-body-bytes``, 409 refused registration, 429 a namespace beyond the
+cap).
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ _DESCRIBED: dict[int, str] = {
     "or not tcp://host:port (error JSON)",
     403: "the source address is outside --bootstrap-allow (error JSON)",
     404: "unknown namespace, or (GET /route) unknown rank",
-    409: "registration refused: rank host differs from the namespace's prefill worker, or a "
-    "move of a live rank without the admin token (error JSON)",
+    409: "registration refused: rank host or registering source differs from the namespace's "
+    "prefill worker, or a move of a live rank without the admin token (error JSON)",
     413: "request body over --max-body-bytes (error JSON)",
     422: "vLLM's own schema error for an invalid body",
+    429: "a new namespace beyond --max-bootstrap-namespaces (error JSON)",
     503: "the registry store is unavailable, or (parallel info) not every rank registered yet",
 }
 
 _TEXT = {"text/plain": {"schema": {"type": "string"}}}
 _JSON: dict[str, Any] = {"application/json": {"schema": {}}}  # the engines' own JSON answers
-_JSON_ERRORS = frozenset({403, 409, 413})
+_JSON_ERRORS = frozenset({403, 409, 413, 429})
 
 # SGLang's PUT /route body is read by hand (every engine version's payload is accepted)
 SGLANG_ROUTE_BODY: dict[str, Any] = {

@@ -5,15 +5,26 @@ Engines register without credentials, so a registration is checked against the w
 
 * reachable: the rank's advertised ``host:port`` accepts a TCP connection within
   ``connect_timeout_s`` (engines bind before they register), else 400;
-* consistent: when the namespace belongs to a known prefill worker (``owner_hosts``: a
-  ``WorkerSpec.bootstrap_namespace`` or a registry record naming it), the rank's host must be
-  that worker's host: equal resolved addresses, or both on this machine (loopback aliases and
-  this machine's own addresses), else 409;
-* not moved: a registration that moves a registered rank (same namespace and rank) to another
-  address is refused with 409 unless it carries the admin token (``Authorization: Bearer``) or
-  the previous address no longer accepts connections (the engine restarted on a new port; with
-  the reachability check off this cannot be told, so the move is refused). Every move is logged
-  as a warning, allowed or not. Re-registering at the same address is always fine.
+* tied to its prefill: when the namespace belongs to a known prefill worker (``owner_hosts``:
+  a ``WorkerSpec.bootstrap_namespace`` or a registry record naming it), the rank's host *and*
+  the registration's source (the TCP peer address, which a body cannot fake) must be that
+  worker's host: equal resolved addresses, or both on this machine (loopback aliases and this
+  machine's own addresses), else 409. Real engines allow both: each rank registers its own
+  address from its own process (SGLang ``PUT /route``, vLLM ``POST /register``), on the
+  prefill's host. The source check can be turned off (``bootstrap_check_source``) where engines
+  reach the registry through NAT or a proxy;
+* a squatter gives way: a rank registered at an address off the owner's host (before the owner
+  was known, or by an older version) is replaced by a registration that passes the checks above,
+  even while its address is alive: ``admit`` says so and the table drops the squatter's entry;
+* not moved: otherwise a registration that moves a registered rank (same namespace and rank) to
+  another address is refused with 409 unless it carries the admin token (``Authorization:
+  Bearer``) or the previous address no longer accepts connections (the engine restarted on a new
+  port; with the reachability check off this cannot be told, so the move is refused). Every move
+  is logged as a warning, allowed or not. Re-registering at the same address is always fine.
+
+Without credentials the machine is the unit of trust: two processes on the prefill's own host
+cannot be told apart, so there the first registration of a rank keeps it until its address dies
+(or the admin token moves it).
 
 The check and the write are not atomic: two registrations racing for one rank are both checked
 against the rank's previous address.
@@ -72,6 +83,7 @@ class RankClaim:
     host: str
     port: int
     previous: tuple[str, int] | None  # the rank's registered address, if any
+    source: str | None = None  # the registering connection's peer address (None: unknown)
 
     def moves(self) -> bool:
         return self.previous is not None and self.previous != (self.host, self.port)
@@ -154,8 +166,10 @@ class RegistrationGuard:
         connect_timeout_s: float = 1.0,
         admin_token: SecretStr | None = None,
         owner_hosts: OwnerHosts | None = None,
+        check_source: bool = True,
     ) -> None:
         self._check_reachable = check_reachable
+        self._check_source = check_source
         self._timeout_s = connect_timeout_s
         self._token = admin_token
         self._owner_hosts = owner_hosts
@@ -169,11 +183,17 @@ class RegistrationGuard:
             connect_timeout_s=settings.bootstrap_connect_timeout_s,
             admin_token=settings.admin_token,
             owner_hosts=owner_hosts,
+            check_source=settings.bootstrap_check_source,
         )
 
-    async def admit(self, claim: RankClaim, authorization: str) -> None:
-        """Accept ``claim`` or raise; ``authorization`` is the request's header (may be "")."""
-        await self._check_owner(claim)
+    async def admit(self, claim: RankClaim, authorization: str) -> bool:
+        """Accept ``claim`` or raise; ``authorization`` is the request's header (may be "").
+
+        True when it replaces a squatter (a rank registered off the owner's host): the table must
+        then drop that registration instead of refusing the new one."""
+        owners = await self._owner_hosts(claim.namespace) if self._owner_hosts else ()
+        if owners:
+            await self._check_owner(claim, owners)
         if self._check_reachable:
             problem = await tcp_problem(claim.host, claim.port, self._timeout_s)
             if problem is not None:
@@ -182,21 +202,41 @@ class RegistrationGuard:
                     f"{_show(claim.host, claim.port)}, which is not reachable: {problem}",
                     400,
                 )
-        if claim.moves():
-            await self._check_move(claim, authorization)
+        if claim.previous is None or not claim.moves():
+            return False
+        if owners and not await _on_owner_host(claim.previous[0], owners):
+            logger.warning(
+                "bootstrap %s: rank %s registered at %s, off the prefill's host (%s): replaced by "
+                "%s",
+                claim.namespace,
+                claim.rank,
+                _show(*claim.previous),
+                ", ".join(sorted(owners)),
+                _show(claim.host, claim.port),
+            )
+            return True
+        await self._check_move(claim, authorization)
+        return False
 
-    async def _check_owner(self, claim: RankClaim) -> None:
-        owners = await self._owner_hosts(claim.namespace) if self._owner_hosts else ()
-        if not owners:
+    async def _check_owner(self, claim: RankClaim, owners: Collection[str]) -> None:
+        source = claim.source if self._check_source else None
+        if source is not None and not await _on_owner_host(source, owners):
+            logger.warning(
+                "bootstrap %s: refused rank %s registered from %s: not the namespace's prefill "
+                "host (%s)",
+                claim.namespace,
+                claim.rank,
+                source,
+                ", ".join(sorted(owners)),
+            )
+            raise RegistrationRefused(
+                f"rank {claim.rank} of namespace {claim.namespace!r} is registered from {source}, "
+                f"but the namespace belongs to the prefill worker on {', '.join(sorted(owners))}: "
+                "a rank registers from its prefill's host",
+                409,
+            )
+        if await _on_owner_host(claim.host, owners):
             return
-        for owner in owners:
-            try:
-                async with asyncio.timeout(_RESOLVE_TIMEOUT_S):
-                    if await same_host(claim.host, owner):
-                        return
-            except (OSError, TimeoutError) as exc:
-                reason = str(exc) or type(exc).__name__
-                logger.warning("bootstrap: cannot resolve %s or %s: %s", claim.host, owner, reason)
         logger.warning(
             "bootstrap %s: refused rank %s at %s: not on the namespace's prefill host (%s)",
             claim.namespace,
@@ -245,6 +285,19 @@ class RegistrationGuard:
             return False
         expected = f"Bearer {self._token.get_secret_value()}"
         return secrets.compare_digest(authorization.encode(), expected.encode())
+
+
+async def _on_owner_host(host: str, owners: Collection[str]) -> bool:
+    """Whether ``host`` is the host of one of ``owners`` (a name that does not resolve: not)."""
+    for owner in owners:
+        try:
+            async with asyncio.timeout(_RESOLVE_TIMEOUT_S):
+                if await same_host(host, owner):
+                    return True
+        except (OSError, TimeoutError) as exc:
+            reason = str(exc) or type(exc).__name__
+            logger.warning("bootstrap: cannot resolve %s or %s: %s", host, owner, reason)
+    return False
 
 
 def _show(host: str, port: int) -> str:

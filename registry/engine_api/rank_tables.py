@@ -1,13 +1,24 @@
-"""``RankTables``: every namespace's SGLang and vLLM rank tables over one store."""
+"""``RankTables``: every namespace's SGLang and vLLM rank tables over one store.
+
+Engines create namespaces by naming them (``/bootstrap/{namespace}/...``), so the routes resolve
+through ``capped``: a namespace beyond ``max_namespaces`` (counting both protocols' tables held
+in this process) is ``TooManyNamespaces`` (answered 429); those already held keep working.
+"""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from registry.backends.base import RegistryStore
-from registry.engine_api.namespaces import NamespaceTables
+from registry.engine_api.namespaces import NamespaceTables, Resolver
 from registry.engine_api.sglang_table import SglangRankTable
 from registry.engine_api.vllm_table import VllmRankTable
+from registry.errors import TooManyNamespaces
 
 __all__ = ["RankTables"]
+
+
+T = TypeVar("T")
 
 
 class RankTables:
@@ -34,3 +45,25 @@ class RankTables:
     def vllm(self, namespace: str) -> VllmRankTable:
         """The namespace's vLLM table, made on first use."""
         return self._vllm(namespace)
+
+    def holds(self, namespace: str) -> bool:
+        """Whether this process made a table for ``namespace`` (either protocol)."""
+        return self._sglang.holds(namespace) or self._vllm.holds(namespace)
+
+    def count(self) -> int:
+        """How many namespaces this process holds tables for."""
+        return len(self._sglang.names() | self._vllm.names())
+
+    def capped(self, resolve: Resolver[T], max_namespaces: int) -> Resolver[T]:
+        """``resolve`` (``self.sglang`` or ``self.vllm``), refusing a namespace beyond
+        ``max_namespaces`` with ``TooManyNamespaces``."""
+
+        def within(namespace: str) -> T:
+            if not self.holds(namespace) and self.count() >= max_namespaces:
+                raise TooManyNamespaces(
+                    f"too many bootstrap namespaces: this registry holds {max_namespaces} "
+                    f"(--max-bootstrap-namespaces); namespace {namespace!r} is refused"
+                )
+            return resolve(namespace)
+
+        return within

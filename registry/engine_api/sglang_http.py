@@ -54,7 +54,13 @@ from registry.engine_api.sglang_payloads import (
     validate_body,
 )
 from registry.engine_api.sglang_table import SglangParallelInfo, SglangRankTable
-from registry.errors import BadEngineApiRequest, Conflict, NotFound, RegistryUnavailable
+from registry.errors import (
+    BadEngineApiRequest,
+    Conflict,
+    NotFound,
+    RegistryUnavailable,
+    TooManyNamespaces,
+)
 
 __all__ = ["answer_route_query", "render_parallel_info", "sglang_routes"]
 
@@ -134,6 +140,8 @@ class _SglangRoute(APIRoute):
                 return _text(str(exc), 404)
             except RegistrationRefused as exc:
                 return error_json(exc.status, str(exc))
+            except TooManyNamespaces as exc:
+                return error_json(429, str(exc))
             except RegistryUnavailable as exc:
                 logger.warning("sglang bootstrap: store unavailable: %s", exc)
                 return _text(f"Bootstrap registry unavailable: {exc}", 503)
@@ -161,7 +169,9 @@ async def _json_body(request: Request) -> object:
     return _parse_json(body)
 
 
-async def _claim(table: SglangRankTable, registration: RankRegistration) -> RankClaim:
+async def _claim(
+    table: SglangRankTable, registration: RankRegistration, source: str | None
+) -> RankClaim:
     dp, cp, tp, pp = registration.coords
     previous = await table.rank_address(dp, tp, pp, cp)
     address = registration.address
@@ -171,6 +181,7 @@ async def _claim(table: SglangRankTable, registration: RankRegistration) -> Rank
         host=address.rank_ip,
         port=address.rank_port,
         previous=None if previous is None else (previous.rank_ip, previous.rank_port),
+        source=source,
     )
 
 
@@ -244,10 +255,13 @@ class _BootstrapHandlers:
     async def put_route(self, request: Request) -> Response:
         table = self.table_of(request)
         registration = parse_route_payload(await _json_body(request))
+        replace = False
         if self._guard is not None and registration is not None:
             authorization = request.headers.get("authorization", "")
-            await self._guard.admit(await _claim(table, registration), authorization)
-        await table.register_rank(registration)
+            source = request.client.host if request.client else None
+            claim = await _claim(table, registration, source)
+            replace = await self._guard.admit(claim, authorization)
+        await table.register_rank(registration, replace=replace)
         return _text("OK", 200)
 
     async def get_route(self, request: Request) -> Response:
@@ -279,11 +293,11 @@ async def _other_route() -> Response:
     return Response("Method not allowed", 405, {"Allow": "GET, PUT"}, media_type=_JSON)
 
 
-_PUT_ROUTE_DOC = responses(200, 400, 404, 409, 413, 503, ok_text=True, engine_text=True)
-_GET_ROUTE_DOC = responses(200, 400, 404, 503, engine_text=True)
-_DP_RANK_DOC = responses(200, 400, 404, 413, 503, ok_text=True, engine_text=True)
-_ROOMS_DOC = responses(200, 400, 404, 413, 503, engine_text=True)
-_HEALTH_DOC = responses(200, 404, ok_text=True, engine_text=True)
+_PUT_ROUTE_DOC = responses(200, 400, 404, 409, 413, 429, 503, ok_text=True, engine_text=True)
+_GET_ROUTE_DOC = responses(200, 400, 404, 429, 503, engine_text=True)
+_DP_RANK_DOC = responses(200, 400, 404, 413, 429, 503, ok_text=True, engine_text=True)
+_ROOMS_DOC = responses(200, 400, 404, 413, 429, 503, engine_text=True)
+_HEALTH_DOC = responses(200, 404, 429, ok_text=True, engine_text=True)
 _DP_RANK_BODY = json_body(DpRankRegistration)
 _ROOMS_BODY = json_body(DpRankQuery)
 

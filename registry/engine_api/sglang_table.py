@@ -135,13 +135,19 @@ class SglangRankTable:
         """
         return await self.register_rank(parse_route_payload(payload))
 
-    async def register_rank(self, registration: RankRegistration | None) -> bool:
-        """``register`` for a body already parsed (``parse_route_payload``; None: ignored)."""
+    async def register_rank(
+        self, registration: RankRegistration | None, *, replace: bool = False
+    ) -> bool:
+        """``register`` for a body already parsed (``parse_route_payload``; None: ignored).
+
+        ``replace``: the registration guard found a squatter on this rank (``rank_checks``); a
+        configuration that contradicts the partly registered table then starts a new
+        generation instead of being a ``Conflict``."""
         if registration is None:
             logger.debug("sglang bootstrap %s: non-prefill registration ignored", self._namespace)
             return False
         async with self._lock:
-            generation = await self._generation_for(registration.config)
+            generation = await self._generation_for(registration.config, replace)
             rank = _RankRecord(registration.address.rank_ip, registration.address.rank_port)
             key = self._rank_key(generation, registration.coords)
             await self._store.put(key, msgspec.json.encode(rank), ttl=self._rank_ttl)
@@ -220,7 +226,7 @@ class SglangRankTable:
             if record is not None:
                 await self._drop(record.generation)
 
-    async def _generation_for(self, config: ParallelConfig) -> int:
+    async def _generation_for(self, config: ParallelConfig, replace: bool = False) -> int:
         record = await self._record()
         if record is None:
             return await self._start(_ParallelConfigRecord(0, config), drop=None)
@@ -230,7 +236,7 @@ class SglangRankTable:
             return record.generation
         current = record.config
         present = _in_range(current, await self._rank_coords(record.generation))
-        if present and len(present) < current.expected():
+        if present and len(present) < current.expected() and not replace:
             raise Conflict(
                 f"Bootstrap registration ({config.describe()}) does not match the layout being "
                 f"registered in namespace {self._namespace!r} ({current.describe()}; "

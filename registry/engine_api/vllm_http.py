@@ -43,7 +43,7 @@ from registry.engine_api.rank_checks import (
 )
 from registry.engine_api.vllm_payloads import RegisterWorkerPayload
 from registry.engine_api.vllm_table import VllmRankTable
-from registry.errors import Conflict, NotFound, RegistryUnavailable
+from registry.errors import Conflict, NotFound, RegistryUnavailable, TooManyNamespaces
 
 __all__ = ["vllm_routes"]
 
@@ -71,6 +71,8 @@ class _VllmRoute(APIRoute):
                 return _detail(str(exc), 404)
             except RegistrationRefused as exc:
                 return error_json(exc.status, str(exc))
+            except TooManyNamespaces as exc:
+                return error_json(429, str(exc))
             except RegistryUnavailable as exc:
                 logger.warning("vllm bootstrap: store unavailable: %s", exc)
                 return _detail(f"Bootstrap registry unavailable: {exc}", 503)
@@ -79,7 +81,9 @@ class _VllmRoute(APIRoute):
         return guarded
 
 
-async def _claim(table: VllmRankTable, payload: RegisterWorkerPayload) -> RankClaim:
+async def _claim(
+    table: VllmRankTable, payload: RegisterWorkerPayload, source: str | None
+) -> RankClaim:
     host, port = parse_tcp_address(payload.addr)
     previous = await table.address_of(payload.dp_rank, payload.tp_rank, payload.pp_rank)
     before = None
@@ -94,6 +98,7 @@ async def _claim(table: VllmRankTable, payload: RegisterWorkerPayload) -> RankCl
         host=host,
         port=port,
         previous=before,
+        source=source,
     )
 
 
@@ -112,10 +117,12 @@ def vllm_routes(
 
     async def register(payload: RegisterWorkerPayload, request: Request) -> JSONResponse:
         table = table_of(request)
+        replace = False
         if guard is not None:
             authorization = request.headers.get("authorization", "")
-            await guard.admit(await _claim(table, payload), authorization)
-        await table.register(payload)
+            source = request.client.host if request.client else None
+            replace = await guard.admit(await _claim(table, payload, source), authorization)
+        await table.register(payload, replace=replace)
         return JSONResponse({"status": "ok"})
 
     async def query(request: Request) -> JSONResponse:
@@ -127,14 +134,14 @@ def vllm_routes(
             prefix + "/register",
             register,
             methods=["POST"],
-            responses=responses(200, 400, 404, 409, 413, 422, 503),
+            responses=responses(200, 400, 404, 409, 413, 422, 429, 503),
             openapi_extra=openapi_extra(prefix),
         )
         router.add_api_route(
             prefix + "/query",
             query,
             methods=["GET"],
-            responses=responses(200, 404, 503),
+            responses=responses(200, 404, 429, 503),
             openapi_extra=openapi_extra(prefix),
         )
     return router

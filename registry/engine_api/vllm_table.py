@@ -111,12 +111,18 @@ class VllmRankTable:
     def namespace(self) -> str:
         return self._namespace
 
-    async def register(self, payload: RegisterWorkerPayload) -> None:
-        """vLLM's ``register_worker`` plus the restart rule; raises ``Conflict`` when refused."""
+    async def register(self, payload: RegisterWorkerPayload, *, replace: bool = False) -> None:
+        """vLLM's ``register_worker`` plus the restart rule; raises ``Conflict`` when refused.
+
+        ``replace``: the registration guard found a squatter on this rank (``rank_checks``):
+        its dp rank's entries of another engine, and the entry at this rank, are dropped first.
+        """
         self._check_ranges(payload)
         async with self._lock:
             epoch = await self.epoch()
             table = await self._table(epoch)
+            if replace:
+                table = await self._evict(epoch, table, payload)
             entry = table.get(payload.dp_rank)
             if entry is not None and payload.engine_id not in entry.engine_ids:
                 if not self._complete(table):
@@ -187,6 +193,33 @@ class VllmRankTable:
             if rank < 0 or (size is not None and rank >= size):
                 limit = "" if size is None else f" < {name}_size={size}"
                 raise Conflict(f"Invalid {name}_rank={rank}: must be >= 0{limit}")
+
+    async def _evict(
+        self, epoch: int, table: dict[int, _DpEntry], payload: RegisterWorkerPayload
+    ) -> dict[int, _DpEntry]:
+        """Drop the squatter's entries in ``payload``'s dp rank; the table as it is then."""
+        prefix = f"{self._workers_prefix(epoch)}{payload.dp_rank}/"
+        for key, raw in (await self._store.list(prefix)).items():
+            parsed = _parse_worker(key.removeprefix(self._workers_prefix(epoch)), raw)
+            if parsed is None:
+                continue
+            (_, tp, pp), worker = parsed
+            if worker.engine_id != payload.engine_id or (tp, pp) == (
+                payload.tp_rank,
+                payload.pp_rank,
+            ):
+                logger.warning(
+                    "vllm bootstrap %s: dropping engine %s's rank dp=%d tp=%d pp=%d at %s "
+                    "(a squatter)",
+                    self._namespace,
+                    worker.engine_id,
+                    payload.dp_rank,
+                    tp,
+                    pp,
+                    worker.addr,
+                )
+                await self._store.delete(key)
+        return await self._table(epoch)
 
     def _known(self, entry: _DpEntry, payload: RegisterWorkerPayload) -> bool:
         """True for an idempotent retry; raises for the same rank at another address."""

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 from router.schemas import ParsedRequest
 from router.workers import Worker
 
-__all__ = ["LegPlan", "PDAdapter"]
+__all__ = ["LegPlan", "PDAdapter", "says_any"]
 
 
 @dataclass(slots=True)
@@ -58,3 +58,14 @@ class PDAdapter(Protocol):
     def is_stale_layout(self, decode_error_body: bytes) -> bool:
         """Whether a decode error says the prefill's engine ids are out of date."""
         ...
+
+    def is_kv_failure(self, decode_error_body: bytes) -> bool:
+        """Whether a decode error says the KV cache from its prefill did not arrive (a frozen,
+        dead or failing prefill, or the path between them: not the decode's own fault)."""
+        ...
+
+
+def says_any(body: bytes, phrases: tuple[bytes, ...]) -> bool:
+    """Whether ``body`` contains one of the lower-case ``phrases``, in any case."""
+    lowered = body.lower()
+    return any(phrase in lowered for phrase in phrases)

@@ -15,13 +15,23 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from router.adapters.base import LegPlan
+from router.adapters.base import LegPlan, says_any
 from router.schemas import ParsedRequest
 from router.workers import Worker
 
-__all__ = ["MAX_ROOM", "SglangAdapter", "aligned_room"]
+__all__ = ["KV_FAILURES", "MAX_ROOM", "SglangAdapter", "aligned_room"]
 
 MAX_ROOM = 2**63 - 1
+# A decode's error texts when the KV did not come from its prefill (lower case; all 500s from
+# ``prepare_abort``, protocols.md 5.7): its heartbeat's "Lost connection with prefill instance",
+# a failed transfer or handshake ("... transfer failed ...", "... handshake failed ..."), the
+# simulated engine's "KV transfer failed: ..." and the fake engine's "KV not received within".
+KV_FAILURES = (
+    b"lost connection with prefill",
+    b"transfer failed",
+    b"handshake failed",
+    b"kv not received",
+)
 
 
 def aligned_room(rng: random.Random, dp_size: int, rank: int) -> int:
@@ -78,3 +88,6 @@ class SglangAdapter:
 
     def is_stale_layout(self, decode_error_body: bytes) -> bool:
         return False
+
+    def is_kv_failure(self, decode_error_body: bytes) -> bool:
+        return says_any(decode_error_body, KV_FAILURES)

@@ -11,7 +11,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from router.adapters.base import LegPlan
+from router.adapters.base import LegPlan, says_any
 from router.adapters.vllm_common import (
     check_single_sequence,
     finished_without_kv,
@@ -20,7 +20,14 @@ from router.adapters.vllm_common import (
 from router.schemas import ParsedRequest
 from router.workers import Worker
 
-__all__ = ["VllmMooncakeAdapter"]
+__all__ = ["KV_FAILURES", "VllmMooncakeAdapter"]
+
+# A decode's error texts when the KV did not come from its prefill (lower case): the prefill's
+# "Timeout waiting for P side ready." (protocols.md 3.4), the simulated engine's (pd-worker) "KV
+# transfer failed: ..." and the fake engine's "KV pull of <id> timed out / failed". vLLM itself
+# answers a failed KV load (kv_load_failure_policy "fail") with a bare 500: the pipeline then
+# goes by whether the prefill had answered (router.pipeline.verdicts).
+KV_FAILURES = (b"timeout waiting for p side ready", b"kv transfer failed", b"kv pull of")
 
 
 def _uuid_transfer_id() -> str:
@@ -72,3 +79,6 @@ class VllmMooncakeAdapter:
 
     def is_stale_layout(self, decode_error_body: bytes) -> bool:
         return b"not found from bootstrap server" in decode_error_body
+
+    def is_kv_failure(self, decode_error_body: bytes) -> bool:
+        return says_any(decode_error_body, KV_FAILURES)

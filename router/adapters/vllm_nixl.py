@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.adapters.base import LegPlan
+from router.adapters.base import LegPlan, says_any
 from router.adapters.vllm_common import (
     check_single_sequence,
     finished_without_kv,
@@ -20,7 +20,12 @@ from router.errors import InvalidRequest
 from router.schemas import ParsedRequest
 from router.workers import Worker
 
-__all__ = ["VllmNixlAdapter"]
+__all__ = ["KV_FAILURES", "VllmNixlAdapter"]
+
+# A decode's error texts when the KV did not come from its prefill (lower case): the simulated
+# engine's (pd-worker) "KV transfer failed: ..." and the fake engine's "NIXL read of <id>
+# failed". vLLM itself answers a failed KV load with a bare 500 (protocols.md section 2).
+KV_FAILURES = (b"kv transfer failed", b"nixl read of")
 
 _PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -68,3 +73,6 @@ class VllmNixlAdapter:
 
     def is_stale_layout(self, decode_error_body: bytes) -> bool:
         return False
+
+    def is_kv_failure(self, decode_error_body: bytes) -> bool:
+        return says_any(decode_error_body, KV_FAILURES)

@@ -88,6 +88,7 @@ def _describe(worker: Worker) -> dict[str, Any]:
         "healthy": worker.healthy,
         "inflight": worker.inflight,
         "draining": worker.draining,
+        "ejected": worker.ejected,
     }
     if worker.role is Role.PREFILL:
         info["bootstrap_port"] = worker.bootstrap_port

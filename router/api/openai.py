@@ -12,9 +12,9 @@ import re
 import secrets
 import time
 
+from router.api.request_body import BodyShare, parse_in_turn, read_body
 from router.context import AppContext
 from router.errors import (
-    BodyTooLarge,
     InvalidRequest,
     MethodNotAllowed,
     Overloaded,
@@ -26,7 +26,13 @@ from router.observability.logs import REQUEST_ID
 from router.observability.receipt import RoutingReceipt
 from router.observability.tracing import TraceSpan
 from router.pipeline.responder import Responder
-from router.schemas import Endpoint, ParsedRequest, RequestLimits, parse_request
+from router.schemas import (
+    LAZY_BODY_BYTES,
+    Endpoint,
+    ParsedRequest,
+    RequestLimits,
+    parse_request,
+)
 from router.types import Receive, Scope, Send
 
 __all__ = ["HOT_ROUTES", "handle_completion"]
@@ -55,8 +61,9 @@ async def handle_completion(
     stream = False
     status = 0
     task = ctx.lifecycle.track()
+    share = BodyShare(ctx.admission.body_memory)
     try:
-        request = await _read_request(ctx, scope, receive, endpoint, content_length, bad_id)
+        request = await _read_request(ctx, scope, receive, endpoint, content_length, share, bad_id)
         stream = request.stream
         headers = _upstream_headers(request_id, authorization, trace_context)
         await _admit_and_route(ctx, request, headers, responder, receive, receipt, span)
@@ -84,6 +91,7 @@ async def handle_completion(
         logger.exception("unexpected error while routing a request")
         await responder.fail(RouterError("internal router error (logged)"))
     finally:
+        share.release()
         ctx.lifecycle.untrack(task)
         ctx.telemetry.accounting.finish(
             endpoint.value, stream, status, started, responder.started_at, receipt
@@ -102,15 +110,16 @@ async def _admit_and_route(
     receipt: RoutingReceipt,
     span: TraceSpan | None,
 ) -> None:
-    """Wait for an admission slot (429 when overloaded), then route; the slot is held until the
-    response ended (a stream's last byte), whatever happens."""
+    """Wait for admission, a unit per sequence (429 when overloaded), then route; the units
+    are held until the response ended (a stream's last byte), whatever happens."""
     disconnected = asyncio.ensure_future(receive())  # the client leaving, queued or served
+    sequences = request.sample_count
     try:
-        await ctx.admission.acquire(disconnected)
+        await ctx.admission.acquire(disconnected, sequences)
         try:
             await ctx.pipeline.handle(request, headers, responder, disconnected, receipt, span)
         finally:
-            ctx.admission.release()
+            ctx.admission.release(sequences)
     finally:
         disconnected.cancel()
 
@@ -152,14 +161,21 @@ async def _read_request(
     receive: Receive,
     endpoint: Endpoint,
     content_length: int | None,
+    share: BodyShare,
     bad_id: InvalidRequest | None,
 ) -> ParsedRequest:
+    """The parsed request; its body counts in the body memory budget through ``share`` (by its
+    Content-Length, if any, before a byte is read)."""
     if scope["method"] != "POST":
         raise MethodNotAllowed(f"method {scope['method']} is not allowed on {endpoint.value}")
     if bad_id is not None:
         raise bad_id
-    raw = await _read_body(receive, ctx.settings.server.max_body_bytes, content_length)
-    return parse_request(endpoint, raw, RequestLimits.from_settings(ctx.settings.server))
+    server = ctx.settings.server
+    raw = await read_body(receive, server.max_body_bytes, content_length, share)
+    if len(raw) > LAZY_BODY_BYTES:
+        turn = ctx.admission.body_memory.parse_turn
+        return await parse_in_turn(turn, endpoint, raw, RequestLimits.from_settings(server))
+    return parse_request(endpoint, raw, RequestLimits.from_settings(server))
 
 
 def _read_headers(
@@ -195,25 +211,3 @@ def _check_request_id(raw_id: bytes, max_id_bytes: int) -> InvalidRequest | None
         f"X-Request-Id must be at most {max_id_bytes} printable ASCII characters "
         f"(0x21-0x7E); got {len(raw_id)} bytes"
     )
-
-
-async def _read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
-    if content_length is not None and content_length > limit:
-        raise BodyTooLarge(f"request body of {content_length} bytes exceeds the {limit}-byte limit")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnected
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    if not body:
-        raise InvalidRequest("request body is empty; expected a JSON object")
-    return body

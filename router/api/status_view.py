@@ -19,6 +19,7 @@
     }
 
     W = {"id", "url", "role", "healthy", "draining", "inflight", "dp_size",
+         "ejected": bool,                    # out by outlier detection (healthy is false too)
          "full_retry_in_s": 0.8 | null,      # capacity back-off: it said it is full (429/503)
          "circuit": {"state", "reason", "retry_in_s"} | null,     # its breaker, unless closed
          "ranks": [{"dp_rank", "inflight",
@@ -106,6 +107,7 @@ def _worker(
         "role": worker.role.value,
         "healthy": worker.healthy,
         "draining": worker.draining,
+        "ejected": worker.ejected,
         "inflight": worker.inflight,
         "dp_size": worker.dp_size,
         "full_retry_in_s": round(worker.full_until - now, 3) if worker.full_until > now else None,

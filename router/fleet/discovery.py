@@ -1,11 +1,18 @@
 """Keeps the router's worker pool equal to its CLI workers plus the registry's workers.
 
 CLI workers are written to the registry at start-up (source "static") and also added locally,
-so the router serves them even when the store is unreachable. Then: list, reconcile, watch, and
+so the router serves them even when the store is unreachable. They belong to this router
+whatever the store says: a listing or a delete never removes them, and when the store lost
+their records (an empty or wiped etcd) they are written again. Then: list, reconcile, watch, and
 re-list every ``resync_s`` (or after a failure); while the store is down the pool keeps its last
-known set and ``status`` says so. A worker marked draining gets no new requests; once this router
-has none in flight on it, it deletes the record. A removed worker keeps its client until its
-in-flight requests are done.
+known set and ``status`` says so. A listing that suddenly lacks the discovered workers is judged
+by ``store_trust`` first: a suspect one (the store came back empty, lost most workers at once,
+or lost this router's own records) keeps the last good set for up to the grace, and ``status``
+says so (``ok`` false, ``suspect_since``). A worker deleted in the watch leaves after a short
+settle and a re-list, so deletes that arrive together (a wiped prefix) are judged as one batch.
+A worker marked draining gets no new requests; once this router has none in flight on it, it
+deletes the record (a draining CLI worker then stays out of service, unregistered). A removed
+worker keeps its client until its in-flight requests are done.
 
 One bad record (an unusable URL written by an older version or straight into the store) is
 logged once, naming its id and why, and skipped: it never stops discovery, so workers added
@@ -20,14 +27,15 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from registry.errors import RegistryError, RegistryUnavailable
 from registry.models import WorkerRecord, check_worker_url, redact_url, worker_id
-from registry.service import RegistryService
+from registry.service import RegistryService, WorkerChange
 from router.fleet.health import HealthProber
+from router.fleet.store_trust import RemovalBatch, StoreTrust
 from router.settings import RouterSettings
 from router.upstream import build_upstream
 from router.upstream.base import UpstreamClient, UpstreamPool
@@ -47,10 +55,39 @@ def _advertised(listen_host: str) -> str:
 
 @dataclass(slots=True)
 class RegistryStatus:
+    """Whether the store is reachable and believed, as ``/ready`` and the metrics show it."""
+
     url: str
     ok: bool = False
     error: str | None = None
     since: float = 0.0  # time.time() of the last change of ``ok``
+    suspect_since: float | None = None  # time.time() since the store is suspect (not believed)
+
+    def mark_suspect(self, error: str) -> None:
+        """The store answers but is not believed (``store_trust``)."""
+        if self.suspect_since is None:
+            self.suspect_since = time.time()
+            self.since = self.suspect_since
+        self.ok, self.error = False, error
+
+    def mark(self, ok: bool, error: str | None) -> None:
+        """Reachable and in sync (``ok``), or not and why; logs the changes."""
+        if ok and self.suspect_since is not None:
+            self.suspect_since = None
+            self.ok = False  # logged by store_trust; the line below says it is in sync
+        if ok != self.ok:
+            if ok:
+                logger.info(
+                    "registry %s is reachable; worker set synchronised", redact_url(self.url)
+                )
+            else:
+                logger.warning(
+                    "registry %s unreachable, serving the last known workers: %s",
+                    redact_url(self.url),
+                    error,
+                )
+            self.since = time.time()
+        self.ok, self.error = ok, error
 
 
 class Discovery:
@@ -72,7 +109,10 @@ class Discovery:
         self._resync_s = resync_s
         self._closing: set[asyncio.Task[None]] = set()
         self._skipped: dict[str, str] = {}  # worker id -> why its record was skipped (logged)
-        self.status = RegistryStatus(url=settings.registry.url)
+        self._static: dict[str, WorkerRecord] = {}  # the CLI workers' records, by id
+        registry = settings.registry
+        self._trust = StoreTrust(registry.suspect_grace_s, registry.suspect_removed_share)
+        self.status = RegistryStatus(url=registry.url)
 
     async def seed(self) -> None:
         """Add the CLI workers locally, then (best effort) to the registry."""
@@ -95,21 +135,23 @@ class Discovery:
             )
             for spec in self._settings.decode
         ]
+        self._static = {record.id: record for record in static}
         for record in static:
             self._apply(record.id, record)
         try:
-            for record in static:
-                await self._service.add_worker(
-                    record.role,
-                    record.url,
-                    bootstrap_port=record.bootstrap_port,
-                    bootstrap_namespace=record.bootstrap_namespace,
-                    source="static",
-                    kv_events=record.kv_events,
-                    kv_events_replay=record.kv_events_replay,
-                )
+            await register_own(self._service, static)
         except RegistryUnavailable as exc:
-            self._set_status(False, str(exc))
+            self.status.mark(False, str(exc))
+
+    async def _restore_own(self, records: list[WorkerRecord]) -> None:
+        """Best effort: the next listing tries again."""
+        logger.warning(
+            "registry: %d of this router's own worker records are missing from the store; "
+            "registering them again",
+            len(records),
+        )
+        with contextlib.suppress(RegistryError):
+            await register_own(self._service, records)
 
     async def run(self) -> None:
         """Sync forever: list + watch, re-list periodically and after failures."""
@@ -117,11 +159,11 @@ class Discovery:
             try:
                 await self._sync()
             except RegistryUnavailable as exc:
-                self._set_status(False, str(exc))
+                self.status.mark(False, str(exc))
                 await asyncio.sleep(self._settings.registry.resync_backoff_s)
             except Exception as exc:  # noqa: BLE001 - discovery must outlive any one failure
                 logger.exception("registry sync failed; retrying")
-                self._set_status(False, f"sync failed: {exc!r}")
+                self.status.mark(False, f"sync failed: {exc!r}")
                 await asyncio.sleep(self._settings.registry.resync_backoff_s)
 
     async def aclose(self) -> None:
@@ -135,18 +177,64 @@ class Discovery:
         # which ends in the same state as the store.
         changes = self._service.watch_workers()
         async with contextlib.aclosing(changes):
+            after_outage = not self.status.ok and self.status.suspect_since is None
             records = {r.id: r for r in await self._service.list_workers()}
-            for wid in [w.id for w in self._pool.all() if w.id not in records]:
-                self._apply_one(wid, None)
+            self._reconcile(records, after_outage)
             for wid in [wid for wid in self._skipped if wid not in records]:
                 del self._skipped[wid]
             for wid, record in records.items():
                 self._apply_one(wid, record)
-            self._set_status(True, None)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._resync_s):
-                    async for change in changes:
-                        self._apply_one(change.worker_id, change.record)
+            await self._follow(changes)
+
+    def _reconcile(self, records: dict[str, WorkerRecord], after_outage: bool) -> None:
+        """Remove the workers ``records`` lacks, unless the store is suspect (``store_trust``)."""
+        lost = [
+            r
+            for wid, r in self._static.items()
+            if wid not in records and not self._is_draining(wid)
+        ]
+        if lost:
+            self._spawn(self._restore_own(lost))
+        leaving = [w for w in self._pool.all() if w.id not in records and w.id not in self._static]
+        live = [w for w in self._pool.all() if w.id not in self._static and not w.draining]
+        batch = RemovalBatch(
+            leaving=sum(1 for w in leaving if not w.draining),
+            live=len(live),
+            after_outage=after_outage,
+            own_records_lost=bool(lost),
+        )
+        if self._trust.hold(batch):
+            self.status.mark_suspect(
+                f"suspect store: {self._trust.reason}; keeping the last good workers"
+            )
+            return
+        for worker in leaving:
+            self._apply_one(worker.id, None)
+        self.status.mark(True, None)
+
+    async def _follow(self, changes: AsyncIterator[WorkerChange]) -> None:
+        """Apply watched changes until the next re-list (sooner while the store is suspect, and
+        after any change then); a delete of a worker in service ends the watch, after a settle,
+        so that the re-list judges it with the deletes that came with it."""
+        remaining = self._trust.remaining_s()
+        wait_s = self._resync_s if remaining is None else min(self._resync_s, remaining + 0.01)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                async for change in changes:
+                    if change.record is None and self._in_service(change.worker_id):
+                        await asyncio.sleep(self._settings.registry.removal_settle_s)
+                        return
+                    self._apply_one(change.worker_id, change.record)
+                    if self._trust.suspect_since is not None:
+                        return  # a worker shows up again: re-list and judge the store again
+
+    def _in_service(self, wid: str) -> bool:
+        worker = self._pool.get(wid)
+        return worker is not None and (wid in self._static or not worker.draining)
+
+    def _is_draining(self, wid: str) -> bool:
+        worker = self._pool.get(wid)
+        return worker is not None and worker.draining
 
     def _apply_one(self, wid: str, record: WorkerRecord | None) -> None:
         """Apply one record; a record that cannot become a worker is logged (once) and skipped."""
@@ -163,7 +251,7 @@ class Discovery:
     def _apply(self, wid: str, record: WorkerRecord | None) -> None:
         worker = self._pool.get(wid)
         if record is None:
-            if worker is not None:
+            if worker is not None and wid not in self._static:  # CLI workers are ours
                 self._remove(wid)
         elif worker is None:
             self._add(record)
@@ -182,7 +270,7 @@ class Discovery:
             kv_events=record.kv_events,
             kv_events_replay=record.kv_events_replay,
         )
-        self._place_bootstrap(worker, record.bootstrap_namespace)
+        place_bootstrap(worker, record.bootstrap_namespace, self._settings)
         self._pool.add(worker, build_upstream(worker, self._settings.upstream))
         logger.info(
             "worker %s %s joined (source %s)",
@@ -208,34 +296,9 @@ class Discovery:
             )
             worker.epoch, worker.bootstrap_port = record.epoch, record.bootstrap_port
             worker.bootstrap_host, worker.bootstrap_path = worker.host, ""
-            self._place_bootstrap(worker, record.bootstrap_namespace)
+            place_bootstrap(worker, record.bootstrap_namespace, self._settings)
             worker.set_layout(worker.dp_size, ())
             self._prober.refresh_soon(worker)
-
-    def _place_bootstrap(self, worker: Worker, namespace: str | None) -> None:
-        """A prefill registering with this router: decoders bootstrap from the router."""
-        worker.bootstrap_namespace = namespace
-        if namespace is None:
-            return
-        registry = self._settings.registry
-        listen = registry.bootstrap_host or self._settings.server.host
-        worker.bootstrap_host = format_host(registry.advertise_host or _advertised(listen))
-        port = registry.bootstrap_ports.get(namespace)
-        if port is not None:
-            worker.bootstrap_port = port
-        elif registry.bootstrap_port is not None:
-            # vLLM decoders accept a path prefix; SGLang ones need a namespace port
-            worker.bootstrap_port = registry.bootstrap_port
-            worker.bootstrap_path = f"/bootstrap/{namespace}"
-        else:
-            logger.warning(
-                "prefill %s registers under bootstrap namespace %r, but this router serves "
-                "neither a port for it (--bootstrap-namespace %s=PORT) nor a shared "
-                "--bootstrap-port: decoders cannot reach its ranks",
-                worker.public_url,
-                namespace,
-                namespace,
-            )
 
     def _remove(self, wid: str) -> None:
         removed = self._pool.remove(wid)
@@ -269,17 +332,42 @@ class Discovery:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def _set_status(self, ok: bool, error: str | None) -> None:
-        if ok != self.status.ok:
-            if ok:
-                logger.info(
-                    "registry %s is reachable; worker set synchronised", redact_url(self.status.url)
-                )
-            else:
-                logger.warning(
-                    "registry %s unreachable, serving the last known workers: %s",
-                    redact_url(self.status.url),
-                    error,
-                )
-            self.status.since = time.time()
-        self.status.ok, self.status.error = ok, error
+
+async def register_own(service: RegistryService, records: list[WorkerRecord]) -> None:
+    """Write this router's CLI workers to the store (idempotent)."""
+    for record in records:
+        await service.add_worker(
+            record.role,
+            record.url,
+            bootstrap_port=record.bootstrap_port,
+            bootstrap_namespace=record.bootstrap_namespace,
+            source="static",
+            kv_events=record.kv_events,
+            kv_events_replay=record.kv_events_replay,
+        )
+
+
+def place_bootstrap(worker: Worker, namespace: str | None, settings: RouterSettings) -> None:
+    """A prefill registering with this router: decoders bootstrap from the router."""
+    worker.bootstrap_namespace = namespace
+    if namespace is None:
+        return
+    registry = settings.registry
+    listen = registry.bootstrap_host or settings.server.host
+    worker.bootstrap_host = format_host(registry.advertise_host or _advertised(listen))
+    port = registry.bootstrap_ports.get(namespace)
+    if port is not None:
+        worker.bootstrap_port = port
+    elif registry.bootstrap_port is not None:
+        # vLLM decoders accept a path prefix; SGLang ones need a namespace port
+        worker.bootstrap_port = registry.bootstrap_port
+        worker.bootstrap_path = f"/bootstrap/{namespace}"
+    else:
+        logger.warning(
+            "prefill %s registers under bootstrap namespace %r, but this router serves "
+            "neither a port for it (--bootstrap-namespace %s=PORT) nor a shared "
+            "--bootstrap-port: decoders cannot reach its ranks",
+            worker.public_url,
+            namespace,
+            namespace,
+        )

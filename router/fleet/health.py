@@ -4,7 +4,8 @@ A worker is healthy once a probe succeeded (and, for vllm-mooncake, its engine i
 It is marked down after ``unhealthy_threshold`` failed probes in a row (a stall of the router or
 the host fails one round of probes, which takes nobody out), at once when its port refuses
 connections, and never by a failed probe while it served a request within the last interval; a
-fallen worker comes back after ``healthy_threshold`` good probes. Failed requests are the circuit
+fallen worker comes back after ``healthy_threshold`` good probes (one ejected by outlier
+detection, ``router.fleet.outlier``, not before its ejection time). Failed requests are the circuit
 breakers' business (router.fleet.circuit_breaker): routing needs both a healthy worker and a breaker
 that lets the request through. Every probe re-reads the prefill's layout, so a restarted prefill
 (new engine ids) is picked up within one interval; ``refresh_soon`` does it at once.
@@ -89,6 +90,8 @@ class HealthProber:
         if worker.healthy:
             return
         needed = self._settings.healthy_threshold if worker.seen_healthy else 1
+        if worker.ejected and time.monotonic() < worker.ejected_until:
+            return  # ejected by outlier detection: out for its ejection time at least
         if worker.probe_successes >= needed:
             reason = (
                 f"{worker.probe_successes} probes in a row succeeded"

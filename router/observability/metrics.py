@@ -34,10 +34,10 @@ _STAGE_BUCKETS = (
 Labels = tuple[str, ...]
 ROLES = ("prefill", "decode")
 UPSTREAM_ERROR_KINDS = (
-    "connect", "timeout", "kv_timeout", "kv_lost", "http_4xx", "http_5xx", "capacity", "broken",
-    "stale_connection", "worker_lost", "invalid_answer",
+    "connect", "timeout", "kv_timeout", "kv_lost", "kv_failed", "http_4xx", "http_5xx",
+    "capacity", "broken", "stale_connection", "worker_lost", "invalid_answer",
 )  # fmt: skip
-ADMISSION_REJECT_REASONS = ("queue_full", "queue_timeout", "worker_cap")
+ADMISSION_REJECT_REASONS = ("queue_full", "queue_timeout", "worker_cap", "body_memory")
 
 
 class RouterMetrics:
@@ -97,9 +97,9 @@ class RouterMetrics:
         )
         self.upstream_errors = Counter(
             "pdr_upstream_errors",
-            "Failed legs by role and kind (connect, timeout, kv_timeout, kv_lost, http_4xx, "
-            "http_5xx, capacity: 429/503 from a full engine, broken, stale_connection, "
-            "worker_lost, invalid_answer)",
+            "Failed legs by role and kind (connect, timeout, kv_timeout, kv_lost, kv_failed: "
+            "the decode said the prefill's KV did not arrive, http_4xx, http_5xx, capacity: "
+            "429/503 from a full engine, broken, stale_connection, worker_lost, invalid_answer)",
             ["role", "kind"],
             registry=registry,
         )
@@ -115,6 +115,13 @@ class RouterMetrics:
             "Circuit breaker transitions, by scope (worker; pair: a prefill->decode pair) and "
             "the state entered (open, half_open, closed)",
             ["scope", "to"],
+            registry=registry,
+        )
+        self.outlier_ejections = Counter(
+            "pdr_outlier_ejections",
+            "Workers ejected by outlier detection, by role and reason (overdue: its legs stopped "
+            "completing; timeouts: its last legs timed out)",
+            ["role", "reason"],
             registry=registry,
         )
         self.decisions = Counter(
@@ -160,6 +167,8 @@ class RouterMetrics:
             self._child(self.retries, (role,))
             for kind in UPSTREAM_ERROR_KINDS:
                 self._child(self.upstream_errors, (role, kind))
+            for reason in ("overdue", "timeouts"):
+                self._child(self.outlier_ejections, (role, reason))
         for scope in ("worker", "pair"):
             for to in ("open", "half_open", "closed"):
                 self._child(self.circuit_transitions, (scope, to))

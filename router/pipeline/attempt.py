@@ -19,7 +19,12 @@ from typing import Any
 import msgspec
 
 from router.adapters import PDAdapter
-from router.errors import CAPACITY_STATUSES, UpstreamError, UpstreamStatusError
+from router.errors import (
+    CAPACITY_STATUSES,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamUnavailable,
+)
 from router.interrupt import ClientDisconnected, Interrupt
 from router.observability.metrics import RouterMetrics
 from router.observability.receipt import RoutingReceipt
@@ -34,9 +39,23 @@ from router.settings import UpstreamSettings
 from router.upstream.base import UpstreamPool, UpstreamResponse
 from router.workers import Worker
 
-__all__ = ["Attempt", "AttemptKit"]
+__all__ = ["Attempt", "AttemptKit", "check_status"]
 
 _encode = msgspec.json.Encoder().encode
+_SSE_ERROR = b'data: {"error"'  # a stream whose first event is an error (vLLM, SGLang)
+
+
+def check_status(status: int, worker: Worker) -> None:
+    """An engine's status must be an HTTP one (100-599): any other (a broken engine or proxy)
+    fails the leg with a clean 502, as the client could not be given it."""
+    if not 100 <= status <= 599:
+        raise UpstreamUnavailable(
+            f"answered an invalid HTTP status {status}",
+            role=worker.role.value,
+            url=worker.public_url,
+            connect=False,
+            kind="invalid_answer",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +85,7 @@ class Attempt:
         "request",
         "responder",
         "trace",
+        "trial",
     )
 
     def __init__(
@@ -90,6 +110,8 @@ class Attempt:
         self.rank = route.rank
         self.decode = route.decode
         self.prefill_tokens = route.prefill_tokens
+        # a half-open breaker's trial: a 5xx goes to another route, not to the client
+        self.trial = bool(route.trials)
         # only a PD stream's decode has a KV-arrival deadline
         watch = request.stream and route.prefill is not None
         self.clock = LegClock(kit.settings.kv_arrival_timeout_s, watch_first_byte=watch)
@@ -117,6 +139,9 @@ class Attempt:
             response = await upstream.open(self.request.endpoint.value, body, headers)
             if span is not None:
                 span.set("http.response.status_code", response.status)
+            if not 100 <= response.status <= 599:
+                await response.aclose()
+                check_status(response.status, worker)
             if self.request.stream and response.status < 400:
                 tail = await self._relay(response)
                 if self.prefill is not None:
@@ -130,14 +155,14 @@ class Attempt:
         worker, prefill, verdicts = self.decode, self.prefill, self._kit.verdicts
         content = await response.read()
         self.clock.decode_answered()
-        if response.status in CAPACITY_STATUSES:  # full: another decode may take it
+        status = response.status
+        # full: another decode may take it; a trial's 5xx: another route may
+        if status in CAPACITY_STATUSES or (self.trial and status >= 500):
             raise UpstreamStatusError(
-                response.status,
-                error_detail(content),
-                role="decode",
-                url=worker.public_url,
+                status, error_detail(content), role="decode", url=worker.public_url
             )
-        verdicts.decode_status(response.status, content, worker, prefill)
+        self._check_kv_failure(status, content)
+        verdicts.decode_status(status, content, worker, prefill)
         if response.status >= 400:  # relayed to the client as the engine's answer
             error = verdicts.decode_refused(response.status, content, prefill, worker)
             if error is not None:
@@ -158,12 +183,34 @@ class Attempt:
             chunks = response.chunks()
             chunk = await anext(chunks, b"")
             self.clock.decode_answered()
+            if chunk.startswith(_SSE_ERROR):  # failed before its first token: the KV's fault?
+                self._check_kv_failure(500, chunk)
             self._kit.verdicts.stale_layout(chunk, worker, self.prefill)
             tail = await self.responder.relay(response, chunks, chunk)
         finally:
             await response.aclose()
         self._kit.verdicts.record(worker, None)
         return tail
+
+    def _check_kv_failure(self, status: int, content: bytes) -> None:
+        """A PD attempt's decode failing because its KV did not come from the prefill: raise
+        ``kv_failed`` (the prefill's and the pair's fault, retried elsewhere) instead of giving
+        the client the decode's error. Not for an unknown engine id (``stale_layout``)."""
+        prefill, kit = self.prefill, self._kit
+        if prefill is None or kit.adapter.is_stale_layout(content):
+            return
+        if not kit.verdicts.kv_failure(status, content):
+            return
+        when = "after" if self.clock.prefill_done is not None else "before"
+        detail = error_detail(content.removeprefix(b"data: ").strip())
+        raise UpstreamUnavailable(
+            f"decode {self.decode.public_url} answered HTTP {status} {when} this prefill "
+            f"answered: the KV cache did not arrive ({detail})",
+            role="prefill",
+            url=prefill.public_url,
+            connect=False,
+            kind="kv_failed",
+        )
 
     def _check_recompute(self, usage: PromptUsage | None) -> None:
         if self._kit.verdicts.recomputed(usage):

@@ -29,7 +29,7 @@ import msgspec
 
 from router.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
 from router.interrupt import ClientDisconnected, Interrupt, failure_of, reap
-from router.pipeline.attempt import Attempt
+from router.pipeline.attempt import Attempt, check_status
 from router.pipeline.prefill_answer import prefill_answer_body, prefill_answer_events
 from router.pipeline.verdicts import error_detail
 from router.upstream.base import UpstreamClient
@@ -118,14 +118,28 @@ class PDAttempt(Attempt):
         try:
             with interrupt.on_done(prefill_task, prefill_outcome), self._kv_watch(interrupt):
                 await interrupt.guard(decode_call)
-            try:
-                await prefill_task
-            except UpstreamError as exc:  # the client is served already
-                metrics = self._kit.metrics
-                metrics.count(metrics.upstream_errors, exc.role, exc.kind)
-                logger.warning("prefill failed after the decode answered: %s", exc.message)
+            self._after_decode(prefill_task)
         finally:
             await reap(prefill_task)
+
+    def _after_decode(self, prefill_task: asyncio.Task[bytes]) -> None:
+        """The decode's answer went to the client; its prefill leg is cancelled (by the
+        caller) if it still runs, so that the request's admission slot and in-flight counts
+        are released now, not when the prefill answers (up to --prefill-timeout). That is safe:
+        a decode that generated had the KV (SGLang's prefill answers only once the transfer
+        ended, vLLM Mooncake's once it finished and waits for the pull), so the prefill's
+        request holds nothing the decode still needs. A 2xx decode counts as the prefill's
+        success (for its breaker and outlier detection); a prefill that failed late is logged
+        and counted."""
+        if not prefill_task.done():
+            if self.responder.status < 400:
+                self._kit.verdicts.delivered(self.prefill)
+            return
+        failure = None if prefill_task.cancelled() else prefill_task.exception()
+        if isinstance(failure, UpstreamError):  # the client is served already
+            metrics = self._kit.metrics
+            metrics.count(metrics.upstream_errors, failure.role, failure.kind)
+            logger.warning("prefill failed after the decode answered: %s", failure.message)
 
     @contextlib.contextmanager
     def _kv_watch(self, interrupt: Interrupt) -> Iterator[None]:
@@ -185,6 +199,7 @@ class PDAttempt(Attempt):
             status, content = answer
             if span is not None:
                 span.set("http.response.status_code", status)
+            check_status(status, worker)
             if status >= 400:
                 raise UpstreamStatusError(
                     status, error_detail(content), role="prefill", url=worker.public_url

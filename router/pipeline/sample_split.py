@@ -7,7 +7,9 @@ engine would have answered: choice ``i`` of part ``j`` becomes choice ``i * n + 
 batch of prompts, each prompt's n samples stay together), completion tokens are summed and the
 prompt counted once, stream events carry their choice's index, and one ``[DONE]`` ends the
 stream. Each part runs the whole pipeline (retries included) in a task of its own; the first to
-fail cancels the others.
+fail cancels the others. What the parts hold at once (whole answers, SSE bytes not yet split
+into events) is bounded by the answer limit (``--max-answer-bytes``) in all: beyond it the
+request ends with a 502.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from router.errors import UpstreamUnavailable
 from router.interrupt import reap
 from router.pipeline.responder import Responder
 from router.schemas import ParsedRequest
@@ -53,6 +56,7 @@ class _Part:
             self.content_type = dict(message["headers"]).get(b"content-type", _JSON)
             return
         self.body += message.get("body", b"")
+        self._split.held(len(message.get("body", b"")))
         if self.status < 400 and self.content_type.startswith(_SSE):
             await self._split.relay_events(self)
 
@@ -60,8 +64,10 @@ class _Part:
 class SampleSplit:
     """Serves one ``n > 1`` request as ``n`` parts through ``serve`` and merges the answers."""
 
-    def __init__(self, request: ParsedRequest, responder: Responder) -> None:
+    def __init__(self, request: ParsedRequest, responder: Responder, max_bytes: int) -> None:
         self._request = request
+        self._max_bytes = max_bytes
+        self._held = 0  # bytes the parts hold now
         self._out = responder
         self._n = request.n
         body = dict(request.body)
@@ -94,6 +100,19 @@ class SampleSplit:
         else:
             await self._out.whole(200, _JSON, self._merged_body(parts))
 
+    def held(self, count: int) -> None:
+        """The parts hold ``count`` more bytes; beyond the limit the request fails (502)."""
+        self._held += count
+        if self._held > self._max_bytes:
+            raise UpstreamUnavailable(
+                f"the answers of its {self._n} samples exceed the router's {self._max_bytes}-"
+                "byte limit (--max-answer-bytes)",
+                role="decode",
+                url="",
+                connect=False,
+                kind="answer_too_large",
+            )
+
     async def relay_events(self, part: _Part) -> None:
         """Forward ``part``'s complete SSE events with their choices re-indexed."""
         end = part.body.rfind(_BOUNDARY)
@@ -101,6 +120,7 @@ class SampleSplit:
             return
         events = bytes(part.body[: end + 2]).split(_BOUNDARY)
         del part.body[: end + 2]
+        self._held -= end + 2
         out = bytearray()
         for event in events:
             if event:

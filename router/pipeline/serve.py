@@ -1,7 +1,10 @@
 """Per-request orchestration: pick a pair, run an attempt, retry when safe, fill the receipt.
 
-Only connect errors and an engine saying it is full (429/503: not a fault) are retried, on other
-workers, and only before any byte reached the client (docs/concepts/protocols.md 3.3, 5.7).
+Retried on other workers, and only before any byte reached the client (docs/concepts/protocols.md
+3.3, 5.7): connect errors, an engine saying it is full (429/503: not a fault), a prefill lost or
+failing to deliver the KV (``worker_lost``, ``kv_lost``, ``kv_failed``: on another prefill), and
+any worker fault of an attempt that carried a half-open breaker's trial (trials are real requests
+that fail without hurting their client).
 
 Choosing the workers (and whether to skip the prefill leg) is
 ``router.scheduling.chooser.RouteChooser``; one attempt's legs are ``router.pipeline.attempt``
@@ -40,7 +43,7 @@ from router.settings import (
     ObservabilitySettings,
     UpstreamSettings,
 )
-from router.upstream.base import UpstreamPool
+from router.upstream.base import UpstreamPool, is_worker_fault
 from router.workers import Worker
 
 __all__ = ["Pipeline"]
@@ -119,7 +122,7 @@ class Pipeline:
         self._adapter.check(request)
         receipt = receipt if receipt is not None else RoutingReceipt()
         if request.n > 1 and self._adapter.splits_samples:
-            split = SampleSplit(request, responder)
+            split = SampleSplit(request, responder, self._settings.max_answer_bytes)
             await split.run(
                 lambda part, sink: self._serve(part, headers, sink, disconnected, receipt, trace)
             )
@@ -163,7 +166,9 @@ class Pipeline:
                 return
             except UpstreamError as exc:
                 self._verdicts.upstream_failed(route, exc)
-                if not retryable(exc) or responder.started or attempt == attempts:
+                # a half-open breaker's trial may fail without hurting its client: retried
+                may_retry = retryable(exc) or bool(route.trials) and is_worker_fault(exc)
+                if not may_retry or responder.started or attempt == attempts:
                     raise
                 last_error = exc
                 culprit = route.prefill if exc.role == "prefill" else route.decode

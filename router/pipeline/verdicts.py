@@ -4,7 +4,15 @@ pool's back-off, the prefill's KV layout, and whether the request may be tried a
 Circuit breakers (``router.fleet.circuit_breaker``) hear every outcome. A worker's: its leg
 succeeded, or failed by its own fault (transport errors, timeouts, 5xx; not 429/503 "full", not
 a KV that did not come). A pair's: the decode leg of a PD attempt failed (5xx, timeout,
-``kv_timeout``, dropped stream) or recomputed the prompt, while the prefill leg did not fail. An
+``kv_timeout``, dropped stream) or recomputed the prompt, while the prefill leg did not fail.
+
+Blame goes to the cause (``kv_failure``): a decode 5xx that says the KV from its prefill did not
+arrive (the adapter's ``is_kv_failure`` texts) is the prefill's: it becomes a ``kv_failed`` error
+(retried on another prefill before any byte reached the client) that counts against the prefill's
+breaker and the pair's, never the decode's. A decode 5xx without such a text (vLLM's bare 500 of a
+failed KV load, a decode's own fault) counts against the decode, and against the pair in a PD
+attempt. A frozen prefill is taken out before its decodes give up on its KV (real engines wait
+300-540 s): outlier detection (``router.fleet.outlier``) ejects it within seconds. An
 open breaker never marks a worker down by itself: a worker that may be alive keeps its pending
 KV transfers. Only a breaker opened by a refused connection (nothing listens: the engine is gone,
 as a refused probe says) marks the worker down too, which tells the requests waiting for its KV
@@ -19,7 +27,7 @@ from collections.abc import Callable
 import msgspec
 
 from router.adapters import PDAdapter
-from router.errors import UpstreamError, UpstreamUnavailable
+from router.errors import CAPACITY_STATUSES, UpstreamError, UpstreamUnavailable
 from router.fleet.circuit_breaker import Circuits
 from router.fleet.health import connection_refused
 from router.observability.metrics import RouterMetrics
@@ -34,10 +42,14 @@ __all__ = ["Verdicts", "error_detail", "retryable"]
 
 logger = logging.getLogger(__name__)
 _decode = msgspec.json.Decoder().decode
-_RETRYABLE_KINDS = frozenset({"capacity", "stale_connection", "worker_lost"})
+# kv_lost, kv_failed: the prefill lost or failed this request's KV; another pair may serve it
+_RETRYABLE_KINDS = frozenset(
+    {"capacity", "stale_connection", "worker_lost", "kv_lost", "kv_failed"}
+)
 # failures that say nothing against the worker whose leg saw them: the KV did not come (the
-# pair's), or the prefill was lost (marked down already)
-_NOT_THE_WORKERS = frozenset({"kv_timeout", "kv_lost", "worker_lost"})
+# pair's; kv_failed: the prefill's, counted in ``upstream_failed``), or the prefill was lost
+# (marked down already)
+_NOT_THE_WORKERS = frozenset({"kv_timeout", "kv_lost", "worker_lost", "kv_failed"})
 
 
 def error_detail(body: bytes) -> str:
@@ -98,14 +110,25 @@ class Verdicts:
         self._on_stale_layout = on_stale_layout
 
     def record(self, worker: Worker, exc: UpstreamError | None) -> None:
-        """A leg's outcome for its worker: served, failed by its fault, or full."""
+        """A leg's outcome for its worker: served, failed by its fault, or full (and, for
+        outlier detection, the legs in a row that timed out)."""
         if exc is None:
             worker.record_success()
+            worker.legs.timeouts_in_row = 0
             self.circuits.worker_success(worker)
-        elif is_worker_fault(exc):
+            return
+        if exc.kind == "timeout" and exc.role == worker.role.value:
+            worker.legs.timeouts_in_row += 1
+        if is_worker_fault(exc):
             self._worker_failed(worker, exc)
         elif exc.kind == "capacity":  # full, not broken: avoid it for a moment
             self._pool.back_off(worker)
+
+    def delivered(self, prefill: Worker) -> None:
+        """A prefill leg still running when its decode served the client (it is cancelled):
+        the KV arrived, a success for the prefill (its breaker, outlier detection)."""
+        prefill.legs.delivered()
+        self.record(prefill, None)
 
     def _worker_failed(self, worker: Worker, exc: UpstreamError) -> None:
         """A leg failed by the worker's fault: its breaker hears it. When that opens the breaker
@@ -121,6 +144,13 @@ class Verdicts:
                 worker.public_url,
             )
             worker.mark_down("its port refuses connections")
+
+    def kv_failure(self, status: int, content: bytes) -> bool:
+        """Whether a PD attempt's decode error is its prefill's doing: a 5xx (or a 200 stream
+        whose first event is an error) that says the KV did not arrive."""
+        if status < 500 or status in CAPACITY_STATUSES:
+            return False
+        return self._adapter.is_kv_failure(content)
 
     def decode_status(
         self, status: int, content: bytes, worker: Worker, prefill: Worker | None
@@ -165,13 +195,17 @@ class Verdicts:
         )
 
     def upstream_failed(self, route: Route, exc: UpstreamError) -> None:
-        """An attempt failed: counted, and held against its pair (when it had one)."""
+        """An attempt failed: counted, and held against its pair (when it had one); a KV its
+        prefill failed to deliver (``kv_failed``) against the prefill too."""
         self._metrics.count(self._metrics.upstream_errors, exc.role, exc.kind)
-        if route.prefill is not None:
-            key = (route.prefill.id, route.decode.id)
-            self._pairs.failed(key, route.prefill.public_url, route.decode.public_url, exc.message)
-            if _transfer_failed(exc):
-                self.circuits.pair_failure(route.prefill, route.decode, exc.message)
+        prefill = route.prefill
+        if prefill is not None:
+            key = (prefill.id, route.decode.id)
+            self._pairs.failed(key, prefill.public_url, route.decode.public_url, exc.message)
+            if exc.kind == "kv_failed":
+                self.circuits.worker_failure(prefill, exc.message)
+            if _transfer_failed(exc) or exc.kind == "kv_failed":
+                self.circuits.pair_failure(prefill, route.decode, exc.message)
 
     def pd_served(self, prefill: Worker, decode: Worker, receipt: RoutingReceipt) -> None:
         """A PD attempt answered the client: what its receipt says of the pair."""

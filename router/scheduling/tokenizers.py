@@ -35,9 +35,11 @@ from typing import Any, Protocol
 import httpx
 import jinja2
 import jinja2.ext
+import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from registry.models import redact_url
 from router.schemas import Endpoint, ParsedRequest
 from router.settings import CacheAwareSettings
 
@@ -352,15 +354,22 @@ class RenderTokenizer:
             return ids
         url = self._url + _RENDER_PATHS[request.endpoint]
         try:
-            response = await self._client.post(url, json=request.body)
+            # msgspec: a large body's unread fields are msgspec.Raw slices (router.schemas)
+            content = msgspec.json.encode(request.body)
+            response = await self._client.post(url, content=content, headers=_JSON_HEADERS)
             response.raise_for_status()
             return _render_ids(response.json())
         except (httpx.HTTPError, ValueError) as exc:
-            logger.warning("render at %s failed, routing approximately: %s", url, exc)
+            public = redact_url(url)  # an error's text names the URL, password and all
+            error = str(exc).replace(url, public)
+            logger.warning("render at %s failed, routing approximately: %s", public, error)
             return None
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+_JSON_HEADERS = {"content-type": "application/json"}
 
 
 def _render_ids(answer: Any) -> list[int]:

@@ -14,10 +14,9 @@ Every listener enforces the same ``BootstrapProtection``: ``--bootstrap-allow`` 
 ``--max-body-bytes`` (413) and the registration checks, where a namespace owned by a prefill in
 the pool (``WorkerSpec.bootstrap_namespace``, or a registry record naming it) only accepts ranks
 on that prefill's host, and the client port's HTTP limits (``router.server.http_limits``: header
-size
-and timeouts) with a connection cap of its own per port (``MAX_CONNECTIONS``; engines hold a
-few connections each). ``_server_config`` is the one place the listeners' uvicorn settings are
-made.
+size and timeouts, trailers dropped, malformed requests answered 400) with connection caps of
+their own per port (``MAX_CONNECTIONS``, half of them per source; engines hold a few connections
+each). ``_server_config`` is the one place the listeners' uvicorn settings are made.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from registry.engine_api import (
     namespace_app,
     shared_app,
 )
+from router.server.connection_caps import default_per_source
 from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.settings import RouterSettings
 from router.upstream.base import UpstreamPool
@@ -61,6 +61,7 @@ def _limits(settings: RouterSettings) -> HttpLimits:
         header_timeout_s=server.header_timeout_s,
         body_timeout_s=server.body_timeout_s,
         max_connections=MAX_CONNECTIONS,
+        max_connections_per_source=default_per_source(MAX_CONNECTIONS),
     )
 
 

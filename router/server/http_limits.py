@@ -1,5 +1,6 @@
 """Per-connection limits for uvicorn's httptools server: header size, header and body read
-timeouts, and a connection cap (slowloris, file descriptor exhaustion).
+timeouts, chunked trailers, malformed requests and the connection caps (slowloris, file
+descriptor exhaustion).
 
 httptools buffers a request's headers without bound, and uvicorn waits for them, and for a
 body shorter than its Content-Length, forever. ``limited_http_protocol(limits)`` returns a
@@ -15,54 +16,46 @@ body shorter than its Content-Length, forever. ``limited_http_protocol(limits)``
   the application reads ``http.disconnect``. Time the application itself leaves the body unread
   (uvicorn stops reading beyond 64 KiB, or an ``Expect: 100-continue`` not answered yet) does not
   count;
-* **connection cap**: a connection beyond ``max_connections`` open on this server is answered
-  503 at once and closed, so slow clients cannot take every file descriptor.
+* **trailers**: the fields after a chunked body are dropped, never merged into the request's
+  headers (uvicorn appends them, so a trailer ``Authorization`` would replace the real one), and
+  more than ``max_header_bytes`` received in a body without a byte of body data (trailers, chunk
+  framing) is 431 and close, the application reading ``http.disconnect``;
+* **malformed requests** (request line, header, chunk framing): 400 ``invalid_request_error``
+  and close (uvicorn answers ``text/plain``);
+* **connection caps** (``router.server.connection_caps``): a connection beyond
+  ``max_connections_per_source`` from one peer address, or beyond ``max_connections`` once no
+  idle keep-alive connection could be closed for it, is answered 503 at once and closed.
 
-None of them applies while a response is under way (a long stream is not a slow request), nor to
-a keep-alive connection between requests (uvicorn's ``timeout_keep_alive`` closes that). Answers
-are the OpenAI error JSON with ``connection: close``; the connection then half-closes and
-discards what still comes for a moment, so that the client reads the answer instead of a reset.
+None of the timeouts applies while a response is under way (a long stream is not a slow
+request), nor to a keep-alive connection between requests (uvicorn's ``timeout_keep_alive``
+closes that). Answers are the OpenAI error JSON with ``connection: close``; the connection then
+half-closes and discards what still comes for a moment, so that the client reads the answer
+instead of a reset. Refusals are counted and logged in one warning every 10 s at most.
 
-The module imports nothing from the router (only uvicorn and httptools), so that the standalone
-registry service can use it as well.
+The module imports nothing from the router but ``connection_caps`` (only uvicorn and httptools),
+so that the standalone registry service can use it as well.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import logging
-import resource
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+import httptools
 import msgspec
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-__all__ = [
-    "HttpLimits",
-    "LimitedHttpToolsProtocol",
-    "auto_max_connections",
-    "limited_http_protocol",
-    "raise_open_file_limit",
-]
+from router.server.connection_caps import ConnectionCaps
 
-logger = logging.getLogger(__name__)
+__all__ = ["HttpLimits", "LimitedHttpToolsProtocol", "limited_http_protocol"]
 
 # after an error answer: discard what the client still sends for this long, or this many bytes
 _LINGER_S = 1.0
 _LINGER_MAX_BYTES = 256 * 1024
-_LOG_EVERY_S = 10.0  # refusals are summed up in one warning at most this often
-
-# auto max_connections: file descriptors kept for everything else (listeners, logs, the
-# registry, KV event sockets), then a third of the rest, since a client connection in flight
-# holds a prefill and a decode connection as well
-_RESERVED_FDS = 256
-_FDS_PER_CONNECTION = 3
-_AUTO_MIN, _AUTO_MAX = 64, 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,33 +66,14 @@ class HttpLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 4096
-
-
-def raise_open_file_limit() -> int:
-    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; return the soft limit now
-    in force (unchanged where it cannot be raised)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft == hard:
-        return soft
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (OSError, ValueError) as exc:
-        logger.warning("could not raise the open file limit from %d to %d: %s", soft, hard, exc)
-        return soft
-    return hard
-
-
-def auto_max_connections(fd_limit: int) -> int:
-    """The default connection cap for an open file limit: headroom for the upstream sockets."""
-    spare = (fd_limit - _RESERVED_FDS) // _FDS_PER_CONNECTION
-    return max(_AUTO_MIN, min(_AUTO_MAX, spare))
+    max_connections_per_source: int = 0  # 0: no per-source cap
 
 
 class _Phase(enum.Enum):
     NEW = "new"  # connected, nothing received yet
     IDLE = "idle"  # between requests (or a request is being answered)
     HEADERS = "headers"  # a request's headers are arriving
-    BODY = "body"  # its body is arriving
+    BODY = "body"  # its body (and a chunked body's trailers) are arriving
     CLOSING = "closing"  # answered with an error: discarding input until closed
 
 
@@ -117,23 +91,12 @@ def _error_response(status: int, error_type: str, message: str) -> bytes:
     return STATUS_LINE[status] + head % len(body) + body
 
 
-class _RefusalLog:
-    """Counts connections ended by a limit, by reason, and logs them in one warning per
-    interval (the first at once, then at most every 10 s): a flood must not become a flood of
-    log lines."""
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-        self._next_log = 0.0
-
-    def add(self, reason: str) -> None:
-        self._counts[reason] = self._counts.get(reason, 0) + 1
-        now = time.monotonic()
-        if now >= self._next_log:
-            self._next_log = now + _LOG_EVERY_S
-            summary = ", ".join(f"{count} {name}" for name, count in sorted(self._counts.items()))
-            self._counts.clear()
-            logger.warning("HTTP connections ended by the server limits: %s", summary)
+def _source_of(transport: asyncio.BaseTransport) -> str | None:
+    """The peer's IP address, ``None`` for a peer without one (a Unix socket)."""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer and isinstance(peer[0], str):
+        return peer[0]
+    return None
 
 
 class _TimedFlowControl(FlowControl):
@@ -156,54 +119,90 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     ``limited_http_protocol``."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
-    refusals: ClassVar[_RefusalLog] = _RefusalLog()
-    # this server's connections answered with an error, waiting out their linger time: the
-    # first to make room for a new connection at the cap
-    lingering: ClassVar[set[LimitedHttpToolsProtocol]] = set()
+    caps: ClassVar[ConnectionCaps] = ConnectionCaps(HttpLimits().max_connections, 0)
 
     _phase = _Phase.NEW
-    _refused = False
+    _counted = False  # holds a slot in ``caps`` (released once, by ``_release``)
+    _source: str | None = None
     _timer: asyncio.TimerHandle | None = None
     _header_bytes = 0  # received for the current request's head so far
     _headers_done = 0  # requests whose headers completed on this connection
     _last_body_at = 0.0  # loop time of the body's last progress
+    _bodiless_bytes = 0  # received in the body phase since its data last moved (trailers)
     _discarded = 0  # bytes thrown away while closing
     _timed_flow: _TimedFlowControl
 
     # -- connection --------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.limits.max_connections and self.lingering:
-            self.lingering.pop().close_now()
-        if len(self.connections) >= self.limits.max_connections:
-            self._refused = True
-            self.refusals.add("over the connection cap")
-            message = f"the server holds its maximum of {self.limits.max_connections} connections"
-            transport.write(_error_response(503, "service_unavailable", message))
+        source = _source_of(transport)
+        refusal = self.caps.admit(source, self.connections)
+        if refusal is not None:
+            transport.write(_error_response(503, "service_unavailable", refusal))
             transport.close()
             return
+        self._counted, self._source = True, source
         super().connection_made(transport)
         self.flow = self._timed_flow = _TimedFlowControl(transport, self.loop.time)
         self._arm(self.limits.header_timeout_s, self._header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
-        self.lingering.discard(self)
-        if not self._refused:
-            super().connection_lost(exc)
+        if self.transport is None:  # refused in connection_made: uvicorn never saw it
+            return
+        self._release()
+        super().connection_lost(exc)
+
+    def _release(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.caps.forget(self, self._source)
 
     def data_received(self, data: bytes) -> None:
-        if self._phase is _Phase.CLOSING:
+        phase = self._phase
+        if phase is _Phase.CLOSING:
             self._discard(len(data))
             return
-        if self._phase in _READING_HEADERS:
+        if phase in _READING_HEADERS:
+            if phase is _Phase.IDLE:
+                self.caps.busy(self, self._source)
             self._phase = _Phase.HEADERS
             room = self.limits.max_header_bytes - self._header_bytes
             if len(data) > room:
                 self._feed_beyond(data, room)
                 return
             self._header_bytes += len(data)
-        super().data_received(data)
+        elif phase is _Phase.BODY:
+            self._feed_body(data)
+            return
+        self._feed(data)
+        self._arm_for_phase()
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's ``data_received``, with a malformed request answered in the error JSON
+        (uvicorn's is text/plain, and logs a warning per request)."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self._release()  # the websocket protocol takes the connection over
+                self._cancel_timer()
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserError as exc:
+            message = f"malformed HTTP request: {exc}"
+            self._fail(400, "invalid_request_error", message, "malformed request")
+
+    def _feed_body(self, data: bytes) -> None:
+        """Feed a read of the body phase, failing once more than the header budget came
+        without body data (trailers, or chunk framing alone: ``on_body`` resets the count)."""
+        self._bodiless_bytes += len(data)
+        self._feed(data)
+        if self._phase is _Phase.BODY and self._bodiless_bytes > self.limits.max_header_bytes:
+            self._fail_too_large("trailers")
+            return
         self._arm_for_phase()
 
     def _feed_beyond(self, data: bytes, room: int) -> None:
@@ -211,13 +210,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         done = self._headers_done
         if room > 0:
             self._header_bytes += room
-            super().data_received(data[:room])
+            self._feed(data[:room])
         if self._phase is _Phase.CLOSING or self.transport.is_closing():
             return
         if self._headers_done == done:
-            limit = self.limits.max_header_bytes
-            message = f"request headers exceed {limit} bytes"
-            self._fail(431, "invalid_request_error", message, "headers too large")
+            self._fail_too_large("headers")
             return
         self.data_received(data[room:])
 
@@ -228,15 +225,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._phase = _Phase.HEADERS
         super().on_message_begin()
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._phase is _Phase.HEADERS:  # else a chunked body's trailer: dropped
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         self._headers_done += 1
         self._header_bytes = 0
+        self._bodiless_bytes = 0
         self._cancel_timer()
         super().on_headers_complete()
         upgrading = self.parser.should_upgrade() and self._should_upgrade()
         self._phase = _Phase.IDLE if upgrading else _Phase.BODY
 
     def on_body(self, body: bytes) -> None:
+        self._bodiless_bytes = 0
         if self._timer is not None:  # else it starts after this read (``_arm_for_phase``)
             self._last_body_at = self.loop.time()
         super().on_body(body)
@@ -245,6 +248,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._phase = _Phase.IDLE
         self._cancel_timer()
         super().on_message_complete()
+        cycle = self.cycle  # None after an upgrade request
+        if cycle is not None and cycle.response_complete and not self.transport.is_closing():
+            self.caps.idle(self, self._source)  # answered before its body ended: idle from now
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        idle = self._phase is _Phase.IDLE and self.cycle.response_complete
+        if idle and not self.transport.is_closing():
+            self.caps.idle(self, self._source)
 
     # -- deadlines ---------------------------------------------------------------------------
 
@@ -262,7 +274,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _header_timeout(self) -> None:
         self._timer = None
         if self._phase is _Phase.NEW:
-            self.refusals.add("idle without a request")
+            self.caps.refusals.add("idle without a request")
             self.transport.close()
         elif self._phase is _Phase.HEADERS:
             if self._answering():  # a request waiting behind a response in progress
@@ -305,7 +317,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _fail(self, status: int, error_type: str, message: str, reason: str) -> None:
         """Answer ``status`` and close; where a response is already under way on this
         connection (it cannot carry a second one), just close."""
-        self.refusals.add(reason)
+        self.caps.refusals.add(reason)
         cycle = self.cycle
         if self._phase is _Phase.BODY and not cycle.response_started:
             cycle.disconnected = True  # the application reads http.disconnect; its sends drop
@@ -316,6 +328,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         self.transport.write(_error_response(status, error_type, message))
         self._linger()
+
+    def _fail_too_large(self, what: str) -> None:
+        limit = self.limits.max_header_bytes
+        message = f"request {what} exceed {limit} bytes"
+        self._fail(431, "invalid_request_error", message, f"{what} too large")
 
     def _linger(self) -> None:
         """Half-close and drop further input for a moment: closing with unread input would
@@ -332,13 +349,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 return
         self.flow.resume_reading()
         self._timer = self.loop.call_later(_LINGER_S, self.close_now)
-        self.lingering.add(self)
+        self.caps.lingering(self, self._source)
 
     def close_now(self) -> None:
         """Close, and stop counting against the connection cap at once (not only once the
         transport reports the connection lost, on a later loop iteration)."""
         self._cancel_timer()
-        self.lingering.discard(self)
+        self._release()
         self.connections.discard(self)
         self.transport.close()
 
@@ -356,6 +373,5 @@ def limited_http_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
         pass
 
     _Bound.limits = limits
-    _Bound.refusals = _RefusalLog()
-    _Bound.lingering = set()
+    _Bound.caps = ConnectionCaps(limits.max_connections, limits.max_connections_per_source)
     return _Bound

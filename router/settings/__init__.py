@@ -5,10 +5,11 @@ it (:func:`cli`) or why only the environment does (:func:`env_only`). ``router.s
 builds the flags from them, ``router.server.settings_reference`` docs/configuration.md.
 
 The sections live in modules by concern: ``flags`` (those two helpers), ``server`` (the HTTP
-server's bounds, admission), ``upstream`` (connections, load, health, breakers),
-``scheduling`` (policies, the KV-cache-aware choice), ``discovery`` (the workers and where they
-come from), ``observability`` (logs, traffic, tracing), ``registry_flags`` (the router's flags
-for ``registry.settings``) and ``root`` (:class:`RouterSettings`); this module re-exports them.
+server's bounds, admission), ``upstream`` (connections, load, health, breakers), ``outlier``
+(request-path ejection), ``scheduling`` (policies, the KV-cache-aware choice), ``discovery``
+(the workers and where they come from), ``observability`` (logs, traffic, tracing),
+``registry_flags`` (the router's flags for ``registry.settings``) and ``root``
+(:class:`RouterSettings`); this module re-exports them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from router.settings.discovery import EngineProtocol, KubernetesDiscoverySettings, WorkerSpec
 from router.settings.flags import cli, env_only
 from router.settings.observability import LoggingSettings, ObservabilitySettings, TracingSettings
+from router.settings.outlier import OutlierSettings
 from router.settings.root import RouterSettings
 from router.settings.scheduling import CacheAwareSettings, PolicySettings
 from router.settings.server import AdmissionSettings, ServerSettings
@@ -36,6 +38,7 @@ __all__ = [
     "LoadSettings",
     "LoggingSettings",
     "ObservabilitySettings",
+    "OutlierSettings",
     "PolicySettings",
     "RouterSettings",
     "ServerSettings",

@@ -67,6 +67,33 @@ _REGISTRY_CLI: dict[str, JsonDict] = {
         "--bootstrap-connect-timeout",
         help="a registered rank's address must accept a TCP connection within this, s",
     ),
+    "bootstrap_check_source": cli(
+        "--no-bootstrap-source-check",
+        switch=False,
+        help="a rank registration must come from the host of the prefill worker owning its "
+        "namespace (when one is known); the flag skips that check (when engines reach the "
+        "router through NAT or a proxy)",
+    ),
+    "max_namespaces": cli(
+        "--max-bootstrap-namespaces",
+        help="namespaces the engine bootstrap APIs hold at most; a registration creating one "
+        "more is refused with 429",
+    ),
+    "suspect_grace_s": cli(
+        "--registry-suspect-grace",
+        help="when the store suddenly lost the workers it listed (an empty or wiped etcd), keep "
+        "them this long unless it shows them again, s",
+    ),
+    "suspect_removed_share": env_only(
+        _REGISTRY_TIMING,
+        help="a listing removing more than this share of the live discovered workers (at least "
+        "2) at once is suspect",
+    ),
+    "removal_settle_s": env_only(
+        _REGISTRY_TIMING,
+        help="a worker deleted from the store leaves after this, s (deletes arriving together "
+        "are judged as one batch)",
+    ),
     "advertise_host": cli(
         "--advertise-host",
         default="`--host`, or the hostname on a wildcard address",

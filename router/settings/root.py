@@ -11,6 +11,7 @@ from registry.settings import RegistrySettings
 from router.settings.discovery import EngineProtocol, KubernetesDiscoverySettings, WorkerSpec
 from router.settings.flags import cli
 from router.settings.observability import LoggingSettings, ObservabilitySettings, TracingSettings
+from router.settings.outlier import OutlierSettings
 from router.settings.scheduling import CacheAwareSettings, PolicySettings
 from router.settings.server import AdmissionSettings, ServerSettings
 from router.settings.upstream import (
@@ -64,6 +65,7 @@ class RouterSettings(BaseSettings):
     policy: PolicySettings = PolicySettings()
     health: HealthSettings = HealthSettings()
     breaker: CircuitBreakerSettings = CircuitBreakerSettings()
+    outlier: OutlierSettings = OutlierSettings()
     load: LoadSettings = LoadSettings()
     cache: CacheAwareSettings = CacheAwareSettings()
     registry: RegistrySettings = RegistrySettings()

@@ -61,8 +61,18 @@ class ServerSettings(BaseModel):
         ge=1,
         json_schema_extra=cli("--max-connections", default="from the open file limit"),
     )
-    """open client connections; one more is answered 503 at once (by default a third of the
-    open file limit, raised to its hard limit at start, minus 256, within 64..16384)"""
+    """open client connections; at the cap a new one first closes the longest-idle keep-alive
+    connection (between requests), and is answered 503 at once where none is idle (by default a
+    third of the open file limit, raised to its hard limit at start, minus 256, within
+    64..16384)"""
+    max_connections_per_source: int | None = Field(
+        default=None,
+        ge=0,
+        json_schema_extra=cli("--max-connections-per-source", default="half --max-connections"),
+    )
+    """open client connections from one peer IP address; one more from it is answered 503 at
+    once, others are unaffected (0: no per-source cap; behind a proxy or gateway every client
+    shares its address: set it to `--max-connections` or 0 there)"""
 
 
 class AdmissionSettings(BaseModel):
@@ -74,8 +84,10 @@ class AdmissionSettings(BaseModel):
     max_concurrent_requests: int = Field(
         default=1024, ge=0, json_schema_extra=cli("--max-concurrent-requests")
     )
-    """completion requests served at once, admitted after their body was read and parsed;
-    more wait in a FIFO queue (0: no limit)"""
+    """sequences served at once, not requests: a completion request takes one unit per
+    sequence it asks for (`n` x prompts, what the engines generate), at most all of them, so
+    that one big request still runs alone; requests are admitted after their body was read and
+    parsed, and those that do not fit wait in a FIFO queue (0: no limit)"""
     max_queued_requests: int = Field(
         default=2048, ge=0, json_schema_extra=cli("--max-queued-requests")
     )
@@ -84,6 +96,14 @@ class AdmissionSettings(BaseModel):
     """a request queued this long gets 429"""
     retry_after_s: int = Field(default=1, ge=1, le=3600, json_schema_extra=TUNING)
     """the `Retry-After` (whole seconds) of the router's 429s"""
+    max_body_memory_bytes: int = Field(
+        default=2 * 1024 * 1024 * 1024, ge=0, json_schema_extra=cli("--max-body-memory")
+    )
+    """estimated memory of the completion request bodies in the router (being read, parsed,
+    queued or served): a request holds 8x its body's length (the bytes, their parsed form and
+    the legs' copies) from its first byte until it ends; one that would pass the budget gets 429
+    with `Retry-After` at once, before its body is read when it has a Content-Length (a body
+    larger than the whole budget is taken when no other is held; 0: no limit)"""
     max_inflight_per_worker: int = Field(
         default=0, ge=0, json_schema_extra=cli("--max-inflight-per-worker")
     )

@@ -49,6 +49,18 @@ class UpstreamSettings(BaseModel):
         default="aiohttp", json_schema_extra=cli("--upstream-client")
     )
     """HTTP client library for engine calls"""
+    max_answer_bytes: int = Field(
+        default=256 * 1024 * 1024, gt=0, json_schema_extra=cli("--max-answer-bytes")
+    )
+    """largest engine answer the router reads whole (a prefill's, a non-streaming decode's);
+    beyond it the leg fails with 502 and its connection is closed, nothing more is read.
+    Streams are relayed as they come, unbounded in total. 256 MiB holds `n` = 128 samples of
+    16k tokens with a logprob per token (~200 MiB; their text alone is ~9 MiB)"""
+    max_error_answer_bytes: int = Field(
+        default=64 * 1024, ge=1024, json_schema_extra=env_only("rarely tuned")
+    )
+    """largest error answer (HTTP status >= 400) read from an engine; beyond it the leg fails
+    with 502 and its connection is closed (engines' errors are a few hundred bytes)"""
 
 
 class LoadSettings(BaseModel):

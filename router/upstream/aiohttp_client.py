@@ -10,7 +10,12 @@ from typing import NoReturn
 import aiohttp
 
 from router.settings import UpstreamSettings
-from router.upstream.base import DEFAULT_HEADERS, transport_error
+from router.upstream.base import (
+    DEFAULT_HEADERS,
+    answer_limit,
+    answer_too_large,
+    transport_error,
+)
 from router.workers import Worker
 
 __all__ = ["AiohttpUpstream", "raise_aiohttp_error"]
@@ -40,11 +45,14 @@ def _reset(exc: Exception) -> bool:
 
 
 class _AiohttpResponse:
-    __slots__ = ("_response", "_worker", "content_type", "status")
+    __slots__ = ("_limit", "_response", "_worker", "content_type", "status")
 
-    def __init__(self, response: aiohttp.ClientResponse, worker: Worker) -> None:
+    def __init__(
+        self, response: aiohttp.ClientResponse, worker: Worker, settings: UpstreamSettings
+    ) -> None:
         self._response = response
         self._worker = worker
+        self._limit = answer_limit(response.status, settings)
         self.status = response.status
         self.content_type = response.headers.get("content-type", "application/json").encode()
 
@@ -60,12 +68,33 @@ class _AiohttpResponse:
             raise_aiohttp_error(exc, self._worker)
 
     async def read(self) -> bytes:
+        response = self._response
         try:
-            return await self._response.read()
+            length = response.content_length
+            if length is not None and length <= self._limit:  # what engines send
+                return await response.read()
+            return await self._read_within_limit(length)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise_aiohttp_error(exc, self._worker)
         finally:
-            self._response.release()
+            response.release()
+
+    async def _read_within_limit(self, length: int | None) -> bytes:
+        """A body over the limit by its Content-Length, or without one: read piece by piece,
+        and the connection closed as soon as it passes the limit."""
+        if length is not None:
+            self._response.close()
+            raise answer_too_large(self._worker, self.status, self._limit, length)
+        content = self._response.content
+        chunks: list[bytes] = []
+        size = 0
+        while data := await content.readany():
+            size += len(data)
+            if size > self._limit:
+                self._response.close()
+                raise answer_too_large(self._worker, self.status, self._limit, None)
+            chunks.append(data)
+        return b"".join(chunks)
 
     def at_eof(self) -> bool:
         return self._response.content.at_eof()
@@ -119,13 +148,14 @@ class AiohttpUpstream:
             response = await self._client.post(self._url + path, data=body, headers=headers)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise_aiohttp_error(exc, self.worker, before_answer=True)
-        return _AiohttpResponse(response, self.worker)
+        return _AiohttpResponse(response, self.worker, self._settings)
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
         try:
             async with asyncio.timeout(timeout):
-                async with self._client.get(self._url + path) as response:
-                    return response.status, await response.read()
+                response = await self._client.get(self._url + path)
+                answer = _AiohttpResponse(response, self.worker, self._settings)
+                return answer.status, await answer.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise_aiohttp_error(exc, self.worker)
 

@@ -3,7 +3,8 @@
 Two implementations keep the same contract: ``aiohttp`` (default: ~4.5x less CPU per proxied
 request than httpx in ``bench/load/clients.py``) and ``httpx`` (the reference client, with a lean
 pool).
-Both raise only ``UpstreamError`` subclasses, set TCP_NODELAY and use idle (per-read) timeouts.
+Both raise only ``UpstreamError`` subclasses, set TCP_NODELAY and use idle (per-read) timeouts,
+and read a whole answer only up to a bound (``answer_limit``: 502 beyond it, connection closed).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from router.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from router.settings import UpstreamSettings
 from router.workers import Worker, WorkerPool
 
 __all__ = [
@@ -20,6 +22,8 @@ __all__ = [
     "UpstreamClient",
     "UpstreamPool",
     "UpstreamResponse",
+    "answer_limit",
+    "answer_too_large",
     "is_worker_fault",
     "transport_error",
 ]
@@ -44,7 +48,8 @@ class UpstreamResponse(Protocol):
         ...
 
     async def read(self) -> bytes:
-        """The whole body; releases the connection. Raises UpstreamError."""
+        """The whole body; releases the connection. Raises UpstreamError, also when the body
+        passes ``answer_limit`` (then the connection is closed, nothing more is read)."""
         ...
 
     def at_eof(self) -> bool:
@@ -75,6 +80,28 @@ class UpstreamClient(Protocol):
 
 
 UpstreamPool = WorkerPool[UpstreamClient]
+
+ANSWER_TOO_LARGE = "answer_too_large"  # the kind of the error: no fault of the worker's health
+
+
+def answer_limit(status: int, settings: UpstreamSettings) -> int:
+    """The most bytes of an answer with ``status`` read whole: an error's are few."""
+    return settings.max_error_answer_bytes if status >= 400 else settings.max_answer_bytes
+
+
+def answer_too_large(worker: Worker, status: int, limit: int, size: int | None) -> UpstreamError:
+    """The leg's error for an answer over ``limit`` (``size``: its Content-Length, if any)."""
+    what = "error answer" if status >= 400 else "answer"
+    flag = "PDR_UPSTREAM__MAX_ERROR_ANSWER_BYTES" if status >= 400 else "--max-answer-bytes"
+    told = f" of {size} bytes" if size is not None else ""
+    return UpstreamUnavailable(
+        f"its HTTP {status} {what}{told} exceeds the router's {limit}-byte limit ({flag}); "
+        "the connection was closed",
+        role=worker.role.value,
+        url=worker.public_url,
+        connect=False,
+        kind=ANSWER_TOO_LARGE,
+    )
 
 
 def transport_error(
@@ -107,7 +134,8 @@ def transport_error(
 
 def is_worker_fault(exc: UpstreamError) -> bool:
     """Failures that count against a worker's health (transport errors, timeouts, 5xx); an
-    engine saying it is full (429, 503) is busy, not broken."""
-    if exc.kind in ("capacity", "stale_connection"):
+    engine saying it is full (429, 503) is busy, not broken, and one whose answer is over the
+    router's limit is too big for this router, not broken."""
+    if exc.kind in ("capacity", "stale_connection", ANSWER_TOO_LARGE):
         return False
     return not isinstance(exc, UpstreamStatusError) or exc.upstream_status >= 500

@@ -8,7 +8,13 @@ from typing import NoReturn
 import httpx
 
 from router.settings import UpstreamSettings
-from router.upstream.base import DEFAULT_HEADERS, NODELAY, transport_error
+from router.upstream.base import (
+    DEFAULT_HEADERS,
+    NODELAY,
+    answer_limit,
+    answer_too_large,
+    transport_error,
+)
 from router.upstream.lean_pool import LeanPoolTransport
 from router.workers import Worker
 
@@ -26,11 +32,14 @@ def raise_httpx_error(exc: Exception, worker: Worker) -> NoReturn:
 
 
 class _HttpxResponse:
-    __slots__ = ("_response", "_worker", "content_type", "status")
+    __slots__ = ("_limit", "_response", "_worker", "content_type", "status")
 
-    def __init__(self, response: httpx.Response, worker: Worker) -> None:
+    def __init__(
+        self, response: httpx.Response, worker: Worker, settings: UpstreamSettings
+    ) -> None:
         self._response = response
         self._worker = worker
+        self._limit = answer_limit(response.status_code, settings)
         self.status = response.status_code
         self.content_type = response.headers.get("content-type", "application/json").encode()
 
@@ -42,12 +51,31 @@ class _HttpxResponse:
             raise_httpx_error(exc, self._worker)
 
     async def read(self) -> bytes:
+        response = self._response
         try:
-            return await self._response.aread()
+            told = response.headers.get("content-length")
+            length = int(told) if told is not None and told.isdigit() else None
+            if length is not None and length <= self._limit:  # what engines send
+                return await response.aread()
+            return await self._read_within_limit(length)
         except httpx.HTTPError as exc:
             raise_httpx_error(exc, self._worker)
         finally:
-            await self._response.aclose()
+            await response.aclose()  # closes the connection unless the body was read
+
+    async def _read_within_limit(self, length: int | None) -> bytes:
+        """A body over the limit by its Content-Length, or without one: read piece by piece,
+        and given up (``read`` then closes the connection) as soon as it passes the limit."""
+        if length is not None:
+            raise answer_too_large(self._worker, self.status, self._limit, length)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in self._response.aiter_raw():
+            size += len(chunk)
+            if size > self._limit:
+                raise answer_too_large(self._worker, self.status, self._limit, None)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def at_eof(self) -> bool:
         return False  # httpx cannot tell before the iteration ends
@@ -61,6 +89,7 @@ class HttpxUpstream:
 
     def __init__(self, worker: Worker, settings: UpstreamSettings) -> None:
         self.worker = worker
+        self._settings = settings
         timeout = httpx.Timeout(
             connect=settings.connect_timeout_s,
             read=settings.read_timeout_s,
@@ -83,14 +112,16 @@ class HttpxUpstream:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise_httpx_error(exc, self.worker)
-        return _HttpxResponse(response, self.worker)
+        return _HttpxResponse(response, self.worker, self._settings)
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
+        request = self._client.build_request("GET", path, timeout=timeout)
         try:
-            response = await self._client.get(path, timeout=timeout)
+            response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise_httpx_error(exc, self.worker)
-        return response.status_code, response.content
+        answer = _HttpxResponse(response, self.worker, self._settings)
+        return answer.status, await answer.read()
 
     async def aclose(self) -> None:
         await self._client.aclose()

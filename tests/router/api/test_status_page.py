@@ -43,7 +43,7 @@ SNAPSHOT_KEYS = {
     "circuits",
 }
 WORKER_KEYS = {
-    *("id", "url", "role", "healthy", "draining", "inflight", "dp_size", "ranks"),
+    *("id", "url", "role", "healthy", "draining", "ejected", "inflight", "dp_size", "ranks"),
     *("full_retry_in_s", "circuit"),
 }
 ADMISSION_KEYS = {"inflight", "queued", "limit", "max_queued", "queue_timeout_s"}

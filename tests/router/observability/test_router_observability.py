@@ -94,18 +94,25 @@ def test_upstream_errors_and_retries_are_counted_by_role_and_kind(
 def test_a_worker_that_leaves_takes_its_series_with_it(
     make_cluster: FakeClusterFactory,
 ) -> None:
-    cluster = make_cluster("sglang", decode=2)
-    gone = cluster.decode_urls[1]
+    """A decode added through the admin API (the one engine under a second name: command-line
+    workers belong to their router and come back) serves, then is removed: its series go."""
+    cluster = make_cluster("sglang")
+    gone = cluster.decode_urls[0].replace("127.0.0.1", "localhost")
     with cluster.client() as client:
+        added = client.post("/admin/workers", json={"role": "decode", "url": gone})
+        assert added.status_code == 201, added.text
+        wait_until(lambda: _healthy(client, gone), 5.0, "the added decode healthy")
         for _ in range(4):  # round robin: both decodes serve, both pairs exist
             assert client.post("/v1/completions", json=COMPLETION).status_code == 200
         before = client.get("/metrics").text
         assert f'worker="{gone}"' in before and f'decode="{gone}"' in before
-        listed = client.get("/admin/workers").json()["workers"]
-        worker_id = next(w["id"] for w in listed if w["url"] == gone)
-        assert client.delete(f"/admin/workers/{worker_id}").status_code == 204
+        assert client.delete(f"/admin/workers/{added.json()['id']}").status_code == 204
         wait_until(lambda: gone not in client.get("/metrics").text, 5.0, "series of the gone")
         assert f'worker="{cluster.decode_urls[0]}"' in client.get("/metrics").text
+
+
+def _healthy(client: httpx.Client, url: str) -> bool:
+    return any(w["url"] == url and w["healthy"] for w in client.get("/ready").json()["decode"])
 
 
 def test_every_response_names_its_route(make_cluster: FakeClusterFactory) -> None:

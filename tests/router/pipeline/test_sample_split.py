@@ -8,10 +8,13 @@ from typing import Any
 
 import pytest
 
+from router.errors import UpstreamError
 from router.pipeline.responder import Responder
 from router.pipeline.sample_split import SampleSplit
 from router.schemas import Endpoint, ParsedRequest
 from router.types import Message
+
+_LIMIT = 1 << 20  # bytes the parts may hold at once
 
 
 class _Client:
@@ -39,6 +42,10 @@ def _request(
     return ParsedRequest(Endpoint.COMPLETIONS, body, stream, batch, n)
 
 
+def _split(request: ParsedRequest, client: _Client) -> SampleSplit:
+    return SampleSplit(request, Responder(client.send, []), _LIMIT)
+
+
 def _events(body: bytes) -> list[Any]:
     out: list[Any] = []
     for event in body.decode().split("\n\n"):
@@ -63,7 +70,7 @@ async def test_plain_answers_merge_into_n_choices_with_usage_summed() -> None:
         await asyncio.sleep(0.01 * (3 - index))  # finish out of order
         await sink.whole(200, b"application/json", json.dumps(answer).encode())
 
-    await SampleSplit(_request(3, stream=False), Responder(client.send, [])).run(serve)
+    await _split(_request(3, stream=False), client).run(serve)
 
     assert [body["n"] for body in seen] == [1, 1, 1]
     answer = json.loads(client.body)
@@ -81,7 +88,9 @@ async def test_batched_prompts_keep_each_prompts_samples_together() -> None:
         choices = [{"index": i, "text": f"p{i}s{j}"} for i in range(2)]
         await sink.whole(200, b"application/json", json.dumps({"choices": choices}).encode())
 
-    await SampleSplit(_request(2, stream=False, batch=2), Responder(client.send, [])).run(serve)
+    await SampleSplit(_request(2, stream=False, batch=2), Responder(client.send, []), _LIMIT).run(
+        serve
+    )
 
     texts = [(c["index"], c["text"]) for c in json.loads(client.body)["choices"]]
     assert texts == [(0, "p0s0"), (1, "p0s1"), (2, "p1s0"), (3, "p1s1")]
@@ -110,7 +119,9 @@ async def test_streams_interleave_reindexed_events_with_one_usage_and_one_done()
             live.extend(client.body)
             turn.set()
 
-    await SampleSplit(_request(2, stream=True, usage=True), Responder(client.send, [])).run(serve)
+    await SampleSplit(_request(2, stream=True, usage=True), Responder(client.send, []), _LIMIT).run(
+        serve
+    )
 
     events = _events(client.body)
     choices = [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events[:-2]]
@@ -131,7 +142,7 @@ async def test_an_error_answer_of_one_part_is_the_clients_answer() -> None:
         else:
             await sink.whole(200, b"application/json", b'{"choices": [{"index": 0}]}')
 
-    await SampleSplit(_request(2, stream=False), Responder(client.send, [])).run(serve)
+    await _split(_request(2, stream=False), client).run(serve)
 
     assert client.status == 400
     assert json.loads(client.body)["error"]["message"] == "bad"
@@ -152,6 +163,28 @@ async def test_the_first_failing_part_cancels_the_others() -> None:
             raise
 
     with pytest.raises(RuntimeError, match="boom"):
-        await SampleSplit(_request(2, stream=True), Responder(client.send, [])).run(serve)
+        await _split(_request(2, stream=True), client).run(serve)
     assert cancelled.is_set()
+    assert client.body == b""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_parts_answers_are_bounded_in_all(stream: bool) -> None:
+    """Eight parts of 200 KiB each (whole answers, or one SSE event that never ends) pass the
+    1 MiB limit together: the request fails with a 502 instead of buffering on."""
+    client = _Client()
+    chunk = b"data: " + b"x" * (200 * 1024) if stream else b"x" * (200 * 1024)
+    kind = b"text/event-stream" if stream else b"application/json"
+
+    async def serve(part: ParsedRequest, sink: Responder) -> None:
+        await sink.start(200, kind, sse=stream)
+        await sink.chunk(chunk)
+        await asyncio.sleep(30)  # never ends by itself
+
+    with pytest.raises(UpstreamError, match="exceed the router's 1048576-byte limit") as failed:
+        await asyncio.wait_for(
+            _split(_request(8, stream=stream), client).run(serve),
+            10,
+        )
+    assert failed.value.status == 502
     assert client.body == b""

@@ -212,3 +212,18 @@ async def test_render_mode_reads_token_ids_from_the_engine_and_falls_back_on_fai
         ("/v1/chat/completions/render", body),
         ("/v1/completions/render", completion),
     ]
+
+
+async def test_render_mode_sends_a_large_bodys_unread_fields_verbatim() -> None:
+    """A body over the lazy-parse size keeps its unread fields as raw slices: the render call
+    still sends the whole body, as JSON the engine can read."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+    bias = {str(token): 1 for token in range(120_000)}  # > 1 MiB of logit_bias
+    body = {**chat(("user", "hi")), "logit_bias": bias}
+    async with arun_server(_render_app([9, 8, 7], calls)) as port:
+        source = RenderTokenizer(f"http://127.0.0.1:{port}")
+        try:
+            assert await source.tokens(parsed(Endpoint.CHAT, body)) == [9, 8, 7]
+        finally:
+            await source.aclose()
+    assert calls == [("/v1/chat/completions/render", body)]

@@ -6,6 +6,7 @@ sockets (or ports nothing listens on)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import time
@@ -333,3 +334,43 @@ def test_bootstrap_listeners_document_what_they_answer(router: Router) -> None:
         assert {"403", "409", "413", "422"} <= _statuses(schema, "/register", "post")
         assert {"200", "403", "404", "503"} <= _statuses(schema, "/route", "get")
         assert "413" in _statuses(schema, "/bootstrap/{namespace}/query_dp_ranks", "post")
+
+
+# --- issue 21: the client port's framing limits on the bootstrap listeners ----------------------
+
+
+def _raw_exchange(url: str, request: bytes, *, trailers: bool = False) -> bytes:
+    """Send ``request`` on a fresh connection, then with ``trailers`` endless trailer fields
+    until the server cuts it (4 MiB at most); return all the server answered."""
+    port = httpx.URL(url).port
+    assert port is not None
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(request)
+        with contextlib.suppress(OSError):  # the server closed it mid-flood
+            for _ in range(64 if trailers else 0):
+                sock.sendall(b"x-t: " + b"t" * 65530 + b"\r\n")
+        data = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                data += chunk
+        return data
+
+
+def _error_json(raw: bytes, status: int) -> dict[str, Any]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), raw[:200]
+    assert b"connection: close" in head.lower()
+    error: dict[str, Any] = json.loads(body)["error"]
+    assert error["code"] == status and error["type"] == "invalid_request_error", error
+    return error
+
+
+def test_bootstrap_ports_bound_trailers_and_answer_malformed_requests_in_json(
+    router: Router,
+) -> None:
+    for url in (router.namespace_url, router.shared_url):
+        chunked = b"PUT /route HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n"
+        flood = _raw_exchange(url, chunked + b"0\r\n", trailers=True)
+        assert "trailers exceed" in _error_json(flood, 431)["message"]
+        malformed = _raw_exchange(url, b"GET /route HTTP/1.1\r\nbad header: x\r\n\r\n")
+        assert _error_json(malformed, 400)["message"].startswith("malformed HTTP request")

@@ -1,11 +1,13 @@
-"""HTTP server limits (issue 11 item 7): header size, header and body read timeouts, slowloris.
+"""HTTP server limits (issue 11 item 7; issue 21 items 3 and 7): header size, header and body
+read timeouts, slowloris, chunked trailers, malformed requests.
 
 One real ``router`` process (started with a soft open file limit of 1024, which it raises) in
 front of fake engines, driven over raw sockets: oversized headers get 431 and cost no memory,
 a stalled body or trickled headers get 408 within the (1 s) timeouts and reach no engine,
 connections beyond ``--max-connections`` get 503 and slowloris connections are freed by the
-header timeout, while a stream longer than the timeouts and an idle keep-alive connection are
-left alone.
+header timeout, chunked trailers never reach the headers and are bounded like them, malformed
+requests get 400 in the error JSON, while a stream longer than the timeouts and an idle
+keep-alive connection are left alone.
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def router() -> Iterator[Router]:
     assert "Internal Server Error" not in output, output
 
 
-def _connect(router: Router) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", router.port), timeout=5)
+def _connect(router: Router, source: str = "127.0.0.1") -> socket.socket:
+    address = ("127.0.0.1", router.port)
+    sock = socket.create_connection(address, timeout=5, source_address=(source, 0))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
@@ -215,7 +218,10 @@ def test_slowloris_is_capped_and_freed_by_the_header_timeout(router: Router) -> 
     soft, hard = next(line for line in limits.splitlines() if "open files" in line).split()[3:5]
     assert soft == hard  # raised from 1024
 
-    slow = [_connect(router) for _ in range(200)]
+    # two sources at their own caps (half the global cap each, by default) fill the global cap;
+    # the connections beyond their caps are refused at once
+    sources = ["127.0.0.2"] * 100 + ["127.0.0.3"] * 100
+    slow = [_connect(router, source) for source in sources]
     try:
         for sock in slow:
             with contextlib.suppress(OSError):  # those over the cap may be closed already
@@ -232,7 +238,7 @@ def test_slowloris_is_capped_and_freed_by_the_header_timeout(router: Router) -> 
                 break
             select.select([], [], [], 0.05)
         waited = time.monotonic() - started
-        assert outcomes[0] in (0, 503), outcomes  # the cap was reached
+        assert outcomes[0] in (0, 503), outcomes  # the cap was reached, and none was idle
         assert outcomes[-1] == 200 and waited < TIMEOUT_S + 1, (outcomes, waited)
 
         answers = [_read_all(sock, timeout=3) for sock in slow]
@@ -328,3 +334,100 @@ def test_a_peer_gone_before_the_half_close_ends_the_connection_quietly(
         assert answer.text == "5"
     loud = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert not loud, [f"{r.name}: {r.getMessage()}" for r in loud]
+
+
+# --- issue 21: chunked trailers and malformed requests ------------------------------------------
+
+
+def _chunked(body: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(body), body)
+
+
+CHUNKED_HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
+    b"transfer-encoding: chunked\r\nauthorization: Bearer real-key\r\nx-request-id: real-id\r\n"
+)
+
+
+def test_trailers_never_replace_the_request_headers_on_the_engine_legs(router: Router) -> None:
+    """A trailer Authorization or X-Request-Id arriving with the body (one read, so uvicorn
+    would append it before the application looks at the headers) reaches neither leg."""
+    before = len(router.decode.records)
+    trailers = b"authorization: Bearer evil-key\r\nx-request-id: evil-id\r\nx-extra: 1\r\n"
+    body = json.dumps(COMPLETION).encode()
+    request = CHUNKED_HEAD + b"connection: close\r\n\r\n" + _chunked(body) + b"0\r\n" + trailers
+    with _connect(router) as sock:
+        sock.sendall(request + b"\r\n")
+        raw = _read_all(sock, timeout=10)
+    head = raw.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 200 "), raw[:300]
+    assert b"x-request-id: real-id" in head, head
+    legs = [router.prefill.records[-1], router.decode.records[-1]]
+    assert len(router.decode.records) == before + 1
+    for leg in legs:
+        assert leg.headers["authorization"] == "Bearer real-key", leg.headers
+        assert leg.headers["x-request-id"] == "real-id", leg.headers
+        assert "x-extra" not in leg.headers
+
+
+def _trailer_flood(router: Router, field: bytes, deadline_s: float) -> tuple[int, bytes]:
+    """Send a chunked body's start, then trailers (``field`` repeated) until the server cuts
+    the connection or 50 MiB went out; return the bytes sent and what the server answered."""
+    chunk = field * (65536 // len(field))
+    sent = 0
+    deadline = time.monotonic() + deadline_s
+    with _connect(router) as sock:
+        try:
+            sock.sendall(CHUNKED_HEAD + b"\r\n" + _chunked(b'{"model": "fake-model"') + b"0\r\n")
+            while sent < 50 * 1024 * 1024 and time.monotonic() < deadline:
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # reset or broken pipe: the server closed it
+            pass
+        with contextlib.suppress(OSError):
+            return sent, _read_all(sock, timeout=3)
+    return sent, b""
+
+
+@pytest.mark.parametrize(
+    "field", [b"x-many: trailer\r\n", b"x-endless: " + b"v" * 1000], ids=["fields", "value"]
+)
+def test_endless_trailers_are_cut_at_the_header_limit(router: Router, field: bytes) -> None:
+    before = router.upstream_requests()
+    rss_before = _rss_kib(router.process.pid)
+    started = time.monotonic()
+    results = [_trailer_flood(router, field, deadline_s=10) for _ in range(4)]
+    grown_mib = (_rss_kib(router.process.pid) - rss_before) / 1024
+    assert time.monotonic() - started < 8
+    sent = [size for size, _ in results]
+    # cut off early, not read on: what went out is what the server read (64 KiB, then 256 KiB
+    # discarded after the answer) plus what the kernel's socket buffers took (~4 MiB on loopback);
+    # without the bound all 50 MiB go through
+    assert all(size < 16 * 1024 * 1024 for size in sent), sent
+    assert grown_mib < 4, f"router RSS grew {grown_mib:.1f} MiB"
+    answered = [raw for _, raw in results if raw]
+    assert answered, "no answer read back"  # a reset may eat some of them
+    for raw in answered:
+        assert "65536 bytes" in str(_error(raw, 431)["message"])
+    assert router.upstream_requests() == before
+
+
+MALFORMED = {
+    "request line": b"GET /health HTTP/9.9x\r\nhost: router\r\n\r\n",
+    "method": b"G(ET /health HTTP/1.1\r\nhost: router\r\n\r\n",
+    "header": b"GET /health HTTP/1.1\r\nhost: router\r\nbad header: x\r\n\r\n",
+    "chunk": CHUNKED_HEAD + b"\r\n" + _chunked(b'{"model": ') + b"zz\r\n",
+}
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_requests_get_400_in_the_error_json(router: Router, request_bytes: bytes) -> None:
+    before = router.upstream_requests()
+    with _connect(router) as sock:
+        sock.sendall(request_bytes)
+        raw = _read_all(sock)
+    error = _error(raw, 400)
+    assert error["type"] == "invalid_request_error"
+    assert str(error["message"]).startswith("malformed HTTP request: "), error
+    assert b"content-type: application/json" in raw.lower()
+    assert router.upstream_requests() == before
