@@ -2,7 +2,7 @@
 
 ``RouterWatch`` (``async with``) samples the router's VmRSS from ``/proc`` every ``interval_s``
 in a thread, and times ``GET /health`` on a new connection from 127.0.0.1 every ``interval_s`` in
-a process of its own (``bench.soak.health_probe``: the soak's event loop is busy with the traffic
+a process of its own (``bench.common.health_probe``: the soak's event loop is busy with the traffic
 and the attack, and a probe timed in this process would measure its GIL), until the block ends
 or ``max_s``. The peak RSS is also the router's VmHWM, reset when the watch starts
 (``/proc/PID/clear_refs``, where allowed). ``fresh_requests`` sends small mixed completions
@@ -26,8 +26,8 @@ from typing import Self
 
 import httpx
 
+from bench.common.health_probe import FAILED
 from bench.common.process import REPO_ROOT
-from bench.soak.health_probe import FAILED
 from bench.soak.traffic import Outcome, mixed_request, send
 
 __all__ = ["PROBE_TAG", "RouterWatch", "WatchResult", "fresh_requests"]
@@ -102,7 +102,7 @@ class RouterWatch:
 
     async def __aenter__(self) -> Self:
         """Starts the probe process and returns once it answered its first probe."""
-        argv = [sys.executable, "-m", "bench.soak.health_probe", str(self.port)]
+        argv = [sys.executable, "-m", "bench.common.health_probe", str(self.port)]
         argv += ["--every", str(self.interval_s), "--timeout", str(self.timeout_s)]
         argv += ["--max-seconds", str(self.max_s)]
         self._probe = await asyncio.create_subprocess_exec(

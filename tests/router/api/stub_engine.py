@@ -63,6 +63,7 @@ class StubEngine:
                 piece = _PIECE[: self.answer_bytes - self.sent]
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
                 self.sent += len(piece)
+                await asyncio.sleep(0)  # a send after the client left returns at once: yield
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # the client closed the connection
             pass

@@ -1,7 +1,7 @@
 """Times ``GET /health`` on a new connection, again and again: a process of its own, so that the
 soak's own busy event loop (and its GIL) is not in the numbers.
 
-    python -m bench.soak.health_probe PORT [--every 0.05] [--timeout 2] [--max-seconds 120]
+    python -m bench.common.health_probe PORT [--every 0.05] [--timeout 2] [--max-seconds 120]
 
 Prints one line per probe, flushed: the milliseconds from connecting to the end of the answer's
 head, or ``failed`` (refused, reset, timed out, not 200); stops at SIGTERM or ``--max-seconds``.
@@ -43,7 +43,7 @@ def health_ms(port: int, timeout_s: float) -> float | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.soak.health_probe")
+    parser = argparse.ArgumentParser(prog="bench.common.health_probe")
     parser.add_argument("port", type=int)
     parser.add_argument("--every", type=float, default=0.05, help="seconds between probes")
     parser.add_argument("--timeout", type=float, default=2.0, help="per probe, seconds")
