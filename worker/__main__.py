@@ -14,6 +14,7 @@ from worker.app import EngineFactory, SimWorker, WorkerConfig, create_app
 from worker.hicache.config import TierConfig
 from worker.kv import PoolShape
 from worker.kv_events import KVEventsConfig
+from worker.page_queue import DEFAULT_MAX_WAITING, DEFAULT_WAITING_TIMEOUT_S
 from worker.tokenizer import TokenizerError
 
 __all__ = ["build_parser", "main", "parse_args"]
@@ -82,6 +83,30 @@ def _add_pool_args(add: Add) -> None:
     add("--pages", type=int, default=1024)
     add("--max-prompt-tokens", type=int, default=8192)
     add("--transfer-timeout", type=float, default=30.0)
+    add(
+        "--max-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING,
+        help="per rank: requests that may wait for KV pages, first come first served (beyond: "
+        "503 'The request queue is full.', as SGLang's flag of this name)",
+    )
+    add(
+        "--waiting-timeout",
+        type=float,
+        default=DEFAULT_WAITING_TIMEOUT_S,
+        metavar="S",
+        help="how long a request may wait for KV pages (then 503 'Request waiting timeout "
+        "reached.', as SGLang's SGLANG_REQ_WAITING_TIMEOUT); a PD request at most "
+        "--transfer-timeout",
+    )
+    add(
+        "--kv-drain-timeout",
+        type=float,
+        default=40.0,
+        metavar="S",
+        help="decode: how long a failed or abandoned receive waits for the prefill to confirm "
+        "its writes into the request's pages are over, before they are withheld for good",
+    )
     add(
         "--compute-s-per-token",
         type=float,
@@ -265,6 +290,9 @@ def build(args: argparse.Namespace) -> SimWorker:
             chunk_tokens=args.chunk_tokens,
             max_prompt_tokens=args.max_prompt_tokens,
             transfer_timeout_s=args.transfer_timeout,
+            max_queued_requests=args.max_queued_requests,
+            waiting_timeout_s=args.waiting_timeout,
+            kv_drain_timeout_s=args.kv_drain_timeout,
             compute_s_per_token=args.compute_s_per_token,
             decode_s_per_token=args.decode_s_per_token,
             tokenizer=args.tokenizer,

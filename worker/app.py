@@ -3,8 +3,9 @@
 ``create_app(worker)`` serves one ``worker.sim.SimWorker``: ``/v1/completions`` and
 ``/v1/chat/completions`` (JSON, or SSE with one event per generated token; ``usage`` carries
 ``prompt_tokens_details.cached_tokens`` as vLLM and SGLang report it), ``/v1/models``,
-``/health`` (pages, open rooms, prefill queues, KV bytes sent, KV event endpoints, and with a
-tiered cache ``hicache``: pages per tier, whether L3's start-up scan is done),
+``/health`` (pages, open rooms, prefill queues, requests waiting for KV pages, KV bytes sent, KV
+event endpoints, and with a tiered cache ``hicache``: pages per tier, whether L3's start-up scan
+is done),
 ``/metrics`` (``worker.metrics``), ``/v1/loads`` (``worker.loads``) and
 ``POST /reset_prefix_cache`` (vLLM) / ``/flush_cache`` (SGLang), which empty the prefix cache.
 Opt-in only (``create_app(worker, fault_api=True)``, ``pd-worker --fault-api``), for soak
@@ -237,6 +238,7 @@ def _health(worker: SimWorker) -> dict[str, Any]:
         "quarantined_pages": sum(pool.quarantined for pool in worker.pools),
         "open_rooms": worker.open_rooms,
         "queues": worker.queues,
+        "waiting_for_pages": worker.waiting_for_pages,
         "kv_bytes_sent": worker.kv_bytes_sent,
         "cached_pages": sum(pool.cache.cached_pages for pool in worker.pools),
         "kv_events": [{"endpoint": e, "replay": r} for e, r in worker.event_endpoints],

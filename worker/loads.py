@@ -14,8 +14,9 @@ Shape, as SGLang's ``v1_loads.get_loads``::
                    "total_used_tokens", "total_tokens", "avg_token_usage", "avg_throughput",
                    "avg_utilization"}}
 
-Meanings: running = in the forward pass or decoding; waiting = queued for the forward pass (a
-decode's requests waiting for KV are ``disaggregation.decode_transfer_queue_reqs``);
+Meanings: running = in the forward pass or decoding; waiting = queued for KV pages or the forward
+pass (a decode's requests waiting for pages are ``disaggregation.decode_prealloc_queue_reqs``,
+those waiting for KV ``disaggregation.decode_transfer_queue_reqs``);
 ``num_used_tokens`` = referenced pages x page size; ``num_total_tokens`` = that plus the prompt
 tokens still to compute (SGLang's DP-balance figure); ``token_usage`` = used / max tokens.
 """
@@ -73,7 +74,7 @@ def _sections(snap: RankSnapshot, mode: str, include: set[str]) -> dict[str, Any
         "mode": mode,
         "prefill_prealloc_queue_reqs": snap.bootstrap,
         "prefill_inflight_queue_reqs": snap.inflight,
-        "decode_prealloc_queue_reqs": 0,
+        "decode_prealloc_queue_reqs": snap.prealloc,
         "decode_transfer_queue_reqs": snap.receiving,
         "decode_retracted_queue_reqs": 0,
         "kv_transfer_speed_gb_s": 0.0,

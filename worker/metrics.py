@@ -6,8 +6,8 @@ their first token. One series per DP rank. Names and meanings (docs/concepts/pro
 
 vLLM (``vllm-mooncake``), labels ``model_name`` and ``engine`` (the DP rank as a string):
   ``vllm:num_requests_running`` (in the forward pass or decoding), ``vllm:num_requests_waiting``
-  (queued for the forward pass, plus a decode's requests waiting for their KV, as vLLM counts
-  ``WAITING_FOR_REMOTE_KVS``), ``vllm:kv_cache_usage_perc``
+  (queued for KV pages or the forward pass, plus a decode's requests waiting for pages or for
+  their KV, as vLLM counts ``WAITING_FOR_REMOTE_KVS``), ``vllm:kv_cache_usage_perc``
   (pages referenced by requests / all pages, 0..1: cached pages nobody references are free, as in
   vLLM), counters ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (prompt
   tokens looked up in the prefix cache / served from it), ``vllm:prompt_tokens_by_source_total``
@@ -15,11 +15,13 @@ vLLM (``vllm-mooncake``), labels ``model_name`` and ``engine`` (the DP rank as a
   histogram ``vllm:time_to_first_token_seconds``.
 
 SGLang (``sglang``), labels ``model_name`` and ``dp_rank``: ``sglang:num_running_reqs``,
-  ``sglang:num_queue_reqs``, ``sglang:token_usage`` (0..1, as above), ``sglang:cache_hit_rate``
-  (cached / prompt tokens since start, 0..1), counters ``sglang:prompt_tokens_total`` and
+  ``sglang:num_queue_reqs`` (the waiting queue: for KV pages or the forward pass),
+  ``sglang:token_usage`` (0..1, as above), ``sglang:cache_hit_rate`` (cached / prompt tokens
+  since start, 0..1), counters ``sglang:prompt_tokens_total`` and
   ``sglang:cached_tokens_total``, the PD queues ``sglang:num_prefill_prealloc_queue_reqs``
   (waiting for the decode's transfer info), ``sglang:num_prefill_inflight_queue_reqs`` (KV being
-  sent), ``sglang:num_decode_transfer_queue_reqs`` (waiting for KV), and the histogram
+  sent), ``sglang:num_decode_prealloc_queue_reqs`` (waiting for pages to receive into),
+  ``sglang:num_decode_transfer_queue_reqs`` (waiting for KV), and the histogram
   ``sglang:time_to_first_token_seconds``.
 
 Prompt and cache counts cover the requests that consult the prefix cache: a prefill's, and
@@ -55,8 +57,9 @@ class RankSnapshot:
 
     rank: int
     running: int  # in the forward pass, or decoding/streaming
-    waiting: int  # queued for the forward pass
+    waiting: int  # queued for pages or the forward pass (prefill, local compute)
     receiving: int  # decode: waiting for its KV from a prefill
+    prealloc: int  # decode: waiting for pages and an aux slot to receive into
     bootstrap: int  # prefill: waiting for the decode's transfer info
     inflight: int  # prefill: KV computed, being sent
     used_pages: int
@@ -119,7 +122,8 @@ _VLLM: list[_Row] = [
     (GaugeMetricFamily, "vllm:num_requests_running",
      "Number of requests in model execution batches.", lambda s: s.running),
     (GaugeMetricFamily, "vllm:num_requests_waiting",
-     "Number of requests waiting to be processed.", lambda s: s.waiting + s.receiving),
+     "Number of requests waiting to be processed.",
+     lambda s: s.waiting + s.prealloc + s.receiving),
     (GaugeMetricFamily, "vllm:kv_cache_usage_perc",
      "KV-cache usage. 1 means 100 percent usage.", lambda s: s.usage),
     (CounterMetricFamily, "vllm:prefix_cache_queries",
@@ -140,6 +144,8 @@ _SGLANG: list[_Row] = [
      "The number of requests in the prefill prealloc queue.", lambda s: s.bootstrap),
     (GaugeMetricFamily, "sglang:num_prefill_inflight_queue_reqs",
      "The number of requests in the prefill inflight queue.", lambda s: s.inflight),
+    (GaugeMetricFamily, "sglang:num_decode_prealloc_queue_reqs",
+     "The number of requests in the decode prealloc queue.", lambda s: s.prealloc),
     (GaugeMetricFamily, "sglang:num_decode_transfer_queue_reqs",
      "The number of requests in the decode transfer queue.", lambda s: s.receiving),
     (CounterMetricFamily, "sglang:prompt_tokens",

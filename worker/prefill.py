@@ -3,8 +3,9 @@
 A request moves through four queues; ``counts`` shows how many are in each:
 
     bootstrap  waits for the decode's transfer info (``KVSender.bootstrap``, bounded by the
-               sender's bootstrap timeout); it holds its pages but no forward time
-    waiting    waits for the rank's forward pass (one at a time, first come first served)
+               sender's bootstrap timeout); it holds no pages and no forward time
+    waiting    waits for its KV pages (``admit``: the rank's line, ``worker.page_queue``), then
+               for the rank's forward pass (one at a time, first come first served)
     forward    computes one chunk of at most ``chunk_tokens`` uncached prompt tokens (the prefix
                cache's pages are reused, see ``worker.prefix_cache``; the KV content is a
                pure function of tokens and positions, plus ``compute_s_per_token`` of simulated
@@ -19,12 +20,19 @@ load the pass waits for, layer by layer (``worker.hicache.layer_loading``); the 
 chunk is
 split evenly over the layers then.
 
-vLLM's MooncakeConnector has no bootstrap queue: the prefill computes at once, answers the HTTP
-request, and serves the decode's pull afterwards (``hand_off``: an inflight task that waits for
+Pages are taken after the bootstrap, as SGLang allocates them when it schedules a request from
+its waiting queue: a prefill's pages are then only held by requests whose decode already holds
+its own, so a full prefill pool and a full decode pool cannot wait on each other.
+
+vLLM's MooncakeConnector has no bootstrap queue: the prefill takes its pages and computes at once
+(its wait for pages counts as ``waiting``: ``queued``), answers the HTTP request, and serves the
+decode's pull afterwards (``hand_off``: an inflight task that waits for
 the transfer info, writes and reports, bounded by the sender's timeouts).
 
 Whatever ends a request early (a failed transfer, a cancelled HTTP call) aborts its room, so the
-decode hears of it at once, and the caller gets the pages back.
+decode hears of it at once, and the caller gets the pages back. A cancelled request lets the
+sender call it is in end by itself first (``worker.settling``): the call reports the room's
+status to the decode, which otherwise withholds the pages it had given the room.
 """
 
 from __future__ import annotations
@@ -34,14 +42,17 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from transfer.errors import TransferError
 from transfer.sender import KVSender
+from transfer.state import KVPoll
 from worker.hicache.layer_loading import LayerLoad, simulate_forward
 from worker.kv import KVPool
+from worker.settling import settled
 
 __all__ = ["PrefillJob", "PrefillScheduler", "Stage", "TierStart"]
 
@@ -106,33 +117,67 @@ class PrefillScheduler:
     def counts(self) -> dict[str, int]:
         return {stage: self._counts[stage] for stage in STAGES}
 
-    async def run(self, job: PrefillJob) -> float:
-        """SGLang: bootstrap, forward chunk by chunk, send; returns the transfer's seconds.
+    async def run(
+        self, room: int, admit: Callable[[], AbstractAsyncContextManager[PrefillJob]]
+    ) -> float:
+        """SGLang: bootstrap, take the pages (``admit``: the job holds them while it runs),
+        forward chunk by chunk, send; returns the transfer's seconds.
 
-        Raises ``TransferFailed`` (the room failed; the decode has been told).
+        Raises ``TransferFailed`` (the room failed; the decode has been told), or whatever
+        ``admit`` raises (the room is aborted first).
         """
         with self._stage("bootstrap") as stage:
-            await self._sender.bootstrap(job.room)
+            await self._settled(room, self._sender.bootstrap(room))
             started = time.monotonic()
-            try:
-                await self._ready(job, stage)
-                end, first = job.start, True
-                while first or end < len(job.tokens):
-                    end = await self._forward_chunk(job, end, stage, first)
-                    first, last = False, end == len(job.tokens)
-                    if last:
-                        stage("inflight")
-                    await self._sender.send(
-                        job.room,
-                        job.pages,
-                        end,
-                        is_last_chunk=last,
-                        aux=job.aux() if last else None,
-                    )
-            except BaseException:
-                self._sender.abort(job.room, "the prefill request ended early")
-                raise
+            with self._aborting(room):
+                stage("waiting")
+                async with admit() as job:
+                    with self._aborting(room):  # before the pages go back
+                        await self._compute_and_send(job, stage)
             return time.monotonic() - started
+
+    async def _compute_and_send(self, job: PrefillJob, stage: Callable[[Stage], None]) -> None:
+        await self._ready(job, stage)
+        end, first = job.start, True
+        while first or end < len(job.tokens):
+            end = await self._forward_chunk(job, end, stage, first)
+            first, last = False, end == len(job.tokens)
+            if last:
+                stage("inflight")
+            await self._settled(
+                job.room,
+                self._sender.send(
+                    job.room,
+                    job.pages,
+                    end,
+                    is_last_chunk=last,
+                    aux=job.aux() if last else None,
+                ),
+            )
+
+    async def _settled(self, room: int, call: Coroutine[Any, Any, KVPoll]) -> KVPoll:
+        """A sender call that a cancelled request does not cut short: the room is aborted and
+        the call ends by itself, reporting the room's status to the decode (cut short while it
+        reports, the decode never hears and withholds its pages)."""
+        return await settled(
+            asyncio.ensure_future(call),
+            lambda: self._sender.abort(room, "the prefill request ended early"),
+        )
+
+    @contextlib.contextmanager
+    def _aborting(self, room: int) -> Iterator[None]:
+        """Whatever ends the request early aborts its room (the decode hears of it at once)."""
+        try:
+            yield
+        except BaseException:
+            self._sender.abort(room, "the prefill request ended early")
+            raise
+
+    @contextlib.contextmanager
+    def queued(self) -> Iterator[None]:
+        """Count a request waiting for its pages (vLLM: before ``compute``) as ``waiting``."""
+        with self._stage("waiting"):
+            yield
 
     async def compute(self, job: PrefillJob) -> None:
         """vLLM: the forward pass over the whole prompt, chunk by chunk, sending nothing yet."""

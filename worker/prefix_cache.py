@@ -18,6 +18,9 @@ A referenced page is never evicted, so pages still being read or written by a tr
 until the transfer ends, or forever when quarantined) are safe. Pages that receive KV from a
 prefill are plain ``allocate``d pages, never cached.
 
+``on_release`` (if set; the rank's waiting line, ``worker.page_queue``) hears that a ``release``
+gave pages back, after it did, so a request waiting for pages can try again.
+
 ``on_evict`` (if set; the tiered cache's controller, ``worker.hicache.controller``) hears of every
 evicted page with its key, synchronously, before the page is handed out again (its KV is still
 there to copy), and ``commit`` returns the lease positions it newly cached.
@@ -68,6 +71,7 @@ class PrefixCache:
         self.page_size = page_size
         self.events: EventSink | None = None
         self.on_evict: EvictSink | None = None
+        self.on_release: Callable[[], None] | None = None
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() takes page 0 first
         self._refs: dict[int, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, oldest first
@@ -162,6 +166,8 @@ class PrefixCache:
                 self._lru[page] = None
             else:
                 self._free.append(page)
+        if self.on_release is not None:
+            self.on_release()
 
     def clear(self) -> None:
         """Forget every cached block (referenced pages become private until released)."""

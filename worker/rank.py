@@ -1,12 +1,15 @@
 """One DP rank of a simulated engine: its KV pool and prefix cache, its side of the transfer, its
-KV event feed, its tiered-cache controller (``worker.hicache.controller``, None without tiers), and
-the request and token counters its load report is made of.
+KV event feed, its tiered-cache controller (``worker.hicache.controller``, None without tiers),
+the request and token counters its load report is made of, and its waiting line for KV pages
+(``worker.page_queue``: a prompt that does not fit in the free pages waits there, first come
+first served).
 
-A leased prompt's ``Progress`` runs its forward pass in three steps: ``await ready()`` before it
-queues for the forward pass (the late-prefetch policy), ``await begin()`` when the pass starts
-(the prefix served from L2/L3 joins the cached prefix; returns where computing starts and the
-layer-by-layer load to wait on), ``computed(end)`` after each chunk. Without tiers the first two
-do nothing."""
+``await acquire(...)`` waits in that line for a prompt's pages and ``with leased(...)`` serves
+them. A leased prompt's ``Progress`` runs its forward pass in three steps: ``await ready()``
+before it queues for the forward pass (the late-prefetch policy), ``await begin()`` when the pass
+starts (the prefix served from L2/L3 joins the cached prefix; returns where computing starts and
+the layer-by-layer load to wait on), ``computed(end)`` after each chunk. Without tiers the first
+two do nothing."""
 
 from __future__ import annotations
 
@@ -20,12 +23,12 @@ from worker.block_hash import BlockKey
 from worker.hicache.controller import CacheController
 from worker.hicache.fetch import TierFetch
 from worker.hicache.layer_loading import LayerLoad
-from worker.kv import KVPool, PoolExhausted
+from worker.kv import KVPool
 from worker.kv_events import RankEvents
 from worker.metrics import RankSnapshot
+from worker.page_queue import PageQueue
 from worker.prefill import PrefillScheduler
 from worker.prefix_cache import Lease
-from worker.protocol import WorkerError
 
 __all__ = ["AUX_LEN", "AUX_SLOTS", "Progress", "Rank", "RankStats"]
 
@@ -39,6 +42,8 @@ class RankStats:
 
     active: int = 0  # requests being served (non-prefill roles), streaming included
     receiving: int = 0  # decode requests waiting for their KV
+    prealloc: int = 0  # decode requests waiting for pages and an aux slot (SGLang's prealloc)
+    queued: int = 0  # locally computed requests waiting for pages
     pending_tokens: int = 0  # prompt tokens leased and still to compute
     query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     hit_tokens: int = 0  # of those, served from it
@@ -58,18 +63,24 @@ class Rank:
     tiers: CacheController | None = None
     stats: RankStats = field(default_factory=RankStats)
     aux_free: list[int] = field(default_factory=lambda: list(range(AUX_SLOTS)))
+    queue: PageQueue = field(default_factory=PageQueue)
+
+    def __post_init__(self) -> None:
+        self.pool.cache.on_release = self.queue.notify
+
+    async def acquire(self, tokens: Sequence[int], keys: Sequence[BlockKey]) -> Lease:
+        """Pages for a prompt to compute, its cached prefix reused: waits in the rank's line
+        until they fit (``WorkerError`` 503 when the line is full or the wait too long). Enter
+        ``leased`` with the result at once (no ``await`` in between), or its pages are lost."""
+        return await self.queue.take(lambda: self.pool.cache.acquire(tokens, keys))
 
     @contextlib.contextmanager
-    def lease(self, tokens: Sequence[int], keys: Sequence[BlockKey]) -> Iterator[Progress]:
-        """Pages for a prompt to compute, its cached prefix reused, released afterwards.
+    def leased(self, lease: Lease) -> Iterator[Progress]:
+        """Serve an ``acquire``d prompt; its pages are released afterwards.
 
         Counts the prompt's cache query, and its tokens to compute until they are computed.
-        Raises ``WorkerError`` 503 when the pool cannot hold the prompt.
         """
-        try:
-            lease = self.pool.cache.acquire(tokens, keys)
-        except PoolExhausted as exc:
-            raise WorkerError(503, str(exc)) from exc
+        tokens = lease.tokens
         progress = Progress(self, lease, lease.cached_tokens)
         self.stats.query_tokens += len(tokens)
         self.stats.hit_tokens += lease.cached_tokens
@@ -93,16 +104,23 @@ class Rank:
         finally:
             self.stats.receiving -= 1
 
+    @property
+    def _not_running(self) -> int:
+        """Requests being served that wait for pages or KV: not running yet."""
+        stats = self.stats
+        return stats.receiving + stats.prealloc + stats.queued
+
     def snapshot(self, index: int) -> RankSnapshot:
         """This rank's load and cache counters now (running: in the forward pass, or served
-        by a non-prefill role and not waiting for KV)."""
+        by a non-prefill role and not waiting for pages or KV)."""
         counts = self.scheduler.counts if self.scheduler is not None else {}
         stats, cache = self.stats, self.pool.cache
         return RankSnapshot(
             rank=index,
-            running=counts.get("forward", 0) + max(stats.active - stats.receiving, 0),
-            waiting=counts.get("waiting", 0),
+            running=counts.get("forward", 0) + max(stats.active - self._not_running, 0),
+            waiting=counts.get("waiting", 0) + stats.queued,
             receiving=stats.receiving,
+            prealloc=stats.prealloc,
             bootstrap=counts.get("bootstrap", 0),
             inflight=counts.get("inflight", 0),
             used_pages=cache.used_pages,

@@ -25,9 +25,8 @@ import contextlib
 import dataclasses
 import struct
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 from transfer.errors import TransferError
 from transfer.receiver import KVReceiver, ReceiveFailed, ReceiveResult
@@ -37,12 +36,12 @@ from worker.hicache.layer_loading import simulate_forward
 from worker.kv import KVPool, PoolExhausted, detokenize, generate
 from worker.metrics import WorkerMetrics
 from worker.prefill import PrefillJob, PrefillScheduler
+from worker.prefix_cache import Lease
 from worker.protocol import Seq, WorkerError
 from worker.rank import AUX_LEN, Progress, Rank
+from worker.settling import settled
 
 __all__ = ["Completion", "RequestServer"]
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,27 +120,44 @@ class RequestServer:
             dp = room % dp_size
         return dp or 0
 
-    def _lease(self, rank: Rank, seq: Seq) -> contextlib.AbstractContextManager[Progress]:
-        return rank.lease(seq.tokens, self._hasher(seq.tokens, self.config.shape.page_size))
+    async def _acquire(self, rank: Rank, seq: Seq) -> Lease:
+        """``seq``'s pages on ``rank`` (its cached prefix reused), once they fit: enter
+        ``rank.leased`` with them at once."""
+        return await rank.acquire(seq.tokens, self._hasher(seq.tokens, self.config.shape.page_size))
 
-    @contextlib.contextmanager
-    def _pages(self, rank: Rank, seq: Seq) -> Iterator[_Held]:
-        """Pages for ``seq`` on ``rank``, released afterwards (quarantined when not ``safe``)."""
+    @contextlib.asynccontextmanager
+    async def _pages(self, rank: Rank, seq: Seq) -> AsyncIterator[_Held]:
+        """Pages and an aux slot for ``seq`` to receive into, once they fit (SGLang's decode
+        prealloc queue); released afterwards (withheld when not ``safe``)."""
+
+        def attempt() -> _Held:
+            if not rank.aux_free:
+                raise PoolExhausted("no free aux slot")
+            pages = rank.pool.allocate(len(seq.tokens))
+            return _Held(pages, rank.aux_free.pop())
+
+        rank.stats.prealloc += 1
         try:
-            held = _Held(rank.pool.allocate(len(seq.tokens)))
-        except PoolExhausted as exc:
-            raise WorkerError(503, str(exc)) from exc
+            held = await rank.queue.take(attempt)
+        finally:
+            rank.stats.prealloc -= 1
         try:
             yield held
         finally:
             if held.safe:
-                rank.pool.release(held.pages)
+                rank.aux_free.append(held.aux_index)
+                rank.pool.release(held.pages)  # wakes the line (aux slot included)
             else:
                 rank.pool.quarantine(held.pages)
 
     async def _local(self, rank: Rank, seq: Seq, max_new: int) -> Completion:
         cfg = self.config
-        with self._lease(rank, seq) as lease:
+        rank.stats.queued += 1
+        try:
+            leased = await self._acquire(rank, seq)
+        finally:
+            rank.stats.queued -= 1
+        with rank.leased(leased) as lease:
             await lease.ready()
             start, load = await lease.begin()
             compute_s = cfg.compute_s_per_token * (len(seq.tokens) - start)
@@ -155,13 +171,20 @@ class RequestServer:
         assert rank.scheduler is not None and seq.room is not None
         if self.config.protocol == "vllm-mooncake":
             return await self._prefill_and_hand_off(rank, rank.scheduler, seq)
-        with self._lease(rank, seq) as lease:
-            job = self._job(seq, lease)
-            try:
-                transfer_s = await rank.scheduler.run(job)
-            except TransferError as exc:
-                raise WorkerError(500, f"KV transfer failed: {exc}") from exc
-        return Completion("", len(seq.tokens), 0, 0, transfer_s, lease.cached_tokens)
+        served: list[Progress] = []
+
+        @contextlib.asynccontextmanager
+        async def admit() -> AsyncIterator[PrefillJob]:
+            leased = await self._acquire(rank, seq)
+            with rank.leased(leased) as lease:
+                served.append(lease)
+                yield self._job(seq, lease)
+
+        try:
+            transfer_s = await rank.scheduler.run(seq.room, admit)
+        except TransferError as exc:
+            raise WorkerError(500, f"KV transfer failed: {exc}") from exc
+        return Completion("", len(seq.tokens), 0, 0, transfer_s, served[0].cached_tokens)
 
     def _job(self, seq: Seq, lease: Progress) -> PrefillJob:
         room = seq.room
@@ -178,8 +201,10 @@ class RequestServer:
     async def _prefill_and_hand_off(
         self, rank: Rank, scheduler: PrefillScheduler, seq: Seq
     ) -> Completion:
+        with scheduler.queued():
+            leased = await self._acquire(rank, seq)
         with contextlib.ExitStack() as stack:
-            lease = stack.enter_context(self._lease(rank, seq))
+            lease = stack.enter_context(rank.leased(leased))
             job = self._job(seq, lease)
             await scheduler.compute(job)
             scheduler.hand_off(job, stack.pop_all().close)
@@ -190,28 +215,28 @@ class RequestServer:
             raise WorkerError(
                 400, "a decode request needs bootstrap_host/port/room (vLLM: kv_transfer_params)"
             )
-        if not rank.aux_free:
-            raise WorkerError(503, "no free aux slot")
-        with self._pages(rank, seq) as held, rank.receiving():
-            got = await self._receive(rank, rank.receiver, seq, held)
-            length, _, cached = struct.unpack("<QQQ", got.aux[:AUX_LEN])
-            if length != len(seq.tokens):
-                raise WorkerError(500, "aux from the prefill names another prompt length")
-            rank.stats.received_tokens += length
-            done = self._decode_tokens(
-                rank.pool, seq, held.pages, max_new, got.kv_bytes, got.elapsed_s
-            )
-            if self.config.protocol == "vllm-mooncake":
-                # vLLM's Mooncake decode counts what it did not compute: every received token
-                # (the router writes its kv_transfer_params: no remote_prefill_cached_tokens)
-                cached = length
-            return dataclasses.replace(done, cached_tokens=cached)
+        async with self._pages(rank, seq) as held:
+            with rank.receiving():
+                return await self._receive_and_decode(rank, rank.receiver, seq, held, max_new)
 
-    async def _receive(
-        self, rank: Rank, receiver: KVReceiver, seq: Seq, held: _Held
-    ) -> ReceiveResult:
-        """``seq``'s KV into ``held``'s pages through an aux slot; ``held.safe`` and the aux slot
-        follow the transfer's outcome (``WorkerError`` 500 when it failed).
+    async def _receive_and_decode(
+        self, rank: Rank, receiver: KVReceiver, seq: Seq, held: _Held, max_new: int
+    ) -> Completion:
+        got = await self._receive(receiver, seq, held)
+        length, _, cached = struct.unpack("<QQQ", got.aux[:AUX_LEN])
+        if length != len(seq.tokens):
+            raise WorkerError(500, "aux from the prefill names another prompt length")
+        rank.stats.received_tokens += length
+        done = self._decode_tokens(rank.pool, seq, held.pages, max_new, got.kv_bytes, got.elapsed_s)
+        if self.config.protocol == "vllm-mooncake":
+            # vLLM's Mooncake decode counts what it did not compute: every received token
+            # (the router writes its kv_transfer_params: no remote_prefill_cached_tokens)
+            cached = length
+        return dataclasses.replace(done, cached_tokens=cached)
+
+    async def _receive(self, receiver: KVReceiver, seq: Seq, held: _Held) -> ReceiveResult:
+        """``seq``'s KV into ``held``'s pages and aux slot; ``held.safe`` follows the
+        transfer's outcome (``WorkerError`` 500 when it failed).
 
         Cancelled (the client went away, a sibling sequence failed), it fails the room at once:
         the receiver aborts it at the prefill and learns whether the pages are safe (within its
@@ -220,26 +245,23 @@ class RequestServer:
         """
         room = seq.room
         assert room is not None and seq.bootstrap is not None
-        aux_index = rank.aux_free.pop()
         request = asyncio.ensure_future(
             receiver.request(
                 room,
                 seq.bootstrap,
                 held.pages,
-                aux_index,
+                held.aux_index,
                 self.config.transfer_timeout_s,
                 dp_rank=seq.source_dp_rank,
                 engine_id=seq.engine_id,
             )
         )
         try:
-            return await _settled(request, lambda: receiver.cancel(room, _CANCELLED))
+            return await settled(request, lambda: receiver.cancel(room, _CANCELLED))
         except (TransferError, ValueError) as exc:  # ReceiveFailed included
             raise WorkerError(500, f"KV transfer failed: {exc}") from exc
         finally:
             held.safe = _pages_safe(request)
-            if held.safe:
-                rank.aux_free.append(aux_index)
 
     def _decode_tokens(
         self,
@@ -262,25 +284,12 @@ _CANCELLED = "the decode request was cancelled (its client went away)"
 
 @dataclass(slots=True)
 class _Held:
-    """A decode request's pages; not ``safe`` (a transfer may still write them): withheld."""
+    """A decode request's pages and aux slot; not ``safe`` (a transfer may still write them):
+    withheld."""
 
     pages: list[int]
+    aux_index: int
     safe: bool = True
-
-
-async def _settled(work: asyncio.Future[_T], stop: Callable[[], object]) -> _T:
-    """``work``'s result; when the caller is cancelled, ``stop()`` and wait for ``work`` to end
-    (it must end soon after ``stop``; further cancellations wait too) before re-raising."""
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        stop()
-        while not work.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait({work})
-        if not work.cancelled():
-            work.exception()  # retrieved: the caller learns the outcome from the future
-        raise
 
 
 def _pages_safe(request: asyncio.Future[ReceiveResult]) -> bool:

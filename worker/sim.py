@@ -40,6 +40,7 @@ from worker.hicache.stores.base import EvictCallback, PageStore
 from worker.kv import KVPool
 from worker.kv_events import open_rank_events
 from worker.metrics import RankSnapshot, WorkerMetrics
+from worker.page_queue import PageQueue
 from worker.prefill import PrefillScheduler
 from worker.protocol import Seq, WorkerError
 from worker.rank import AUX_LEN, AUX_SLOTS, Rank
@@ -75,7 +76,13 @@ class SimWorker:
     ) -> None:
         """``page_store``: each rank's L3 (default: the one ``config.tiers`` names)."""
         self.config = config
-        self.ranks = [Rank(KVPool(config.shape)) for _ in range(config.dp_size)]
+        self.ranks = [
+            Rank(
+                KVPool(config.shape),
+                queue=PageQueue(config.max_queued_requests, config.page_wait_s),
+            )
+            for _ in range(config.dp_size)
+        ]
         self.tokenizer: PromptTokenizer = load_tokenizer(config.tokenizer)
         self.metrics = WorkerMetrics(
             config.protocol, config.model, self.snapshots, tiers=config.tiers.enabled
@@ -135,6 +142,11 @@ class SimWorker:
     def kv_bytes_sent(self) -> int:
         """KV and aux bytes this prefill's ranks have written into decode memory."""
         return sum(r.sender.stats.bytes_written for r in self.ranks if r.sender is not None)
+
+    @property
+    def waiting_for_pages(self) -> int:
+        """Requests of any role waiting for KV pages (``worker.page_queue``), over all ranks."""
+        return sum(rank.queue.waiting for rank in self.ranks)
 
     @property
     def queues(self) -> dict[str, int]:
@@ -283,7 +295,10 @@ class SimWorker:
                     await scheduler.aclose()
         else:
             receiver_config = ReceiverConfig(
-                host=cfg.host, aux_item_len=AUX_LEN, aux_slots=AUX_SLOTS
+                host=cfg.host,
+                aux_item_len=AUX_LEN,
+                aux_slots=AUX_SLOTS,
+                drain_timeout_s=cfg.kv_drain_timeout_s,
             )
             async with KVReceiver(context, engine, rank.pool.layout, receiver_config) as receiver:
                 rank.receiver = receiver
