@@ -6,9 +6,9 @@ A new connection is refused (503 and close) when its source already holds
 ``max_connections_per_source``, so that one client (or one attacking host) cannot take every
 slot. At the global cap ``max_connections`` it first makes room: a connection that was answered
 an error and is only waiting out its linger time goes first, then the longest-idle keep-alive
-connection (one between requests: its response sent, no byte of a next request received) of the
-source that holds the most connections, so that a flood of idle connections from a few hosts
-loses its own before anyone else's; only when there is neither is the new one refused. An
+connection (one between requests: its response sent, no byte of a next request received; or a
+new one that sent nothing yet) of the source that holds the most connections, so that a flood of
+connections from a few hosts loses its own before anyone else's; only when there is neither is the new one refused. An
 evicted keep-alive connection is closed as uvicorn's keep-alive timeout would close it; clients
 reconnect.
 
@@ -101,7 +101,7 @@ class Evictable(Protocol):
 
 class ConnectionCaps:
     """One server's caps: its connections per source, and those that can make room at the
-    global cap (lingering after an error answer; idle keep-alive, of the heaviest source,
+    global cap (lingering after an error answer; idle, of the heaviest source,
     oldest first)."""
 
     def __init__(self, max_connections: int, max_per_source: int) -> None:

@@ -142,6 +142,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             transport.close()
             return
         self._counted, self._source = True, source
+        self.caps.idle(self, source)  # nothing received yet: as evictable as a kept-alive one
         super().connection_made(transport)
         self.flow = self._timed_flow = _TimedFlowControl(transport, self.loop.time)
         self._arm(self.limits.header_timeout_s, self._header_timeout)
@@ -164,7 +165,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._discard(len(data))
             return
         if phase in _READING_HEADERS:
-            if phase is _Phase.IDLE:
+            if phase is not _Phase.HEADERS:  # NEW or IDLE: a request begins
                 self.caps.busy(self, self._source)
             self._phase = _Phase.HEADERS
             room = self.limits.max_header_bytes - self._header_bytes

@@ -141,7 +141,7 @@ def test_one_source_at_its_cap_leaves_the_rest_to_others(router: Router) -> None
     assert f"maximum of {PER_SOURCE} connections" in error["message"]
 
 
-def test_at_the_cap_the_heaviest_sources_longest_idle_keep_alive_makes_room(
+def test_at_the_cap_the_heaviest_sources_longest_idle_connection_makes_room(
     router: Router,
 ) -> None:
     """The global cap is held by idle keep-alive connections (from three sources, within their
