@@ -6,9 +6,11 @@ What decode ranks send a prefill rank arrives on its control socket (docs/concep
 so that a connection that drops is noticed; ``TransferInfo`` and ``Abort`` go to the room ledger.
 A decode whose connection dropped takes its sessions with it, and the ledger fails their rooms.
 What goes back is a room's final status, pushed to the room's decode ranks once the ledger says no
-write of the room is running (the room's aux staging slot is freed then); a status that no call
-awaits is sent in the background. Closing gives those sends, and writes still draining, one send
-timeout to finish.
+write of the room is running (the room's aux staging slot is freed then). Every status goes out
+from a task of this link's own, so that cancelling the call that awaits it (a prefill request
+whose client left) does not cut it short: the decode would otherwise never hear, and would
+withhold the room's pages until its drain timeout. Closing gives those sends, and writes still
+draining, one send timeout to finish.
 """
 
 from __future__ import annotations
@@ -97,10 +99,15 @@ class DecodeLink:
     # --- reports -------------------------------------------------------------------------------
 
     def report_later(self, closed: ClosedRoom) -> None:
-        """``report`` in the background (the ledger's report callback)."""
-        self._spawn(self.report(closed))
+        """``_report`` in the background (the ledger's report callback)."""
+        self._spawn(self._report(closed))
 
-    async def report(self, closed: ClosedRoom) -> None:
+    async def report_awaited(self, closed: ClosedRoom) -> None:
+        """``_report`` for a caller that waits for it: cancelling the caller does not stop the
+        report, which goes on in the background (``aclose`` waits for it, bounded)."""
+        await asyncio.shield(self._spawn(self._report(closed)))
+
+    async def _report(self, closed: ClosedRoom) -> None:
         """Push the room's status (no write of the room is running); free its aux slot."""
         if closed.aux_slot is not None:
             self._writer.free_aux(closed.aux_slot)
@@ -138,7 +145,8 @@ class DecodeLink:
             logger.error("%d engine write(s) still running at close", len(self._ledger.draining))
         await cancel_and_wait(list(self._tasks))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task

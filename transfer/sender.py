@@ -18,7 +18,8 @@ Every wait has a deadline (``bootstrap_timeout_s`` for the transfer info, ``tran
 per chunk and for an idle room between chunks). A failed engine call, a decode that is not
 registered or whose connection dropped, an ``Abort`` from the decode and a timeout all end the
 room in Failed with a reason, pushed to the decode, and raise ``TransferFailed`` from the call
-that was running (or the next one). Every path releases the room.
+that was running (or the next one). Every path releases the room. The status a call awaits
+goes out even when the call is cancelled meanwhile (``DecodeLink.report_awaited``).
 
 Destination pages: the status this side pushes means "no write of mine will land in your pages
 any more". So it goes out only after the last engine call for the room returned; a write that
@@ -231,7 +232,7 @@ class KVSender(AsyncClosing):
             return state.poll
         closed = self._ledger.finish(room)
         if closed is not None:
-            await self._link.report(closed)
+            await self._link.report_awaited(closed)  # goes out even if this call is cancelled
         state.raise_if_failed()
         return state.poll
 

@@ -31,8 +31,9 @@ the transfer info, writes and reports, bounded by the sender's timeouts).
 
 Whatever ends a request early (a failed transfer, a cancelled HTTP call) aborts its room, so the
 decode hears of it at once, and the caller gets the pages back. A cancelled request lets the
-sender call it is in end by itself first (``worker.settling``): the call reports the room's
-status to the decode, which otherwise withholds the pages it had given the room.
+sender call it is in end by itself first (``worker.settling``), so that its pages go back only
+once no engine write reads them; the room's status reaches the decode either way (the sender
+pushes it from a task of its own, which a cancelled call does not cut short).
 """
 
 from __future__ import annotations
@@ -157,8 +158,7 @@ class PrefillScheduler:
 
     async def _settled(self, room: int, call: Coroutine[Any, Any, KVPoll]) -> KVPoll:
         """A sender call that a cancelled request does not cut short: the room is aborted and
-        the call ends by itself, reporting the room's status to the decode (cut short while it
-        reports, the decode never hears and withholds its pages)."""
+        the call ends by itself (its engine write, reading the request's pages, over first)."""
         return await settled(
             asyncio.ensure_future(call),
             lambda: self._sender.abort(room, "the prefill request ended early"),

@@ -1,10 +1,12 @@
 """Awaiting work that a cancellation must not cut short: ``settled(work, stop)``.
 
-A transfer call that is cancelled half way may leave its room's status unsent (the peer then
-waits for it, and withholds pages, until its own deadline) or its pages in an unknown state. So
-when the caller is cancelled (its client went away), ``stop()`` asks the work to end early (fail
-the room) and the caller waits for it to end before ``CancelledError`` goes on: the work reports
-its outcome as it would have without the cancellation.
+A transfer call that is cancelled half way leaves its pages in an unknown state: a decode's
+receive does not learn whether the prefill's writes into them are over, and a prefill's engine
+write may still be reading its source pages. So when the caller is cancelled (its client went
+away), ``stop()`` asks the work to end early (fail the room) and the caller waits for it to end
+before ``CancelledError`` goes on: the work ends as it would have without the cancellation, and
+the caller frees its pages only then. (The room's final status does not depend on it: the
+sender pushes it from a task of its own, ``transfer.decode_link.DecodeLink.report_awaited``.)
 """
 
 from __future__ import annotations

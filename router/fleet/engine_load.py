@@ -4,10 +4,13 @@ Sources, by engine protocol (docs/concepts/protocols.md 11.1):
 
 * vLLM (``vllm-mooncake``, ``vllm-nixl``): ``GET /metrics``, per DP engine (label ``engine``):
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``.
-* SGLang: ``GET /v1/loads?include=core`` (see ``parse_sglang_loads`` for the shapes accepted);
-  once it answers 404 that worker is read from ``GET /metrics`` instead (``sglang:`` or
+* SGLang: ``GET /v1/loads?include=core,disagg`` (see ``parse_sglang_loads`` for the shapes
+  accepted); once it answers 404 that worker is read from ``GET /metrics`` instead (``sglang:`` or
   ``sglang_`` prefix, label ``dp_rank``): ``num_running_reqs``, ``num_queue_reqs``,
-  ``token_usage``.
+  ``token_usage``, ``num_decode_prealloc_queue_reqs``. A decode's waiting queue holds only
+  requests whose KV has arrived; those still waiting for pages to receive it into are its
+  prealloc queue (``disaggregation.decode_prealloc_queue_reqs`` in ``/v1/loads``), counted as
+  waiting too. (Its transfer queue, KV on the way into pages it holds, is not counted.)
 
 Series of one rank (several ``model_name`` values, say) are summed; KV usage takes their maximum.
 A failed, timed-out or unparsable read, or one without the running and waiting counts, leaves
@@ -44,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 RankLoads = dict[int, EngineLoad | None]  # engine/DP index -> its load; None: gauges missing
 
-_RUNNING, _WAITING, _KV = "running", "waiting", "kv"
+_RUNNING, _WAITING, _KV, _PREALLOC = "running", "waiting", "kv", "prealloc"
 _VLLM_GAUGES = {
     "vllm:num_requests_running": _RUNNING,
     "vllm:num_requests_waiting": _WAITING,
@@ -57,6 +60,7 @@ _SGLANG_GAUGES = {
         ("num_running_reqs", _RUNNING),
         ("num_queue_reqs", _WAITING),
         ("token_usage", _KV),
+        ("num_decode_prealloc_queue_reqs", _PREALLOC),  # a decode's requests waiting for pages
     )
 }
 
@@ -111,7 +115,14 @@ def _accumulate(fields: dict[str, float], field: str, value: float) -> None:
 def _load(fields: Mapping[str, float]) -> EngineLoad | None:
     if _RUNNING not in fields or _WAITING not in fields:
         return None
-    return EngineLoad(fields[_RUNNING], fields[_WAITING], fields.get(_KV))
+    waiting = fields[_WAITING] + fields.get(_PREALLOC, 0.0)
+    return EngineLoad(fields[_RUNNING], waiting, fields.get(_KV))
+
+
+class _Disaggregation(msgspec.Struct):
+    """An entry's ``disaggregation`` section (``include=disagg``; other keys ignored)."""
+
+    decode_prealloc_queue_reqs: float | None = None
 
 
 class _RankEntry(msgspec.Struct):
@@ -122,6 +133,7 @@ class _RankEntry(msgspec.Struct):
     num_waiting_reqs: float | None = None
     num_queue_reqs: float | None = None
     token_usage: float | None = None
+    disaggregation: _Disaggregation | None = None
 
 
 class _LoadsAnswer(_RankEntry):
@@ -139,8 +151,9 @@ def parse_sglang_loads(content: bytes) -> RankLoads:
     Accepted shapes: SGLang's own ``{"loads": [{"dp_rank": 0, "num_running_reqs": ..., ...}]}``
     (sglang PR #16976; the other keys are ignored), a bare list of such entries, or one entry as
     the whole object (a single-rank engine). An entry's rank is its ``dp_rank``, else its place in
-    the list (0 for a lone object); waiting is ``num_waiting_reqs``, else ``num_queue_reqs``; KV
-    usage is ``token_usage`` when present. An entry without the counts is an unknown rank. Raises
+    the list (0 for a lone object); waiting is ``num_waiting_reqs``, else ``num_queue_reqs``, plus
+    ``disaggregation.decode_prealloc_queue_reqs`` when present; KV usage is ``token_usage`` when
+    present. An entry without the counts is an unknown rank. Raises
     LoadUnavailable for other JSON, or when no entry has them.
     """
     try:
@@ -164,6 +177,9 @@ def _entry_load(entry: _RankEntry) -> EngineLoad | None:
     waiting = entry.num_waiting_reqs if entry.num_waiting_reqs is not None else entry.num_queue_reqs
     if entry.num_running_reqs is None or waiting is None:
         return None
+    disagg = entry.disaggregation
+    if disagg is not None and disagg.decode_prealloc_queue_reqs is not None:
+        waiting += disagg.decode_prealloc_queue_reqs
     return EngineLoad(entry.num_running_reqs, waiting, entry.token_usage)
 
 
@@ -267,7 +283,7 @@ class EngineLoadMonitor:
 
     async def _read_sglang(self, worker: Worker) -> RankLoads:
         if worker.id not in self._metrics_only:
-            response = await self._get(worker, "/v1/loads?include=core", missing_ok=True)
+            response = await self._get(worker, "/v1/loads?include=core,disagg", missing_ok=True)
             if response.status_code != 404:
                 return parse_sglang_loads(response.content)
             logger.info("SGLang worker %s has no /v1/loads: reading /metrics", worker.public_url)

@@ -8,9 +8,9 @@ slot. At the global cap ``max_connections`` it first makes room: a connection th
 an error and is only waiting out its linger time goes first, then the longest-idle keep-alive
 connection (one between requests: its response sent, no byte of a next request received; or a
 new one that sent nothing yet) of the source that holds the most connections, so that a flood of
-connections from a few hosts loses its own before anyone else's; only when there is neither is the new one refused. An
-evicted keep-alive connection is closed as uvicorn's keep-alive timeout would close it; clients
-reconnect.
+connections from a few hosts loses its own before anyone else's; only when there is neither is
+the new one refused. An evicted keep-alive connection is closed as uvicorn's keep-alive timeout
+would close it; clients reconnect.
 
 Bookkeeping happens when a connection opens or closes and at request boundaries (a keep-alive
 connection becomes idle, or starts its next request), never per read or per chunk.

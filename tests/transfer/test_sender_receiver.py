@@ -617,6 +617,47 @@ async def test_receiver_cancel_fails_the_request(context: Ctx, registry: str) ->
         assert failed.value.pages_safe
 
 
+@contextlib.contextmanager
+def statuses_held(monkeypatch: pytest.MonkeyPatch, hold_s: float) -> Iterator[asyncio.Event]:
+    """Every ``TransferStatus`` waits ``hold_s`` before it is sent; the event is set when the
+    first one starts to (the prefill's call is then reporting)."""
+    reporting = asyncio.Event()
+    send = ControlPlane.send
+
+    async def held(self: ControlPlane, peer: Peer, msg: Any, **kw: Any) -> None:
+        if isinstance(msg, TransferStatus):
+            reporting.set()
+            await asyncio.sleep(hold_s)
+        await send(self, peer, msg, **kw)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ControlPlane, "send", held)
+        yield reporting
+
+
+@pytest.mark.parametrize("then_close", [False, True])
+async def test_final_status_survives_a_caller_cancelled_while_reporting(
+    context: Ctx, registry: str, monkeypatch: pytest.MonkeyPatch, then_close: bool
+) -> None:
+    # the prefill's request is cancelled (its client left) just as the call pushes Success:
+    # the decode still hears, at once, rather than withholding its pages until its deadline;
+    # closing the sender right after waits for that report
+    async with pair(context, registry) as p:
+        room = next(_rooms)
+        receiving = asyncio.create_task(p.receiver.request(room, p.addr, [4], 0, 5.0))
+        with statuses_held(monkeypatch, 0.1) as reporting:
+            sending = asyncio.create_task(p.sender.send(room, [4], 4, is_last_chunk=True))
+            await asyncio.wait_for(reporting.wait(), 2.0)
+            sending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sending
+            if then_close:
+                await p.sender.aclose()
+            result = await asyncio.wait_for(receiving, 2.0)
+        assert result.kv_bytes == p.decode.page_bytes * 4
+        assert_landed(p.prefill, p.decode, [4], [4])
+
+
 # --- control plane and rendezvous client on their own -----------------------------------------
 
 

@@ -198,6 +198,51 @@ def test_sglang_v1_loads_gives_each_dp_rank_its_own_load() -> None:
     }
 
 
+# An SGLang decode: its waiting queue holds requests whose KV arrived; those still waiting for
+# pages are its prealloc queue (waiting too), those receiving KV its transfer queue (not counted).
+SGLANG_DECODE_METRICS = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",engine_type="decode",model_name="qwen"} 3.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{dp_rank="0",engine_type="decode",model_name="qwen"} 1.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{dp_rank="0",engine_type="decode",model_name="qwen"} 0.97
+# TYPE sglang:num_decode_prealloc_queue_reqs gauge
+sglang:num_decode_prealloc_queue_reqs{dp_rank="0",engine_type="decode",model_name="qwen"} 4.0
+# TYPE sglang:num_decode_transfer_queue_reqs gauge
+sglang:num_decode_transfer_queue_reqs{dp_rank="0",engine_type="decode",model_name="qwen"} 2.0
+"""
+SGLANG_DECODE_LOADS = {
+    "loads": [
+        {
+            "dp_rank": 0,
+            "num_running_reqs": 3,
+            "num_waiting_reqs": 1,
+            "token_usage": 0.97,
+            "disaggregation": {
+                "mode": "decode",
+                "decode_prealloc_queue_reqs": 4,
+                "decode_transfer_queue_reqs": 2,
+                "decode_retracted_queue_reqs": 0,
+            },
+        }
+    ]
+}
+
+
+@pytest.mark.parametrize("separator", [":", "_"])
+def test_sglang_decode_counts_requests_waiting_for_pages_as_waiting(separator: str) -> None:
+    expected = {0: EngineLoad(running=3, waiting=5, kv_usage=0.97)}
+    text = SGLANG_DECODE_METRICS.replace("sglang:", f"sglang{separator}")
+    assert parse_sglang_metrics(text) == expected
+    assert parse_sglang_loads(json.dumps(SGLANG_DECODE_LOADS).encode()) == expected
+    # the prealloc queue alone is not a load: without the waiting queue the rank is unknown
+    without_queue = "\n".join(
+        line for line in SGLANG_DECODE_METRICS.splitlines() if "num_queue_reqs" not in line
+    )
+    assert parse_sglang_metrics(without_queue) == {0: None}
+
+
 @pytest.mark.parametrize(
     ("answer", "expected"),
     [
