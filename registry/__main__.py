@@ -2,7 +2,9 @@
 
 Its engine bootstrap paths accept sources in ``--bootstrap-allow`` only (default loopback) and
 check every rank registration (``registry.engine_api.rank_checks``); ``/admin`` and ``/store``
-keep their own auth (``--admin-token``, else loopback only).
+keep their own auth (``--admin-token``, else loopback only). It speaks HTTP/1.1 through h11,
+which bounds a request's head and a chunked body's trailers (16 KiB: 400 beyond) and never merges
+trailers into the request headers.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
+        http="h11",  # heads and trailers bounded, trailers dropped (httptools: neither)
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
 

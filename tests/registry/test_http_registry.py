@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -326,3 +327,27 @@ def test_two_routers_share_workers_through_a_registry_process() -> None:
         )
         process.send_signal(signal.SIGTERM)  # routers still watching: they must not hold it up
         process.wait(timeout=SHUTDOWN_GRACE_S + 2)
+
+
+def test_registry_serve_bounds_chunked_trailers_and_drops_them() -> None:
+    """An endless trailer section on ``registry serve`` is cut (h11's 16 KiB bound on a head or
+    trailer section) instead of being buffered without end."""
+    head = (
+        b"POST /admin/workers HTTP/1.1\r\nhost: registry\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n"
+    )
+    with _registry_process() as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head)
+            sent = 0
+            with contextlib.suppress(OSError):  # the registry closes the connection on us
+                while sent < 64 * 1024 * 1024:
+                    sock.sendall(b"x-trailer-%d: %s\r\n" % (sent, b"v" * 1000))
+                    sent += 1024
+            answer = b""
+            with contextlib.suppress(OSError):
+                while chunk := sock.recv(65536):
+                    answer += chunk
+        assert sent < 16 * 1024 * 1024, "the trailers were read on and on"
+        assert answer.startswith(b"HTTP/1.1 400 ") or answer == b"", answer[:200]
