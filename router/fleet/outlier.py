@@ -8,8 +8,10 @@ request path left in each worker's ``LegStats`` (two clock reads per leg, nothin
   than max(``overdue_floor_s``, ``overdue_factor`` x its recent leg latency) and no leg of it
   completed for that long either. A frozen engine (SIGSTOP, a wedged GPU) accepts connections
   and never answers while legs pile up; a busy one still completes legs, and one long prompt
-  alone on an idle prefill (a 100k-token prefill takes seconds) is no evidence. Decodes are
-  not judged by age: their legs last as long as the generation;
+  alone on an idle prefill (a 100k-token prefill takes seconds) is no evidence. Nor is a prefill
+  that answered a load read (``--load-interval``) within that time: its requests queue (for KV
+  pages, behind a long batch), it is not frozen. Decodes are not judged by age: their legs last
+  as long as the generation;
 - **timeouts**: its last ``consecutive_timeouts`` legs timed out (any role).
 
 Ejecting marks the worker down (``Worker.mark_down``): legs waiting on it end at once
@@ -90,6 +92,8 @@ class OutlierDetector:
         age = now - oldest
         if age <= allowance or now - legs.last_completed <= allowance:
             return None
+        if _answered_a_load_read(worker, now - allowance):
+            return None  # busy (its requests queue), not frozen: it still answers its metrics
         quiet = min(now - legs.last_completed, age)
         return "overdue", (
             f"no leg completed for {quiet:.1f}s while one has been in flight for {age:.1f}s "
@@ -130,3 +134,9 @@ class OutlierDetector:
         worker.mark_down(f"ejected by outlier detection: {reason}")
         if self._on_eject is not None:
             self._on_eject(role, kind)
+
+
+def _answered_a_load_read(worker: Worker, since: float) -> bool:
+    """Whether the engine answered a load read (``router.fleet.engine_load``) since ``since``: a
+    frozen engine answers nothing, a busy one whose requests queue for KV pages still does."""
+    return any(reading is not None and reading.at >= since for reading in worker.engine_load)

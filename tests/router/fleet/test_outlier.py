@@ -12,7 +12,7 @@ import pytest
 from router.fleet.health import HealthProber
 from router.fleet.outlier import OutlierDetector
 from router.settings import EngineProtocol, HealthSettings, OutlierSettings
-from router.workers import Role, Worker, WorkerPool
+from router.workers import EngineLoad, Role, Worker, WorkerPool
 
 
 class Clock:
@@ -95,6 +95,20 @@ def test_one_long_prompt_alone_on_an_idle_prefill_is_not_ejected() -> None:
     assert detector.check() == []
     alone.legs.started[1] = clock.now - 2.0  # a second leg piles up behind it: now it is
     assert detector.check() == [alone]
+
+
+def test_a_prefill_that_still_answers_its_load_reads_is_queueing_not_frozen() -> None:
+    """Legs piled up behind a full KV pool look overdue; an engine that answered a load read
+    within the allowance is alive. Once its reads stop too (frozen), it is ejected."""
+    clock, pool = Clock(), _pool()
+    queueing = pool.prefill[0]
+    detector, _ = _detector(pool, clock, overdue_floor_s=1.5)
+    _legs(queueing, started=[clock.now - 5.0] * 3, completed=clock.now - 5.0, latency=0.05)
+    load = EngineLoad(running=4, waiting=20, kv_usage=1.0)
+    queueing.record_engine_load([load], at=clock.now - 0.5, stale_after=3.0, dispatched=[0])
+    assert detector.check() == []
+    clock.now += 1.5  # no read answered since: frozen
+    assert detector.check() == [queueing]
 
 
 def test_the_allowance_follows_the_workers_own_latency() -> None:
