@@ -39,23 +39,10 @@ from router.settings import UpstreamSettings
 from router.upstream.base import UpstreamPool, UpstreamResponse
 from router.workers import Worker
 
-__all__ = ["Attempt", "AttemptKit", "check_status"]
+__all__ = ["Attempt", "AttemptKit"]
 
 _encode = msgspec.json.Encoder().encode
 _SSE_ERROR = b'data: {"error"'  # a stream whose first event is an error (vLLM, SGLang)
-
-
-def check_status(status: int, worker: Worker) -> None:
-    """An engine's status must be an HTTP one (100-599): any other (a broken engine or proxy)
-    fails the leg with a clean 502, as the client could not be given it."""
-    if not 100 <= status <= 599:
-        raise UpstreamUnavailable(
-            f"answered an invalid HTTP status {status}",
-            role=worker.role.value,
-            url=worker.public_url,
-            connect=False,
-            kind="invalid_answer",
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +126,6 @@ class Attempt:
             response = await upstream.open(self.request.endpoint.value, body, headers)
             if span is not None:
                 span.set("http.response.status_code", response.status)
-            if not 100 <= response.status <= 599:
-                await response.aclose()
-                check_status(response.status, worker)
             if self.request.stream and response.status < 400:
                 tail = await self._relay(response)
                 if self.prefill is not None:

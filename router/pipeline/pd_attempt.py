@@ -29,7 +29,7 @@ import msgspec
 
 from router.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
 from router.interrupt import ClientDisconnected, Interrupt, failure_of, reap
-from router.pipeline.attempt import Attempt, check_status
+from router.pipeline.attempt import Attempt
 from router.pipeline.prefill_answer import prefill_answer_body, prefill_answer_events
 from router.pipeline.verdicts import error_detail
 from router.upstream.base import UpstreamClient
@@ -199,7 +199,6 @@ class PDAttempt(Attempt):
             status, content = answer
             if span is not None:
                 span.set("http.response.status_code", status)
-            check_status(status, worker)
             if status >= 400:
                 raise UpstreamStatusError(
                     status, error_detail(content), role="prefill", url=worker.public_url

@@ -26,6 +26,7 @@ from router.interrupt import reap
 from router.pipeline.responder import Responder
 from router.schemas import ParsedRequest
 from router.types import Message
+from router.upstream.base import ANSWER_TOO_LARGE
 
 __all__ = ["SampleSplit"]
 
@@ -110,7 +111,7 @@ class SampleSplit:
                 role="decode",
                 url="",
                 connect=False,
-                kind="answer_too_large",
+                kind=ANSWER_TOO_LARGE,
             )
 
     async def relay_events(self, part: _Part) -> None:

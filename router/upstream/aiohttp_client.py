@@ -14,6 +14,7 @@ from router.upstream.base import (
     DEFAULT_HEADERS,
     answer_limit,
     answer_too_large,
+    invalid_status,
     transport_error,
 )
 from router.workers import Worker
@@ -148,7 +149,12 @@ class AiohttpUpstream:
             response = await self._client.post(self._url + path, data=body, headers=headers)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise_aiohttp_error(exc, self.worker, before_answer=True)
-        return _AiohttpResponse(response, self.worker, self._settings)
+        answer = _AiohttpResponse(response, self.worker, self._settings)
+        invalid = invalid_status(self.worker, answer.status)
+        if invalid is not None:
+            await answer.aclose()
+            raise invalid
+        return answer
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
         try:

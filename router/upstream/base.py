@@ -24,6 +24,7 @@ __all__ = [
     "UpstreamResponse",
     "answer_limit",
     "answer_too_large",
+    "invalid_status",
     "is_worker_fault",
     "transport_error",
 ]
@@ -87,6 +88,20 @@ ANSWER_TOO_LARGE = "answer_too_large"  # the kind of the error: no fault of the 
 def answer_limit(status: int, settings: UpstreamSettings) -> int:
     """The most bytes of an answer with ``status`` read whole: an error's are few."""
     return settings.max_error_answer_bytes if status >= 400 else settings.max_answer_bytes
+
+
+def invalid_status(worker: Worker, status: int) -> UpstreamError | None:
+    """The leg's error for a status outside HTTP's 100-599 (a broken engine or proxy), which
+    the client could not be given; None for an HTTP status."""
+    if 100 <= status <= 599:
+        return None
+    return UpstreamUnavailable(
+        f"answered an invalid HTTP status {status}",
+        role=worker.role.value,
+        url=worker.public_url,
+        connect=False,
+        kind="invalid_answer",
+    )
 
 
 def answer_too_large(worker: Worker, status: int, limit: int, size: int | None) -> UpstreamError:

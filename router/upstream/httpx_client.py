@@ -13,6 +13,7 @@ from router.upstream.base import (
     NODELAY,
     answer_limit,
     answer_too_large,
+    invalid_status,
     transport_error,
 )
 from router.upstream.lean_pool import LeanPoolTransport
@@ -112,7 +113,12 @@ class HttpxUpstream:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise_httpx_error(exc, self.worker)
-        return _HttpxResponse(response, self.worker, self._settings)
+        answer = _HttpxResponse(response, self.worker, self._settings)
+        invalid = invalid_status(self.worker, answer.status)
+        if invalid is not None:
+            await answer.aclose()
+            raise invalid
+        return answer
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
         request = self._client.build_request("GET", path, timeout=timeout)
