@@ -118,14 +118,17 @@ class PDAttempt(Attempt):
         try:
             with interrupt.on_done(prefill_task, prefill_outcome), self._kv_watch(interrupt):
                 await interrupt.guard(decode_call)
+            if not prefill_task.done():
+                await asyncio.wait((prefill_task,), timeout=self._kit.settings.prefill_grace_s)
             self._after_decode(prefill_task)
         finally:
             await reap(prefill_task)
 
     def _after_decode(self, prefill_task: asyncio.Task[bytes]) -> None:
-        """The decode's answer went to the client; its prefill leg is cancelled (by the
-        caller) if it still runs, so that the request's admission slot and in-flight counts
-        are released now, not when the prefill answers (up to --prefill-timeout). That is safe:
+        """The decode's answer went to the client; its prefill leg, if it still runs after
+        ``prefill_grace_s`` (its connection is kept when it answers in that time), is cancelled
+        (by the caller), so that the request's admission slot and in-flight counts are released
+        then, not when the prefill answers (up to --prefill-timeout). That is safe:
         a decode that generated had the KV (SGLang's prefill answers only once the transfer
         ended, vLLM Mooncake's once it finished and waits for the pull), so the prefill's
         request holds nothing the decode still needs. A 2xx decode counts as the prefill's

@@ -35,6 +35,11 @@ class UpstreamSettings(BaseModel):
     """seconds a streaming decode may take to send its first byte after its prefill answered;
     past it the KV cache is not coming (504): real engines wait 480-540 s for it. Also how long
     after the prefill's answer a plain request still counts as waiting for the KV"""
+    prefill_grace_s: float = Field(default=1.0, ge=0.0, json_schema_extra=_POOL)
+    """seconds a prefill leg still running when its decode served the client may take to
+    answer, so that its keep-alive connection is kept (the client has its whole answer by then:
+    only the request's admission slot waits); past it the leg is cancelled, its connection
+    closed"""
     max_connections: int = Field(default=2048, gt=0, json_schema_extra=_POOL)
     """connections to one worker"""
     max_keepalive: int = Field(default=512, ge=0, json_schema_extra=_POOL)
@@ -45,10 +50,11 @@ class UpstreamSettings(BaseModel):
     """retries on connect errors and on engines answering 429/503 (full), only before any byte
     reached the client, each with a new pair; when every try finds a full engine the client
     gets its 429/503"""
-    client: Literal["aiohttp", "httpx"] = Field(
-        default="aiohttp", json_schema_extra=cli("--upstream-client")
+    client: Literal["lean", "aiohttp", "httpx"] = Field(
+        default="lean", json_schema_extra=cli("--upstream-client")
     )
-    """HTTP client library for engine calls"""
+    """HTTP client for engine calls: `lean` (HTTP/1.1 keep-alive on asyncio protocols and
+    httptools, the least CPU per request), `aiohttp` or `httpx`"""
     max_answer_bytes: int = Field(
         default=256 * 1024 * 1024, gt=0, json_schema_extra=cli("--max-answer-bytes")
     )

@@ -15,6 +15,10 @@ __all__ = ["build_upstream"]
 
 def build_upstream(worker: Worker, settings: UpstreamSettings) -> UpstreamClient:
     """The configured implementation for ``worker``."""
+    if settings.client == "lean":
+        from router.upstream.lean_client import LeanUpstream
+
+        return LeanUpstream(worker, settings)
     if settings.client == "httpx":
         from router.upstream.httpx_client import HttpxUpstream
 

@@ -322,19 +322,24 @@ def test_one_debug_line_per_request_names_the_pair_and_the_transfer(
     caplog.set_level(logging.DEBUG, logger="router")
     response = post(cluster, "/v1/completions", COMPLETION, headers={"x-request-id": "abc123"})
     assert response.status_code == 200
-    lines = [
-        r.getMessage()
-        for r in caplog.records
-        if getattr(r, "request_id", None) == "abc123"
-        and cluster.prefill_urls[0] in r.getMessage()
-        and cluster.decode_urls[0] in r.getMessage()
-    ]
-    assert len(lines) == 1, caplog.text
+
+    def lines() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if getattr(r, "request_id", None) == "abc123"
+            and cluster.prefill_urls[0] in r.getMessage()
+            and cluster.decode_urls[0] in r.getMessage()
+        ]
+
+    # the line is written as the request ends, which may be just after the client got its answer
+    wait_until(lambda: lines(), 3, "the request's debug line")
+    assert len(lines()) == 1, caplog.text
     (p_record,) = cluster.prefills[0].records
     if engine == "vllm-mooncake":
-        assert p_record.body["kv_transfer_params"]["transfer_id"] in lines[0]
+        assert p_record.body["kv_transfer_params"]["transfer_id"] in lines()[0]
     elif engine == "sglang":
-        assert f"bootstrap_room={p_record.body['bootstrap_room']}" in lines[0]
+        assert f"bootstrap_room={p_record.body['bootstrap_room']}" in lines()[0]
 
 
 # --------------------------------------------------------------------------- SGLang n > 1

@@ -21,8 +21,8 @@ from testkit.polling import await_until
 from testkit.servers import run_server
 from tests.router.api.stub_engine import StubEngine
 
-Client = Literal["aiohttp", "httpx"]
-CLIENTS: list[Client] = ["aiohttp", "httpx"]
+Client = Literal["lean", "aiohttp", "httpx"]
+CLIENTS: list[Client] = ["lean", "aiohttp", "httpx"]
 MIB = 1 << 20
 HUGE = 256 * MIB  # what the stub would send: far more than read
 

@@ -12,7 +12,7 @@ from testkit.fake_engine import FakeConfig
 from testkit.polling import wait_until
 from tests.router.pipeline.test_protocols import COMPLETION, completion_text, sse_events
 
-CLIENTS = ["aiohttp", "httpx"]
+CLIENTS = ["lean", "aiohttp", "httpx"]
 
 
 @pytest.mark.parametrize("client", CLIENTS)
