@@ -14,21 +14,18 @@ Three sources, chosen by settings (``open_token_source``):
   timeout; a failure leaves that request to approximate routing.
 * neither: no token ids (approximate routing over ``features.request_text`` only).
 
-Repeated prefixes (a long system prompt, earlier turns) are cheap: the rendered text is split at
-added-token occurrences (the tokenizer itself splits there first, so encoding piece by piece is
-exact; checked once at load, else the cache is not used) and each piece's ids are kept in a
-bounded LRU. Encoding what the cache misses runs inline when short and in a worker thread
-(``tokenizers`` releases the GIL) when long, so a huge prompt does not stall the event loop.
+Repeated prefixes (a long system prompt, earlier turns, a completions prompt's shared preamble)
+are cheap: the text is cut at added tokens and, between them, at pre-tokenizer boundaries proven
+exact for the loaded tokenizer (``router.scheduling.prompt_pieces``), and each piece's ids are
+kept in a bounded LRU (``router.scheduling.segment_cache``). Encoding what the cache misses runs
+inline when short and in a worker thread when long, so a huge prompt does not stall the event
+loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import re
-from collections import OrderedDict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +37,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from registry.models import redact_url
+from router.scheduling.prompt_pieces import CHUNK_CHARS, PromptSplitter
+from router.scheduling.segment_cache import INLINE_ENCODE_CHARS, CachedEncoder
 from router.schemas import Endpoint, ParsedRequest
 from router.settings import CacheAwareSettings
 
@@ -55,10 +54,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Uncached text longer than this is encoded in a worker thread. Measured with a Qwen-style BPE
-# (151k vocab) on this project's shared 2-core machine: ~0.5-1.5 ms per 1,000 chars of English,
-# superlinear past 16k; a thread hop costs 0.1-0.5 ms. So about 4k chars (a few ms) inline.
-INLINE_ENCODE_CHARS = 4096
 RENDER_TIMEOUT_S = 5.0
 _RENDER_PATHS = {
     Endpoint.CHAT: "/v1/chat/completions/render",
@@ -123,38 +118,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-class _SegmentCache:
-    """A bounded LRU of text piece -> token ids."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, piece: str) -> tuple[int, ...] | None:
-        ids = self._entries.get(piece)
-        if ids is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(piece)
-        self.hits += 1
-        return ids
-
-    def put(self, piece: str, ids: tuple[int, ...]) -> None:
-        if self.capacity <= 0:
-            return
-        self._entries[piece] = ids
-        self._entries.move_to_end(piece)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
-
-
-class LocalTokenizer:
-    """A Hugging Face tokenizer directory, used exactly as the engines use it."""
+class LocalTokenizer(CachedEncoder):
+    """A Hugging Face tokenizer directory, used exactly as the engines use it: a
+    :class:`CachedEncoder` (``encode``/``aencode``, the piece cache) plus the chat template."""
 
     def __init__(
         self,
@@ -165,27 +131,21 @@ class LocalTokenizer:
         eos_token: str | None = None,
         cache_entries: int = 8192,
         inline_chars: int = INLINE_ENCODE_CHARS,
+        chunk_chars: int = CHUNK_CHARS,
     ) -> None:
-        self._tokenizer = tokenizer
+        splitter = PromptSplitter(tokenizer, chunk_chars=chunk_chars)
+        super().__init__(
+            tokenizer, splitter, cache_entries=cache_entries, inline_chars=inline_chars
+        )
         self._specials = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
         self._template = (
             None if chat_template is None else _environment().from_string(chat_template)
         )
-        self._inline_chars = inline_chars
-        self.cache = _SegmentCache(cache_entries)
-        self._added = self._splitting_tokens()
-        self._splitter = (
-            re.compile("(" + "|".join(re.escape(token) for token in self._added) + ")")
-            if self._added
-            else None
-        )
-        self._prefix, self._suffix = self._special_wrapping()
-        if self._splitter is not None and not self._segments_are_exact():
-            logger.warning("tokenizer: encoding split at added tokens is not exact; no cache")
-            self._splitter = None
 
     @classmethod
-    def from_dir(cls, path: str | Path, *, cache_entries: int = 8192) -> LocalTokenizer:
+    def from_dir(
+        cls, path: str | Path, *, cache_entries: int = 8192, chunk_chars: int = CHUNK_CHARS
+    ) -> LocalTokenizer:
         """Load ``tokenizer.json`` and ``tokenizer_config.json``; raises ValueError when the
         directory does not hold a usable tokenizer."""
         root = Path(path)
@@ -193,6 +153,9 @@ class LocalTokenizer:
             tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
         except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
             raise ValueError(f"cannot load {root / 'tokenizer.json'}: {exc}") from exc
+        # transformers turns these off per call unless asked for; so do the engines
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         config: dict[str, Any] = {}
         config_path = root / "tokenizer_config.json"
         if config_path.is_file():
@@ -210,6 +173,7 @@ class LocalTokenizer:
             bos_token=_token_text(config.get("bos_token")),
             eos_token=_token_text(config.get("eos_token")),
             cache_entries=cache_entries,
+            chunk_chars=chunk_chars,
         )
 
     async def tokens(self, request: ParsedRequest) -> list[int] | None:
@@ -241,90 +205,6 @@ class LocalTokenizer:
         except jinja2.TemplateError as exc:
             logger.debug("chat template failed, routing approximately: %s", exc)
             return None
-
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``, equal to ``Tokenizer.encode(text, add_special_tokens)``."""
-        pieces = self._pieces(text)
-        missing = [piece for piece, ids in pieces if ids is None]
-        return self._assemble(pieces, self._encode_pieces(missing), add_special_tokens)
-
-    async def aencode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """``encode``, in a worker thread when the uncached part is long."""
-        pieces = self._pieces(text)
-        missing = [piece for piece, ids in pieces if ids is None]
-        if sum(len(piece) for piece in missing) > self._inline_chars:
-            encoded = await asyncio.to_thread(self._encode_pieces, missing)
-        else:
-            encoded = self._encode_pieces(missing)
-        return self._assemble(pieces, encoded, add_special_tokens)
-
-    def _pieces(self, text: str) -> list[tuple[str, tuple[int, ...] | None]]:
-        if self._splitter is None:
-            return [(text, None)]
-        return [(piece, self.cache.get(piece)) for piece in self._splitter.split(text) if piece]
-
-    def _encode_pieces(self, pieces: Sequence[str]) -> list[tuple[int, ...]]:
-        if not pieces:
-            return []
-        batch = self._tokenizer.encode_batch(list(pieces), add_special_tokens=False)
-        return [tuple(encoding.ids) for encoding in batch]
-
-    def _assemble(
-        self,
-        pieces: list[tuple[str, tuple[int, ...] | None]],
-        encoded: list[tuple[int, ...]],
-        add_special_tokens: bool,
-    ) -> list[int]:
-        fresh = iter(encoded)
-        out: list[int] = list(self._prefix) if add_special_tokens else []
-        for piece, cached in pieces:
-            ids = cached
-            if ids is None:
-                ids = next(fresh)
-                if self._splitter is not None:
-                    self.cache.put(piece, ids)
-            out.extend(ids)
-        if add_special_tokens:
-            out.extend(self._suffix)
-        return out
-
-    def _splitting_tokens(self) -> list[str]:
-        """The added tokens text is split at (longest first). Tokens that strip whitespace,
-        match single words or are normalized stay inside pieces: the tokenizer handles them."""
-        return sorted(
-            {
-                token.content
-                for token in self._tokenizer.get_added_tokens_decoder().values()
-                if token.content
-                and not (token.lstrip or token.rstrip or token.single_word or token.normalized)
-            },
-            key=len,
-            reverse=True,
-        )
-
-    def _special_wrapping(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The ids the post-processor puts before and after a single sequence (BOS, EOS)."""
-        plain = self._tokenizer.encode("a", add_special_tokens=False).ids
-        full = self._tokenizer.encode("a", add_special_tokens=True).ids
-        for start in range(len(full) - len(plain) + 1):
-            if full[start : start + len(plain)] == plain:
-                return tuple(full[:start]), tuple(full[start + len(plain) :])
-        return (), ()
-
-    def _segments_are_exact(self) -> bool:
-        """Piecewise encoding equals whole-text encoding on a probe mixing added tokens."""
-        assert self._splitter is not None
-        probe = "Start here" + " Hello world!\n".join(["", *self._added[:3], ""]) + " tail\n\nend"
-        for special in (False, True):
-            whole = self._tokenizer.encode(probe, add_special_tokens=special).ids
-            pieces = [piece for piece in self._splitter.split(probe) if piece]
-            encoded = self._encode_pieces(pieces)
-            joined = [token for ids in encoded for token in ids]
-            if special:
-                joined = [*self._prefix, *joined, *self._suffix]
-            if joined != whole:
-                return False
-        return True
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
