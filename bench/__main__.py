@@ -31,12 +31,14 @@ class Benchmark:
 
 BENCHMARKS = (
     Benchmark("load.run", "the router vs a fake decode engine directly: req/s, latency, CPU/req"),
+    Benchmark("load.peers", "router CPU/req vs vllm-router, sglang-router; ledger; old build"),
     Benchmark("load.cluster_ttft", "end-to-end TTFT: pd-cluster 1P1D vs a co-located worker"),
     Benchmark("load.clients", "upstream HTTP client cost: httpx, httpx + lean pool, aiohttp"),
     Benchmark("load.loadgen", "the closed-loop HTTP/1.1 load generator (load.run drives it)"),
     Benchmark("load.demo", "no measurement: fake engines behind a real router, to try by hand"),
     Benchmark("routing.workload", "routing policies (ours, sglang-router's) on realistic traces"),
     Benchmark("routing.kv_index", "the router's KV block index: bytes per block, match/store time"),
+    Benchmark("routing.tokenize_cost", "tokenize time per request, shared prefix seen or cold"),
     Benchmark("discovery.registry", "registry: worker choice, watch propagation, registrations/s"),
     Benchmark("kv_tiers", "tiered KV cache: TTFT per tier, a workload with tiers, disk speed"),
     Benchmark("soak", "fault-matrix soak: recovery, clean outcomes, fd/task/RSS leaks"),

@@ -333,7 +333,7 @@ def test_one_debug_line_per_request_names_the_pair_and_the_transfer(
         ]
 
     # the line is written as the request ends, which may be just after the client got its answer
-    wait_until(lambda: lines(), 3, "the request's debug line")
+    wait_until(lambda: bool(lines()), 3, "the request's debug line")
     assert len(lines()) == 1, caplog.text
     (p_record,) = cluster.prefills[0].records
     if engine == "vllm-mooncake":
