@@ -32,8 +32,10 @@ closes that). Answers are the OpenAI error JSON with ``connection: close``; the 
 half-closes and discards what still comes for a moment, so that the client reads the answer
 instead of a reset. Refusals are counted and logged in one warning every 10 s at most.
 
-The module imports nothing from the router but ``connection_caps`` (only uvicorn and httptools),
-so that the standalone registry service can use it as well.
+Each response's head goes out with its first body bytes (``held_head``): one write fewer.
+
+The module imports nothing from the router but ``connection_caps`` and ``held_head`` (only
+uvicorn and httptools), so that the standalone registry service can use it as well.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router.server.connection_caps import ConnectionCaps
+from router.server.held_head import hold_head
 
 __all__ = ["HttpLimits", "LimitedHttpToolsProtocol", "limited_http_protocol"]
 
@@ -131,8 +134,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     _bodiless_bytes = 0  # received in the body phase since its data last moved (trailers)
     _discarded = 0  # bytes thrown away while closing
     _timed_flow: _TimedFlowControl
-
-    # -- connection --------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         source = _source_of(transport)
@@ -236,6 +237,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._bodiless_bytes = 0
         self._cancel_timer()
         super().on_headers_complete()
+        hold_head(self.cycle)
         upgrading = self.parser.should_upgrade() and self._should_upgrade()
         self._phase = _Phase.IDLE if upgrading else _Phase.BODY
 
