@@ -179,6 +179,7 @@ def _build_circuits(
         settings.breaker,
         live_ids=lambda: _live_ids(pool),
         on_transition=lambda scope, to: metrics.count(metrics.circuit_transitions, scope, to),
+        enabled=settings.features.breakers,
     )
 
 
@@ -204,7 +205,8 @@ def _build_telemetry(
         metrics=metrics,
         pairs=pairs,
         traffic=traffic,
-        accounting=RequestAccounting(metrics, traffic),
+        # the traffic window still exists (the status page shows it empty) when it is off
+        accounting=RequestAccounting(metrics, traffic if settings.features.traffic else None),
         tracer=build_tracer(settings.tracing),
     )
 
@@ -214,7 +216,8 @@ def _build_parts(settings: RouterSettings, tables: RankTables) -> _Parts:
     adapter = build_adapter(settings.engine)
     pool = _build_pool(settings.admission, adapter.needs_engine_ids)
     store, fleet, load_monitor = _build_fleet(settings, tables, pool)
-    metrics = RouterMetrics()
+    features = settings.features
+    metrics = RouterMetrics(enabled=features.metrics)
     cache = settings.cache
     index = KVBlockIndex(cache.max_indexed_blocks, cache.prediction_ttl_s)
     tree = ApproxPrefixTree(cache.approx_tree_max_chars)
@@ -243,6 +246,7 @@ def _build_parts(settings: RouterSettings, tables: RankTables) -> _Parts:
         pairs=telemetry.pairs,
         observability=settings.observability,
         circuits=circuits,
+        receipts=features.receipts,
     )
     outlier = OutlierDetector(
         pool,
@@ -306,13 +310,11 @@ async def open_context(
     try:
         await fleet.discovery.seed()
         pod_watcher = await _open_pod_watcher(settings, fleet.registry)
-        tasks = [
-            fleet.prober.run(),
-            fleet.discovery.run(),
-            parts.load_monitor.run(),
-            parts.kv.feed.run(),
-            parts.outlier.run(),
-        ]
+        features = settings.features
+        tasks = [fleet.discovery.run(), parts.kv.feed.run()]
+        tasks += [fleet.prober.run()] if features.health else []
+        tasks += [parts.load_monitor.run()] if features.engine_load else []
+        tasks += [parts.outlier.run()] if features.outliers else []
         if pod_watcher is not None:
             tasks.append(pod_watcher.run())
         background = _background(*tasks)

@@ -51,8 +51,9 @@ async def handle_completion(
 ) -> None:
     """Serve one completion request; never raises (errors are rendered to the client)."""
     started = time.monotonic()
+    settings = ctx.settings
     request_id, authorization, content_length, trace_context, bad_id = _read_headers(
-        scope, ctx.settings.server.max_request_id_bytes
+        scope, settings.server.max_request_id_bytes, settings.features.trace_headers
     )
     token = REQUEST_ID.set(request_id)
     responder = Responder(send, [(b"x-request-id", request_id.encode())])
@@ -115,6 +116,9 @@ async def _admit_and_route(
     disconnected = asyncio.ensure_future(receive())  # the client leaving, queued or served
     sequences = request.sample_count
     try:
+        if not ctx.settings.features.admission:  # the CPU ledger's "admission off"
+            await ctx.pipeline.handle(request, headers, responder, disconnected, receipt, span)
+            return
         await ctx.admission.acquire(disconnected, sequences)
         try:
             await ctx.pipeline.handle(request, headers, responder, disconnected, receipt, span)
@@ -179,7 +183,7 @@ async def _read_request(
 
 
 def _read_headers(
-    scope: Scope, max_id_bytes: int
+    scope: Scope, max_id_bytes: int, trace_headers: bool
 ) -> tuple[str, str | None, int | None, dict[str, str], InvalidRequest | None]:
     """The request id, authorization, content length, W3C trace context headers, and the 400
     owed for a bad X-Request-Id (the request then gets a generated id: a bad one is never
@@ -194,7 +198,7 @@ def _read_headers(
             authorization = value.decode("latin-1")
         elif name == b"content-length":
             length = value
-        elif name in _TRACE_HEADERS and len(value) <= _MAX_TRACE_HEADER:
+        elif trace_headers and name in _TRACE_HEADERS and len(value) <= _MAX_TRACE_HEADER:
             trace_context[name.decode()] = value.decode("latin-1")
     content_length = int(length) if length is not None and length.isdigit() else None
     bad_id = _check_request_id(raw_id, max_id_bytes)

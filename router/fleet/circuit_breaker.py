@@ -190,7 +190,9 @@ class Circuits:
         live_ids: Callable[[], Collection[str]] | None = None,
         clock: Clock = time.monotonic,
         on_transition: Callable[[str, CircuitState], None] | None = None,
+        enabled: bool = True,
     ) -> None:
+        self._enabled = enabled  # off: failures open no breaker
         self._worker_policy = worker_policy
         self._pair_policy = pair_policy
         self._live_ids = live_ids
@@ -232,6 +234,8 @@ class Circuits:
             entry[1].success()
 
     def worker_failure(self, worker: Worker, reason: str) -> None:
+        if not self._enabled:
+            return
         key = worker.id
         entry = self._workers.get(key)
         if entry is None:
@@ -249,7 +253,7 @@ class Circuits:
             entry[1].success()
 
     def pair_failure(self, prefill: Worker, decode: Worker, reason: str) -> None:
-        if self._pair_policy is None:
+        if self._pair_policy is None or not self._enabled:
             return
         key = (prefill.id, decode.id)
         entry = self._pairs.get(key)
@@ -318,10 +322,12 @@ def build_circuits(
     *,
     live_ids: Callable[[], Collection[str]] | None = None,
     on_transition: Callable[[str, CircuitState], None] | None = None,
+    enabled: bool = True,
 ) -> Circuits:
     """Worker breakers opening after ``health.failure_threshold`` failed requests in a row,
-    pair breakers after ``breaker.pair_failure_threshold`` (none when it is 0)."""
+    pair breakers after ``breaker.pair_failure_threshold`` (none when it is 0); none at all
+    when not ``enabled`` (the CPU ledger)."""
     worker = BreakerPolicy(health.failure_threshold, breaker.open_s, breaker.max_open_s)
     threshold = breaker.pair_failure_threshold
     pair = BreakerPolicy(threshold, breaker.open_s, breaker.max_open_s) if threshold else None
-    return Circuits(worker, pair, live_ids=live_ids, on_transition=on_transition)
+    return Circuits(worker, pair, live_ids=live_ids, on_transition=on_transition, enabled=enabled)

@@ -43,7 +43,8 @@ ADMISSION_REJECT_REASONS = ("queue_full", "queue_timeout", "worker_cap", "body_m
 class RouterMetrics:
     """Counters and histograms the request path updates, served at ``GET /metrics``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled  # off (the CPU ledger): the request path updates nothing
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, Labels], Counter | Histogram] = {}
         self._declare_request_stages(self.registry)
@@ -181,10 +182,12 @@ class RouterMetrics:
         return child
 
     def count(self, metric: Counter, *labels: str) -> None:
-        self._child(metric, labels).inc()  # type: ignore[union-attr]
+        if self.enabled:
+            self._child(metric, labels).inc()  # type: ignore[union-attr]
 
     def observe(self, metric: Histogram, value: float, *labels: str) -> None:
-        self._child(metric, labels).observe(value)  # type: ignore[union-attr]
+        if self.enabled:
+            self._child(metric, labels).observe(value)  # type: ignore[union-attr]
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -24,7 +24,7 @@ def _ms(seconds: float | None) -> str:
 
 
 class RequestAccounting:
-    def __init__(self, metrics: RouterMetrics, traffic: RecentTraffic) -> None:
+    def __init__(self, metrics: RouterMetrics, traffic: RecentTraffic | None) -> None:
         self._metrics = metrics
         self._traffic = traffic
 
@@ -39,19 +39,21 @@ class RequestAccounting:
     ) -> None:
         """``started``/``first_byte_at``: ``time.monotonic()`` of the request's arrival and of
         the response's start (0: none)."""
-        duration = time.monotonic() - started
         metrics = self._metrics
-        streamed = "true" if stream else "false"
-        metrics.count(metrics.requests, endpoint, str(status), streamed)
-        metrics.observe(metrics.request_seconds, duration, endpoint, streamed)
+        duration = time.monotonic() - started
         ttft = first_byte_at - started if stream and first_byte_at and status < 400 else None
-        if ttft is not None:
-            metrics.observe(metrics.ttft_seconds, ttft, endpoint)
-        if receipt.prefill_s is not None:
-            metrics.prefill_seconds.observe(receipt.prefill_s)
-        if receipt.kv_wait_s is not None:
-            metrics.kv_wait_seconds.observe(receipt.kv_wait_s)
-        self._traffic.record(status, ttft)
+        if metrics.enabled:
+            streamed = "true" if stream else "false"
+            metrics.count(metrics.requests, endpoint, str(status), streamed)
+            metrics.observe(metrics.request_seconds, duration, endpoint, streamed)
+            if ttft is not None:
+                metrics.observe(metrics.ttft_seconds, ttft, endpoint)
+            if receipt.prefill_s is not None:
+                metrics.prefill_seconds.observe(receipt.prefill_s)
+            if receipt.kv_wait_s is not None:
+                metrics.kv_wait_seconds.observe(receipt.kv_wait_s)
+        if self._traffic is not None:
+            self._traffic.record(status, ttft)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s status=%d prefill=%s dp_rank=%s decode=%s outcome=%s attempts=%d "

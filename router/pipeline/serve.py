@@ -80,7 +80,9 @@ class Pipeline:
         pairs: PairLedger | None = None,
         observability: ObservabilitySettings | None = None,
         circuits: Circuits | None = None,
+        receipts: bool = True,
     ) -> None:
+        self._receipts = receipts  # the x-pdr-* response headers
         self.circuits = circuits or build_circuits(health_settings, CircuitBreakerSettings())
         self._adapter = adapter
         self._metrics = metrics = metrics or RouterMetrics()
@@ -203,4 +205,5 @@ class Pipeline:
         receipt.route_s = route_s
         receipt.prefill_s = receipt.kv_wait_s = receipt.decode_error = None
         receipt.recomputed = False
-        responder.receipt_headers = receipt.headers()
+        if self._receipts:
+            responder.receipt_headers = receipt.headers()

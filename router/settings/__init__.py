@@ -8,13 +8,14 @@ The sections live in modules by concern: ``flags`` (those two helpers), ``server
 server's bounds, admission), ``upstream`` (connections, load, health, breakers), ``outlier``
 (request-path ejection), ``scheduling`` (policies, the KV-cache-aware choice), ``discovery``
 (the workers and where they come from), ``observability`` (logs, traffic, tracing),
-``registry_flags`` (the router's flags for ``registry.settings``) and ``root``
-(:class:`RouterSettings`); this module re-exports them.
+``features`` (switches for the CPU ledger), ``registry_flags`` (the router's flags for
+``registry.settings``) and ``root`` (:class:`RouterSettings`); this module re-exports them.
 """
 
 from __future__ import annotations
 
 from router.settings.discovery import EngineProtocol, KubernetesDiscoverySettings, WorkerSpec
+from router.settings.features import FeatureSettings
 from router.settings.flags import cli, env_only
 from router.settings.observability import LoggingSettings, ObservabilitySettings, TracingSettings
 from router.settings.outlier import OutlierSettings
@@ -33,6 +34,7 @@ __all__ = [
     "CacheAwareSettings",
     "CircuitBreakerSettings",
     "EngineProtocol",
+    "FeatureSettings",
     "HealthSettings",
     "KubernetesDiscoverySettings",
     "LoadSettings",

@@ -9,6 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from registry.settings import RegistrySettings
 from router.settings.discovery import EngineProtocol, KubernetesDiscoverySettings, WorkerSpec
+from router.settings.features import FeatureSettings
 from router.settings.flags import cli
 from router.settings.observability import LoggingSettings, ObservabilitySettings, TracingSettings
 from router.settings.outlier import OutlierSettings
@@ -72,6 +73,7 @@ class RouterSettings(BaseSettings):
     logging: LoggingSettings = LoggingSettings()
     observability: ObservabilitySettings = ObservabilitySettings()
     tracing: TracingSettings = TracingSettings()
+    features: FeatureSettings = FeatureSettings()
     discovery: Literal["static", "k8s"] = Field(
         default="static", json_schema_extra=cli("--discovery")
     )
