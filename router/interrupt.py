@@ -8,8 +8,7 @@ client left" into an exception raised where the decode leg is waiting, without a
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 __all__ = ["ClientDisconnected", "Interrupt", "failure_of", "reap"]
@@ -42,29 +41,18 @@ class Interrupt:
         self._armed = 0
         self._reason: BaseException | None = None
 
-    @contextlib.contextmanager
     def on_done(
         self,
         future: asyncio.Future[Any],
         reason_of: Callable[[asyncio.Future[Any]], BaseException | None],
-    ) -> Iterator[None]:
+    ) -> _Watch:
         """While the block runs, ``future`` finishing with a reason interrupts the task."""
+        return _Watch(self, future, reason_of)
 
-        def fire(done: asyncio.Future[Any]) -> None:
-            reason = reason_of(done)
-            if self._armed and reason is not None and self._reason is None:
-                self._reason = reason
-                self._task.cancel()
-
-        self._armed += 1
-        future.add_done_callback(fire)
-        try:
-            if future.done():
-                fire(future)
-            yield
-        finally:
-            self._armed -= 1
-            future.remove_done_callback(fire)
+    def _fire(self, reason: BaseException | None) -> None:
+        if self._armed and reason is not None and self._reason is None:
+            self._reason = reason
+            self._task.cancel()
 
     async def guard(self, call: Coroutine[Any, Any, Any]) -> Any:
         """Await ``call``; if interrupted, raise the reason instead of CancelledError."""
@@ -74,6 +62,36 @@ class Interrupt:
             if self._reason is None or self._task.uncancel() > 0:
                 raise  # a real cancellation (shutdown), not ours
             raise self._reason from None
+
+
+class _Watch:
+    """``Interrupt.on_done``'s block (a plain class: no generator per watch)."""
+
+    __slots__ = ("_future", "_interrupt", "_reason_of")
+
+    def __init__(
+        self,
+        interrupt: Interrupt,
+        future: asyncio.Future[Any],
+        reason_of: Callable[[asyncio.Future[Any]], BaseException | None],
+    ) -> None:
+        self._interrupt = interrupt
+        self._future = future
+        self._reason_of = reason_of
+
+    def _fire(self, done: asyncio.Future[Any]) -> None:
+        self._interrupt._fire(self._reason_of(done))
+
+    def __enter__(self) -> None:
+        self._interrupt._armed += 1
+        future = self._future
+        future.add_done_callback(self._fire)
+        if future.done():
+            self._fire(future)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._interrupt._armed -= 1
+        self._future.remove_done_callback(self._fire)
 
 
 async def reap(task: asyncio.Task[Any]) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -52,6 +50,40 @@ class LoadReading:
     fresh_until: float
     dispatched: int
     queued: float  # running + waiting, kept so that load_score adds nothing up
+
+
+class LegLoad:
+    """``Worker.load``'s block (a plain class: no generator per leg)."""
+
+    __slots__ = ("_leg", "_pending", "_ranks", "rank", "tokens", "worker")
+
+    def __init__(self, worker: Worker, rank: int, tokens: int) -> None:
+        self.worker = worker
+        self.rank = rank
+        self.tokens = tokens
+        self._ranks: list[int] | None = None
+        self._pending: list[int] = []
+        self._leg = 0
+
+    def __enter__(self) -> None:
+        worker, rank = self.worker, self.rank
+        worker.inflight += 1
+        ranks = worker.rank_inflight
+        if rank < len(ranks):
+            # kept: a layout change replaces the lists, the leg leaves the ones it entered
+            self._ranks, self._pending = ranks, worker.rank_pending_tokens
+            ranks[rank] += 1
+            worker.rank_dispatched[rank] += 1
+            self._pending[rank] += self.tokens
+        self._leg = worker.legs.begin()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        worker, rank, ranks = self.worker, self.rank, self._ranks
+        worker.legs.end(self._leg, completed=exc_type is None)
+        worker.inflight -= 1
+        if ranks is not None:
+            ranks[rank] -= 1
+            self._pending[rank] -= self.tokens
 
 
 @dataclass(eq=False, slots=True)
@@ -128,32 +160,12 @@ class Worker:
             self.rank_pending_tokens = [0] * dp_size
             self.engine_load = [None] * dp_size
 
-    @contextmanager
-    def load(self, rank: int = 0, tokens: int = 0) -> Iterator[None]:
+    def load(self, rank: int = 0, tokens: int = 0) -> LegLoad:
         """Count one in-flight request (and DP rank) for as long as the block runs, and one more
         request dispatched to the rank (credited to it until the engine's next load report);
         ``tokens``: the prompt tokens it is predicted to compute there, pending meanwhile. The
         leg's start and end go to ``legs`` (outlier detection)."""
-        self.inflight += 1
-        ranks = self.rank_inflight
-        pending = self.rank_pending_tokens
-        rank_ok = rank < len(ranks)
-        if rank_ok:
-            ranks[rank] += 1
-            self.rank_dispatched[rank] += 1
-            pending[rank] += tokens
-        legs = self.legs
-        leg = legs.begin()
-        completed = False
-        try:
-            yield
-            completed = True
-        finally:
-            legs.end(leg, completed=completed)
-            self.inflight -= 1
-            if rank_ok:
-                ranks[rank] -= 1
-                pending[rank] -= tokens  # the same list: a layout change replaced it
+        return LegLoad(self, rank, tokens)
 
     def pending_tokens(self, rank: int) -> int:
         """Prompt tokens this router's in-flight prefill legs at ``rank`` are predicted to

@@ -11,6 +11,7 @@ import logging
 import re
 import secrets
 import time
+from typing import Any
 
 from router.api.request_body import BodyShare, parse_in_turn, read_body
 from router.context import AppContext
@@ -33,7 +34,7 @@ from router.schemas import (
     RequestLimits,
     parse_request,
 )
-from router.types import Receive, Scope, Send
+from router.types import CLIENT_GONE, Receive, Scope, Send
 
 __all__ = ["HOT_ROUTES", "handle_completion"]
 
@@ -67,7 +68,8 @@ async def handle_completion(
         request = await _read_request(ctx, scope, receive, endpoint, content_length, share, bad_id)
         stream = request.stream
         headers = _upstream_headers(request_id, authorization, trace_context)
-        await _admit_and_route(ctx, request, headers, responder, receive, receipt, span)
+        disconnected = _client_gone(scope, receive)
+        await _admit_and_route(ctx, request, headers, responder, disconnected, receipt, span)
         status = responder.status or 500
     except ClientDisconnected:
         status = _CLIENT_GONE
@@ -107,13 +109,13 @@ async def _admit_and_route(
     request: ParsedRequest,
     headers: dict[str, str],
     responder: Responder,
-    receive: Receive,
+    disconnected: asyncio.Future[Any],
     receipt: RoutingReceipt,
     span: TraceSpan | None,
 ) -> None:
     """Wait for admission, a unit per sequence (429 when overloaded), then route; the units
-    are held until the response ended (a stream's last byte), whatever happens."""
-    disconnected = asyncio.ensure_future(receive())  # the client leaving, queued or served
+    are held until the response ended (a stream's last byte), whatever happens.
+    ``disconnected``: the client leaving, queued or served (cancelled at the end)."""
     sequences = request.sample_count
     try:
         if not ctx.settings.features.admission:  # the CPU ledger's "admission off"
@@ -126,6 +128,13 @@ async def _admit_and_route(
             ctx.admission.release(sequences)
     finally:
         disconnected.cancel()
+
+
+def _client_gone(scope: Scope, receive: Receive) -> asyncio.Future[Any]:
+    """Resolved when the client leaves: our server's future (``CLIENT_GONE``), else a task
+    waiting in ``receive()`` (whose next message, once the body is read, is the disconnect)."""
+    gone: asyncio.Future[Any] | None = scope.get(CLIENT_GONE)
+    return gone if gone is not None else asyncio.ensure_future(receive())
 
 
 def _upstream_headers(

@@ -11,8 +11,6 @@ and what an outcome means is ``router.pipeline.verdicts``'.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,18 +206,31 @@ class Attempt:
         span.set("pdr.worker", worker.public_url)
         return span
 
-    @contextlib.contextmanager
-    def _leg(self, worker: Worker, span: TraceSpan | None) -> Iterator[None]:
+    def _leg(self, worker: Worker, span: TraceSpan | None) -> _Leg:
         """One leg's call: a failure counts against its worker (when it is the worker's fault)
         and ends its span as failed; the span ends with the leg."""
-        try:
-            yield
-        except BaseException as exc:
+        return _Leg(self._kit.verdicts, worker, span)
+
+
+class _Leg:
+    """``Attempt._leg``'s block (a plain class: no generator per leg)."""
+
+    __slots__ = ("_span", "_verdicts", "_worker")
+
+    def __init__(self, verdicts: Verdicts, worker: Worker, span: TraceSpan | None) -> None:
+        self._verdicts = verdicts
+        self._worker = worker
+        self._span = span
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        span = self._span
+        if exc is not None:
             if isinstance(exc, UpstreamError):
-                self._kit.verdicts.record(worker, exc)
+                self._verdicts.record(self._worker, exc)
             if span is not None:
                 span.fail(exc)
-                span.end()
-            raise
         if span is not None:
             span.end()

@@ -32,9 +32,10 @@ closes that). Answers are the OpenAI error JSON with ``connection: close``; the 
 half-closes and discards what still comes for a moment, so that the client reads the answer
 instead of a reset. Refusals are counted and logged in one warning every 10 s at most.
 
-Each response's head goes out with its first body bytes (``held_head``): one write fewer.
+Each response's head goes out with its first body bytes, and the client leaving is a future
+in the scope (``lean_cycle``).
 
-The module imports nothing from the router but ``connection_caps`` and ``held_head`` (only
+The module imports nothing from the router but ``connection_caps`` and ``lean_cycle`` (only
 uvicorn and httptools), so that the standalone registry service can use it as well.
 """
 
@@ -52,7 +53,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router.server.connection_caps import ConnectionCaps
-from router.server.held_head import hold_head
+from router.server.lean_cycle import lean_cycle
 
 __all__ = ["HttpLimits", "LimitedHttpToolsProtocol", "limited_http_protocol"]
 
@@ -237,7 +238,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._bodiless_bytes = 0
         self._cancel_timer()
         super().on_headers_complete()
-        hold_head(self.cycle)
+        lean_cycle(self.cycle, self.loop)
         upgrading = self.parser.should_upgrade() and self._should_upgrade()
         self._phase = _Phase.IDLE if upgrading else _Phase.BODY
 

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import pytest
+import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from router.server.held_head import HeldHeadCycle
+from router.server.http_limits import HttpLimits, limited_http_protocol
+from router.server.lean_cycle import LeanCycle
+from router.types import CLIENT_GONE, Receive, Scope, Send
+from testkit.polling import wait_until
+from testkit.servers import TestServer, serving
 
 
 class _Transport:
@@ -31,9 +37,9 @@ class _Transport:
     def resume_reading(self) -> None: ...
 
 
-def _cycle(transport: _Transport, *, keep_alive: bool = True) -> HeldHeadCycle:
+def _cycle(transport: _Transport, *, keep_alive: bool = True) -> LeanCycle:
     scope = {"type": "http", "method": "POST", "path": "/", "http_version": "1.1"}
-    return HeldHeadCycle(
+    return LeanCycle(
         scope=scope,  # type: ignore[arg-type]
         transport=transport,  # type: ignore[arg-type]
         flow=FlowControl(transport),  # type: ignore[arg-type]
@@ -89,3 +95,32 @@ async def test_uvicorns_checks_still_apply_to_the_head() -> None:
     bad = [(b"x-bad", b"a\r\nb")]
     with pytest.raises(RuntimeError, match="Invalid HTTP header value"):
         await cycle.send({"type": "http.response.start", "status": 200, "headers": bad})
+
+
+def test_the_client_leaving_resolves_the_scope_future_on_the_routers_server() -> None:
+    """Served with the router's protocol: a request learns that its client left from a future
+    in its scope, without a task blocked in ``receive()``."""
+    seen: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        gone = scope[CLIENT_GONE]
+        seen.append("waiting")
+        await asyncio.wait_for(gone, 5.0)
+        seen.append("gone")
+
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        http=limited_http_protocol(HttpLimits()),
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+    )
+    with serving([TestServer(config)], 10.0) as (port,):
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+            wait_until(lambda: seen == ["waiting"], 5, "the request waiting")
+        wait_until(lambda: seen == ["waiting", "gone"], 5, "the client's leaving seen")

@@ -1,20 +1,27 @@
-"""Fewer writes per response: the status line and headers go out with the first body bytes.
+"""uvicorn's request/response cycle, leaner on the hot path.
 
-uvicorn writes a response's head as soon as the application sends ``http.response.start`` and
+* Fewer writes per response: the status line and headers go out with the first body bytes.
+  uvicorn writes a response's head as soon as the application sends ``http.response.start`` and
 each body message as it comes: two socket writes (two system calls, each one the kernel's
-loopback delivery too) for a whole answer, one more than needed. ``HeldHeadCycle`` keeps the
-head uvicorn built (with all of uvicorn's checks) and writes it together with the next body
-message. This router sends the first body message right after the start, always (a relay
-starts its response only once the first chunk is in hand), so no head waits for anything.
+loopback delivery too) for a whole answer, one more than needed. ``LeanCycle`` keeps the
+  head uvicorn built (with all of uvicorn's checks) and writes it together with the next body
+  message. This router sends the first body message right after the start, always (a relay
+  starts its response only once the first chunk is in hand), so no head waits for anything.
+* The client leaving is a future in the scope (``router.types.CLIENT_GONE``), resolved when
+  uvicorn marks the cycle disconnected, so that a request needs no task of its own blocked in
+  ``receive()`` to notice it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-__all__ = ["HeldHeadCycle", "hold_head"]
+from router.types import CLIENT_GONE
+
+__all__ = ["LeanCycle", "lean_cycle"]
 
 
 class _Capture:
@@ -50,10 +57,23 @@ class _Prefixed:
         self._transport.close()
 
 
-class HeldHeadCycle(RequestResponseCycle):
-    """uvicorn's request/response cycle, its response head written with the first body."""
+class LeanCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle, its response head written with the first body, the
+    client leaving a future in its scope."""
 
     _held: bytes = b""
+
+    @property
+    def disconnected(self) -> bool:
+        return bool(self.__dict__.get("disconnected", False))
+
+    @disconnected.setter
+    def disconnected(self, value: bool) -> None:
+        self.__dict__["disconnected"] = value
+        scope: dict[str, Any] = self.scope  # type: ignore[assignment]
+        gone: asyncio.Future[None] | None = scope.get(CLIENT_GONE)
+        if value and gone is not None and not gone.done():
+            gone.set_result(None)
 
     async def send(self, message: Any) -> None:
         if self.response_started or message["type"] != "http.response.start":
@@ -78,7 +98,12 @@ class HeldHeadCycle(RequestResponseCycle):
         self._held = capture.data
 
 
-def hold_head(cycle: RequestResponseCycle | None) -> None:
-    """Make uvicorn's new cycle (None after an upgrade request) hold its response's head."""
+def lean_cycle(cycle: RequestResponseCycle | None, loop: asyncio.AbstractEventLoop) -> None:
+    """Make uvicorn's new cycle (None after an upgrade request) a ``LeanCycle``."""
     if cycle is not None and type(cycle) is RequestResponseCycle:
-        cycle.__class__ = HeldHeadCycle
+        gone = loop.create_future()
+        scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
+        scope[CLIENT_GONE] = gone
+        if cycle.disconnected:
+            gone.set_result(None)
+        cycle.__class__ = LeanCycle
