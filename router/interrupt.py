@@ -54,14 +54,25 @@ class Interrupt:
             self._reason = reason
             self._task.cancel()
 
+    def after(self, delay_s: float, reason: Callable[[], BaseException]) -> _Deadline:
+        """While the block runs, ``delay_s`` passing interrupts the task with ``reason()`` (one
+        timer: cheaper than ``asyncio.timeout``)."""
+        return _Deadline(self, delay_s, reason)
+
     async def guard(self, call: Coroutine[Any, Any, Any]) -> Any:
         """Await ``call``; if interrupted, raise the reason instead of CancelledError."""
         try:
             return await call
-        except asyncio.CancelledError:
-            if self._reason is None or self._task.uncancel() > 0:
-                raise  # a real cancellation (shutdown), not ours
-            raise self._reason from None
+        except asyncio.CancelledError as cancelled:
+            raise self.reason(cancelled) from None
+
+    def reason(self, cancelled: asyncio.CancelledError) -> BaseException:
+        """What a guarded block raises for ``cancelled``: the interrupt's reason when it was
+        ours, else the cancellation itself (a real one: shutdown, the caller). For blocks that
+        await without ``guard``'s extra coroutine."""
+        if self._reason is None or self._task.uncancel() > 0:
+            return cancelled
+        return self._reason
 
 
 class _Watch:
@@ -92,6 +103,33 @@ class _Watch:
     def __exit__(self, *exc_info: object) -> None:
         self._interrupt._armed -= 1
         self._future.remove_done_callback(self._fire)
+
+
+class _Deadline:
+    """``Interrupt.after``'s block."""
+
+    __slots__ = ("_delay_s", "_handle", "_interrupt", "_reason")
+
+    def __init__(
+        self, interrupt: Interrupt, delay_s: float, reason: Callable[[], BaseException]
+    ) -> None:
+        self._interrupt = interrupt
+        self._delay_s = delay_s
+        self._reason = reason
+        self._handle: asyncio.TimerHandle | None = None
+
+    def _fire(self) -> None:
+        self._interrupt._fire(self._reason())
+
+    def __enter__(self) -> None:
+        self._interrupt._armed += 1
+        loop = asyncio.get_running_loop()
+        self._handle = loop.call_later(self._delay_s, self._fire)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._interrupt._armed -= 1
+        if self._handle is not None:
+            self._handle.cancel()
 
 
 async def reap(task: asyncio.Task[Any]) -> None:

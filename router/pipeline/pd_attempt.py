@@ -32,7 +32,6 @@ from router.interrupt import ClientDisconnected, Interrupt, failure_of, reap
 from router.pipeline.attempt import Attempt
 from router.pipeline.prefill_answer import prefill_answer_body, prefill_answer_events
 from router.pipeline.verdicts import error_detail
-from router.upstream.base import UpstreamClient
 from router.workers import Worker
 
 __all__ = ["PDAttempt"]
@@ -117,9 +116,12 @@ class PDAttempt(Attempt):
         interrupt = Interrupt()
         try:
             with interrupt.on_done(prefill_task, prefill_outcome), self._kv_watch(interrupt):
-                await interrupt.guard(decode_call)
+                try:
+                    await decode_call
+                except asyncio.CancelledError as cancelled:
+                    raise interrupt.reason(cancelled) from None
             if not prefill_task.done():
-                await asyncio.wait((prefill_task,), timeout=self._kit.settings.prefill_grace_s)
+                await _ended_or_after(prefill_task, self._kit.settings.prefill_grace_s)
             self._after_decode(prefill_task)
         finally:
             await reap(prefill_task)
@@ -194,12 +196,20 @@ class PDAttempt(Attempt):
             span.set("pdr.dp_rank", rank)
             headers = {**headers, **span.headers()}
         started = time.perf_counter()
+        timeout_s = self._kit.settings.prefill_timeout_s
         with worker.load(rank, self.prefill_tokens), self._leg(worker, span):
-            interrupt = Interrupt()  # a prefill marked down (frozen, gone) ends its leg now
-            with interrupt.on_done(worker.loss_signal(), partial(_lost_during_prefill, worker)):
-                call = self._post_whole(upstream, body, headers)
-                answer: tuple[int, bytes] = await interrupt.guard(call)
-            status, content = answer
+            # a prefill marked down (frozen, gone), or the leg's deadline passing, ends it now
+            interrupt = Interrupt()
+            with (
+                interrupt.on_done(worker.loss_signal(), partial(_lost_during_prefill, worker)),
+                interrupt.after(timeout_s, partial(_overdue, worker, timeout_s)),
+            ):
+                try:
+                    response = await upstream.open(self.request.endpoint.value, body, headers)
+                    content = await response.read()
+                except asyncio.CancelledError as cancelled:
+                    raise interrupt.reason(cancelled) from None
+            status = response.status
             if span is not None:
                 span.set("http.response.status_code", status)
             if status >= 400:
@@ -209,23 +219,6 @@ class PDAttempt(Attempt):
         self.receipt.prefill_s = time.perf_counter() - started
         self._kit.verdicts.record(worker, None)
         return content
-
-    async def _post_whole(
-        self, upstream: UpstreamClient, body: bytes, headers: dict[str, str]
-    ) -> tuple[int, bytes]:
-        """POST and read the whole answer within the prefill's total deadline."""
-        settings = self._kit.settings
-        try:
-            async with asyncio.timeout(settings.prefill_timeout_s):
-                response = await upstream.open(self.request.endpoint.value, body, headers)
-                return response.status, await response.read()
-        except TimeoutError as exc:
-            worker = upstream.worker
-            raise UpstreamTimeout(
-                f"no complete answer within {settings.prefill_timeout_s:g}s",
-                role=worker.role.value,
-                url=worker.public_url,
-            ) from exc
 
 
 class _PrefillCompleted(Exception):
@@ -247,6 +240,33 @@ def _prefill_json(answer: bytes, prefill: Worker) -> Any:
             connect=False,
             kind="invalid_answer",
         ) from exc
+
+
+async def _ended_or_after(task: asyncio.Task[Any], delay_s: float) -> None:
+    """Until ``task`` ended or ``delay_s`` passed (``asyncio.wait`` for one task, lighter)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    task.add_done_callback(wake)
+    timer = loop.call_later(delay_s, wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        task.remove_done_callback(wake)
+
+
+def _overdue(worker: Worker, timeout_s: float) -> BaseException:
+    """The prefill leg's total deadline passed."""
+    return UpstreamTimeout(
+        f"no complete answer within {timeout_s:g}s",
+        role=worker.role.value,
+        url=worker.public_url,
+    )
 
 
 def _lost_during_prefill(worker: Worker, signal: asyncio.Future[str]) -> BaseException:

@@ -119,8 +119,7 @@ class _TimedFlowControl(FlowControl):
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with ``limits`` enforced; bind them with
-    ``limited_http_protocol``."""
+    """uvicorn's httptools protocol with ``limits`` enforced (``limited_http_protocol``)."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
     caps: ClassVar[ConnectionCaps] = ConnectionCaps(HttpLimits().max_connections, 0)
@@ -252,6 +251,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._phase = _Phase.IDLE
         self._cancel_timer()
         super().on_message_complete()
+        if not self.pipeline:  # the body is in: read on to see the client leave (CLIENT_GONE)
+            self.flow.resume_reading()
         cycle = self.cycle  # None after an upgrade request
         if cycle is not None and cycle.response_complete and not self.transport.is_closing():
             self.caps.idle(self, self._source)  # answered before its body ended: idle from now

@@ -64,14 +64,28 @@ class LeanUpstream:
 
     # --- the seam ---------------------------------------------------------------------------
 
-    async def open(self, path: str, body: bytes, headers: dict[str, str]) -> LeanAnswer:
-        head = self._head(b"POST", path, headers, len(body))
-        return await self._exchange(head, body)
+    async def open(
+        self, path: str, body: bytes, headers: dict[str, str], *, method: bytes = b"POST"
+    ) -> LeanAnswer:
+        """Send on a pooled (else new) connection; the answer once its head arrived."""
+        head = self._head(method, path, headers, len(body) if method == b"POST" else None)
+        conn = self._idle_connection() or await self._acquire()
+        answer = conn.send(head, body, self._limit)
+        try:
+            await answer.headers()
+        except BaseException:
+            await answer.aclose()
+            raise
+        invalid = invalid_status(self.worker, answer.status)
+        if invalid is not None:
+            await answer.aclose()
+            raise invalid
+        return answer
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
         try:
             async with asyncio.timeout(timeout):
-                answer = await self._exchange(self._head(b"GET", path, {}, None), b"")
+                answer = await self.open(path, b"", {}, method=b"GET")
                 return answer.status, await answer.read()
         except TimeoutError as exc:
             raise transport_error(exc, self.worker, connect_failed=False, timed_out=True) from exc
@@ -109,24 +123,10 @@ class LeanUpstream:
             )
         )
 
-    async def _exchange(self, head: bytes, body: bytes) -> LeanAnswer:
-        """Send on a pooled (else new) connection; the answer once its head arrived."""
-        conn = await self._acquire()
-        answer = conn.send(head, body, self._limit)
-        try:
-            await answer.headers()
-        except BaseException:
-            await answer.aclose()
-            raise
-        invalid = invalid_status(self.worker, answer.status)
-        if invalid is not None:
-            await answer.aclose()
-            raise invalid
-        return answer
-
     # --- the pool ---------------------------------------------------------------------------
 
-    async def _acquire(self) -> LeanConnection:
+    def _idle_connection(self) -> LeanConnection | None:
+        """The most recently used idle connection still open and within the keep-alive."""
         idle, keep_s = self._idle, self._settings.keepalive_s
         while idle:
             conn = idle.pop()
@@ -135,13 +135,18 @@ class LeanUpstream:
             if time.monotonic() - conn.idle_since > keep_s:
                 conn.abort()
                 self._drop_stale_idle()
-                break
+                return None
             self._busy_add(conn)
             return conn
+        return None
+
+    async def _acquire(self) -> LeanConnection:
+        """A new connection, once there is room for one (or an idle one freed meanwhile)."""
         while len(self._busy) + self._opening >= self._settings.max_connections:
             await self._wait_for_room()
-            if self._idle:
-                return await self._acquire()
+            conn = self._idle_connection()
+            if conn is not None:
+                return conn
         return await self._connect()
 
     def _drop_stale_idle(self) -> None:

@@ -104,15 +104,18 @@ class LeanAnswer:
 
     # --- what the reader does ---------------------------------------------------------------
 
-    async def _next(self) -> None:
-        """Until the connection tells something new; raises the answer's failure."""
+    def _next(self) -> asyncio.Future[None]:
+        """A future resolved when the connection tells something new (awaited by the reader,
+        who then calls ``_check``); raises the answer's failure."""
         if self._error is not None:
             raise self._error
         conn = self._conn
-        if conn is not None:
-            conn.reader_waits()
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
-        await waiter
+        assert conn is not None  # else complete or failed
+        conn.last_io = time.monotonic()
+        waiter = self._waiter = conn.loop.create_future()
+        return waiter
+
+    def _check(self) -> None:
         if self._error is not None:
             raise self._error
 
@@ -120,6 +123,7 @@ class LeanAnswer:
         """Until the status and headers arrived."""
         while self.status == 0:
             await self._next()
+            self._check()
 
     def _take(self) -> bytes:
         pieces = self._pieces
@@ -140,6 +144,7 @@ class LeanAnswer:
                 return
             else:
                 await self._next()
+                self._check()
 
     def at_eof(self) -> bool:
         return self.complete and not self._pieces
@@ -153,6 +158,7 @@ class LeanAnswer:
                 if self._size > limit:
                     raise self._too_large(limit, None)
                 await self._next()
+                self._check()
             if self._size > limit:
                 raise self._too_large(limit, None)
             return self._take()
@@ -190,6 +196,7 @@ class LeanConnection(asyncio.Protocol):
         "closed",
         "idle_since",
         "last_io",
+        "loop",
         "transport",
         "worker",
     )
@@ -201,6 +208,7 @@ class LeanConnection(asyncio.Protocol):
         on_closed: Callable[[LeanConnection], None],
     ) -> None:
         self.worker = worker
+        self.loop = asyncio.get_running_loop()
         self._on_idle = on_idle
         self._on_closed = on_closed
         self._parser = httptools.HttpResponseParser(self)
@@ -298,9 +306,6 @@ class LeanConnection(asyncio.Protocol):
         else:
             transport.write(head)
         return answer
-
-    def reader_waits(self) -> None:
-        self.last_io = time.monotonic()
 
     def reader_took(self) -> None:
         """The reader emptied the answer's buffer: read the socket again if it was paused."""

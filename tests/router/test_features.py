@@ -43,8 +43,9 @@ def test_breakers_switch(make_cluster: FakeClusterFactory, on: bool) -> None:
         "vllm-mooncake",
         features={"breakers": on},
         health={"interval_s": 60.0, "failure_threshold": 2},
-        config=lambda: FakeConfig(check_kv=False, fail_status=500),
+        config=lambda: FakeConfig(check_kv=False),
     )
+    cluster.decodes[0].config.fail_status = 500
     with cluster.client() as client:
         statuses = [client.post("/v1/completions", json=COMPLETION).status_code for _ in range(3)]
     # on: the breakers opened after two failures and the third request found no worker
