@@ -121,10 +121,13 @@ class Attempt:
         if span is not None:
             headers = {**headers, **span.headers()}
         with worker.load(), self._leg(worker, span):
-            response = await upstream.open(self.request.endpoint.value, body, headers)
+            stream = self.request.stream
+            response = await upstream.open(
+                self.request.endpoint.value, body, headers, whole=not stream
+            )
             if span is not None:
                 span.set("http.response.status_code", response.status)
-            if self.request.stream and response.status < 400:
+            if stream and response.status < 400:
                 tail = await self._relay(response)
                 if self.prefill is not None:
                     self._check_recompute(prompt_usage_in_sse(tail))

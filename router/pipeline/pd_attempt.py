@@ -205,7 +205,8 @@ class PDAttempt(Attempt):
                 interrupt.after(timeout_s, partial(_overdue, worker, timeout_s)),
             ):
                 try:
-                    response = await upstream.open(self.request.endpoint.value, body, headers)
+                    path = self.request.endpoint.value
+                    response = await upstream.open(path, body, headers, whole=True)
                     content = await response.read()
                 except asyncio.CancelledError as cancelled:
                     raise interrupt.reason(cancelled) from None

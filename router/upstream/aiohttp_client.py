@@ -144,7 +144,9 @@ class AiohttpUpstream:
             self._session = self._open_session()
         return self._session
 
-    async def open(self, path: str, body: bytes, headers: dict[str, str]) -> _AiohttpResponse:
+    async def open(
+        self, path: str, body: bytes, headers: dict[str, str], *, whole: bool = False
+    ) -> _AiohttpResponse:
         try:
             response = await self._client.post(self._url + path, data=body, headers=headers)
         except (TimeoutError, aiohttp.ClientError) as exc:

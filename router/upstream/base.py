@@ -69,8 +69,12 @@ class UpstreamClient(Protocol):
 
     worker: Worker
 
-    async def open(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        """POST ``body``; returns once status and headers arrived. Raises UpstreamError."""
+    async def open(
+        self, path: str, body: bytes, headers: dict[str, str], *, whole: bool = False
+    ) -> UpstreamResponse:
+        """POST ``body``; returns once status and headers arrived. Raises UpstreamError.
+        ``whole``: the caller will read the whole answer, so the client may return only once
+        all of it arrived (still bounded by ``answer_limit``)."""
         ...
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:

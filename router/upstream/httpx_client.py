@@ -107,7 +107,9 @@ class HttpxUpstream:
             base_url=worker.url, timeout=timeout, headers=DEFAULT_HEADERS, transport=transport
         )
 
-    async def open(self, path: str, body: bytes, headers: dict[str, str]) -> _HttpxResponse:
+    async def open(
+        self, path: str, body: bytes, headers: dict[str, str], *, whole: bool = False
+    ) -> _HttpxResponse:
         request = self._client.build_request("POST", path, content=body, headers=headers)
         try:
             response = await self._client.send(request, stream=True)

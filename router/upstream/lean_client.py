@@ -65,12 +65,19 @@ class LeanUpstream:
     # --- the seam ---------------------------------------------------------------------------
 
     async def open(
-        self, path: str, body: bytes, headers: dict[str, str], *, method: bytes = b"POST"
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        whole: bool = False,
+        method: bytes = b"POST",
     ) -> LeanAnswer:
-        """Send on a pooled (else new) connection; the answer once its head arrived."""
+        """Send on a pooled (else new) connection; the answer once its head arrived (``whole``:
+        once all of it arrived, one wake-up instead of two)."""
         head = self._head(method, path, headers, len(body) if method == b"POST" else None)
         conn = self._idle_connection() or await self._acquire()
-        answer = conn.send(head, body, self._limit)
+        answer = conn.send(head, body, self._limit, whole=whole)
         try:
             await answer.headers()
         except BaseException:
@@ -85,7 +92,7 @@ class LeanUpstream:
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
         try:
             async with asyncio.timeout(timeout):
-                answer = await self.open(path, b"", {}, method=b"GET")
+                answer = await self.open(path, b"", {}, whole=True, method=b"GET")
                 return answer.status, await answer.read()
         except TimeoutError as exc:
             raise transport_error(exc, self.worker, connect_failed=False, timed_out=True) from exc

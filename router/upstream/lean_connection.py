@@ -53,14 +53,18 @@ class LeanAnswer:
         "_size",
         "_streaming",
         "_waiter",
+        "_whole_cap",
         "complete",
         "content_type",
         "status",
     )
 
-    def __init__(self, conn: LeanConnection, limit: Callable[[int], int]) -> None:
+    def __init__(self, conn: LeanConnection, limit: Callable[[int], int], *, whole: bool) -> None:
         self._conn: LeanConnection | None = conn
         self._limit = limit
+        # read whole: the reader wakes only once the answer ended, so the connection bounds it
+        # (``limit`` of its status, known with the head); -1: not whole
+        self._whole_cap = 0 if whole else -1
         self._pieces: list[bytes] = []
         self._size = 0
         self._length: int | None = None
@@ -82,14 +86,34 @@ class LeanAnswer:
 
     def headed(self, status: int, content_type: bytes, length: int | None) -> None:
         self.status, self.content_type, self._length = status, content_type, length
-        self._wake()
+        if self._whole_cap < 0:
+            self._wake()
+            return
+        cap = self._whole_cap = self._limit(status)
+        if length is not None and length > cap:
+            self._refuse(cap, length)
 
     def body(self, data: bytes) -> None:
         self._pieces.append(data)
         self._size += len(data)
+        cap = self._whole_cap
+        if cap >= 0:
+            if self._size > cap:
+                self._refuse(cap, None)
+            return
         if self._streaming and self._size > PAUSE_BYTES and self._conn is not None:
             self._conn.pause()
         self._wake()
+
+    def _refuse(self, cap: int, length: int | None) -> None:
+        """A whole answer over its bound: failed now, its connection closed, nothing more read."""
+        conn = self._conn
+        if conn is not None and self._error is None:
+            self._error = answer_too_large(conn.worker, self.status, cap, length)
+            self._conn = None
+            self._pieces.clear()
+            conn.abort()
+            self._wake()
 
     def ended(self) -> None:
         self.complete = True
@@ -120,7 +144,12 @@ class LeanAnswer:
             raise self._error
 
     async def headers(self) -> None:
-        """Until the status and headers arrived."""
+        """Until the status and headers arrived (read whole: until the answer ended)."""
+        if self._whole_cap >= 0:
+            while not self.complete:
+                await self._next()
+                self._check()
+            return
         while self.status == 0:
             await self._next()
             self._check()
@@ -295,9 +324,11 @@ class LeanConnection(asyncio.Protocol):
 
     # --- the client's side ------------------------------------------------------------------
 
-    def send(self, head: bytes, body: bytes, limit: Callable[[int], int]) -> LeanAnswer:
+    def send(
+        self, head: bytes, body: bytes, limit: Callable[[int], int], *, whole: bool
+    ) -> LeanAnswer:
         """Write one request; its answer (status and headers still to come)."""
-        answer = self.answer = LeanAnswer(self, limit)
+        answer = self.answer = LeanAnswer(self, limit, whole=whole)
         self.last_io = time.monotonic()
         transport = self.transport
         assert transport is not None

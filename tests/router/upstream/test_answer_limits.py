@@ -27,14 +27,14 @@ MIB = 1 << 20
 HUGE = 256 * MIB  # what the stub would send: far more than read
 
 
-async def _read(engine: StubEngine, client: Client) -> bytes:
+async def _read(engine: StubEngine, client: Client, whole: bool = False) -> bytes:
     settings = UpstreamSettings(
         client=client, max_answer_bytes=2 * MIB, max_error_answer_bytes=64 * 1024
     )
     with run_server(engine, lifespan="off") as port:
         upstream = build_upstream(Worker(Role.DECODE, f"http://127.0.0.1:{port}"), settings)
         try:
-            response = await upstream.open("/v1/completions", b"{}", {})
+            response = await upstream.open("/v1/completions", b"{}", {}, whole=whole)
             return await response.read()
         finally:
             await upstream.aclose()
@@ -42,19 +42,23 @@ async def _read(engine: StubEngine, client: Client) -> bytes:
 
 @pytest.mark.parametrize("client", CLIENTS)
 @pytest.mark.parametrize("chunked", [False, True])
-async def test_an_answer_within_the_limit_is_read_whole(client: Client, chunked: bool) -> None:
+@pytest.mark.parametrize("whole", [False, True])  # True: the client may wait for all of it
+async def test_an_answer_within_the_limit_is_read_whole(
+    client: Client, chunked: bool, whole: bool
+) -> None:
     engine = StubEngine("flood", answer_bytes=2 * MIB, chunked=chunked)
-    assert len(await _read(engine, client)) == 2 * MIB
+    assert len(await _read(engine, client, whole)) == 2 * MIB
 
 
 @pytest.mark.parametrize("client", CLIENTS)
 @pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("whole", [False, True])
 async def test_an_answer_over_the_limit_fails_the_leg_and_drops_the_connection(
-    client: Client, chunked: bool
+    client: Client, chunked: bool, whole: bool
 ) -> None:
     engine = StubEngine("flood", answer_bytes=HUGE, chunked=chunked)
     with pytest.raises(UpstreamUnavailable) as info:
-        await _read(engine, client)
+        await _read(engine, client, whole)
     error = info.value
     assert error.status == 502 and error.kind == "answer_too_large"
     assert "exceeds the router's 2097152-byte limit (--max-answer-bytes)" in error.message
@@ -65,9 +69,12 @@ async def test_an_answer_over_the_limit_fails_the_leg_and_drops_the_connection(
 
 
 @pytest.mark.parametrize("client", CLIENTS)
-async def test_an_error_answer_is_read_up_to_its_own_small_limit(client: Client) -> None:
+@pytest.mark.parametrize("whole", [False, True])
+async def test_an_error_answer_is_read_up_to_its_own_small_limit(
+    client: Client, whole: bool
+) -> None:
     engine = StubEngine("flood", status=500, answer_bytes=MIB, chunked=True)
     with pytest.raises(UpstreamUnavailable) as info:
-        await _read(engine, client)
+        await _read(engine, client, whole)
     message = info.value.message
     assert "HTTP 500 error answer exceeds the router's 65536-byte limit" in message
