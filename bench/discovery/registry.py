@@ -148,7 +148,9 @@ class _NoUpstream:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
 
-    async def open(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+    async def open(
+        self, path: str, body: bytes, headers: dict[str, str], *, whole: bool = False
+    ) -> UpstreamResponse:
         raise RuntimeError("the selection benchmark sends no request")
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
