@@ -226,6 +226,7 @@ def _build_parts(settings: RouterSettings, tables: RankTables) -> _Parts:
     kv = KVCacheView(index=index, feed=KVEventFeed(lambda: pool.prefill, index, tree, cache))
     telemetry = _build_telemetry(settings, pool, metrics)
     circuits = _build_circuits(settings, pool, metrics)
+    fleet.prober.on_back = circuits.worker_back
     discovery = fleet.discovery
     metrics.registry.register(
         RouterStateCollector(

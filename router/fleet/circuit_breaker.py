@@ -296,6 +296,14 @@ class Circuits:
         self._prune()
         return [(labels, breaker.state()) for labels, breaker in self._pairs.values()]
 
+    def worker_back(self, worker: Worker) -> None:
+        """The worker came back up (its probes, after it was marked down): it starts afresh,
+        its breaker and its pairs' forgotten (their failures were those of the process that
+        went down)."""
+        self._workers.pop(worker.id, None)
+        for pair in [k for k in self._pairs if worker.id in k]:
+            del self._pairs[pair]
+
     def _prune(self) -> None:
         """Forget the breakers of workers no longer in the pool (and their pairs)."""
         if self._live_ids is None:

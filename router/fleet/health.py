@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -63,6 +64,8 @@ class HealthProber:
             transport=httpx.AsyncHTTPTransport(socket_options=NODELAY, retries=0),
         )
         self._refreshing: dict[str, asyncio.Task[None]] = {}
+        # told when a worker marked down comes back up (the circuit breakers forget it)
+        self.on_back: Callable[[Worker], None] | None = None
         self._kept_layouts: set[str] = set()  # prefills kept on their last layout: registry down
 
     async def run(self) -> None:
@@ -102,6 +105,8 @@ class HealthProber:
                 "%s worker %s is now healthy: %s", worker.role.value, worker.public_url, reason
             )
             worker.mark_up()
+            if self.on_back is not None:
+                self.on_back(worker)
 
     def _probe_failed(self, worker: Worker, outcome: _Probe, started: float) -> None:
         worker.probe_successes = 0

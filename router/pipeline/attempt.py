@@ -182,8 +182,8 @@ class Attempt:
         ``kv_failed`` (the prefill's and the pair's fault, retried elsewhere) instead of giving
         the client the decode's error. Not for an unknown engine id (``stale_layout``)."""
         prefill, kit = self.prefill, self._kit
-        if prefill is None or kit.adapter.is_stale_layout(content):
-            return
+        if prefill is None or status < 500 or kit.adapter.is_stale_layout(content):
+            return  # (a 2xx or 4xx is never a KV failure: its body is not scanned)
         if not kit.verdicts.kv_failure(status, content):
             return
         when = "after" if self.clock.prefill_done is not None else "before"

@@ -31,6 +31,41 @@ __all__ = ["PromptUsage", "prompt_usage", "prompt_usage_in_sse"]
 _decode = msgspec.json.Decoder().decode
 
 
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+    created_cache_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int
+    prompt_tokens_details: _Details | None = None
+
+
+class _Meta(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Answer(msgspec.Struct):
+    """Only what ``PromptUsage`` needs: the rest of an answer is skipped, not built."""
+
+    usage: _Usage | None = None
+    meta_info: _Meta | None = None
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+
+
+def _from_typed(answer: _Answer) -> PromptUsage | None:
+    usage = answer.usage
+    if usage is None:
+        return None
+    details = usage.prompt_tokens_details or _Details()
+    cached = details.cached_tokens
+    if cached is None and answer.meta_info is not None:
+        cached = answer.meta_info.cached_tokens
+    return PromptUsage(usage.prompt_tokens, cached, details.created_cache_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class PromptUsage:
     prompt_tokens: int
@@ -79,6 +114,12 @@ def _from_object(data: Any) -> PromptUsage | None:
 def prompt_usage(body: bytes) -> PromptUsage | None:
     """From a whole JSON answer; None when it carries no usable ``usage``."""
     if b'"usage"' not in body:
+        return None
+    try:
+        return _from_typed(_decode_answer(body))
+    except msgspec.ValidationError:  # an odd shape: read it field by field
+        pass
+    except msgspec.DecodeError:
         return None
     try:
         return _from_object(_decode(body))

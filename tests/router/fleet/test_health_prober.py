@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from router.fleet.circuit_breaker import build_circuits
 from router.fleet.health import HealthProber
-from router.settings import EngineProtocol, HealthSettings
+from router.settings import CircuitBreakerSettings, EngineProtocol, HealthSettings
 from router.workers import Role, Worker, WorkerPool
 from testkit.polling import await_until
 
@@ -100,3 +101,38 @@ async def test_a_stall_that_fails_one_probe_round_flips_no_worker() -> None:
         for server in servers:
             server.close()
             await server.wait_closed()
+
+
+async def test_a_worker_back_up_starts_with_closed_breakers() -> None:
+    """A restarted worker (marked down when its port refused, its breaker open after the
+    requests it refused) is routable as soon as its probes bring it back: its breaker and its
+    pairs' are forgotten, not left open for another ``--breaker-open``."""
+
+    async def health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(health, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool: WorkerPool[None] = WorkerPool(needs_engine_ids=False)
+    decode = Worker(Role.DECODE, f"http://127.0.0.1:{port}")
+    prefill = Worker(Role.PREFILL, "http://127.0.0.1:1", healthy=True)
+    pool.add(decode, None)
+    circuits = build_circuits(HealthSettings(failure_threshold=2), CircuitBreakerSettings())
+    prober = HealthProber(pool, EngineProtocol.SGLANG, HealthSettings())
+    prober.on_back = circuits.worker_back
+    try:
+        for _ in range(3):  # the requests it refused while it was down
+            circuits.worker_failure(decode, "refused")
+            circuits.pair_failure(prefill, decode, "refused")
+        assert not circuits.worker_allows(decode)
+        decode.healthy = False  # marked down (as a refused connection does)
+        await prober.probe_all()
+        assert decode.healthy
+        assert circuits.worker_allows(decode) and circuits.pair_allows(prefill, decode)
+    finally:
+        await prober.aclose()
+        server.close()
+        await server.wait_closed()
