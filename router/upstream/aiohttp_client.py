@@ -14,7 +14,7 @@ from router.upstream.base import (
     DEFAULT_HEADERS,
     answer_limit,
     answer_too_large,
-    invalid_status,
+    refuse_invalid_status,
     transport_error,
 )
 from router.workers import Worker
@@ -152,10 +152,7 @@ class AiohttpUpstream:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise_aiohttp_error(exc, self.worker, before_answer=True)
         answer = _AiohttpResponse(response, self.worker, self._settings)
-        invalid = invalid_status(self.worker, answer.status)
-        if invalid is not None:
-            await answer.aclose()
-            raise invalid
+        await refuse_invalid_status(self.worker, answer)
         return answer
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:

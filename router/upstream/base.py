@@ -25,6 +25,7 @@ __all__ = [
     "answer_limit",
     "answer_too_large",
     "invalid_status",
+    "refuse_invalid_status",
     "is_worker_fault",
     "transport_error",
 ]
@@ -106,6 +107,15 @@ def invalid_status(worker: Worker, status: int) -> UpstreamError | None:
         connect=False,
         kind="invalid_answer",
     )
+
+
+async def refuse_invalid_status(worker: Worker, answer: UpstreamResponse) -> None:
+    """Close ``answer`` and raise the leg's error when its status is outside HTTP's 100-599
+    (each client's ``open`` calls this on its answer)."""
+    invalid = invalid_status(worker, answer.status)
+    if invalid is not None:
+        await answer.aclose()
+        raise invalid
 
 
 def answer_too_large(worker: Worker, status: int, limit: int, size: int | None) -> UpstreamError:

@@ -13,7 +13,7 @@ from router.upstream.base import (
     NODELAY,
     answer_limit,
     answer_too_large,
-    invalid_status,
+    refuse_invalid_status,
     transport_error,
 )
 from router.upstream.lean_pool import LeanPoolTransport
@@ -116,10 +116,7 @@ class HttpxUpstream:
         except httpx.HTTPError as exc:
             raise_httpx_error(exc, self.worker)
         answer = _HttpxResponse(response, self.worker, self._settings)
-        invalid = invalid_status(self.worker, answer.status)
-        if invalid is not None:
-            await answer.aclose()
-            raise invalid
+        await refuse_invalid_status(self.worker, answer)
         return answer
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:

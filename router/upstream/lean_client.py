@@ -24,7 +24,7 @@ from router.upstream.base import (
     DEFAULT_HEADERS,
     NODELAY,
     answer_limit,
-    invalid_status,
+    refuse_invalid_status,
     transport_error,
 )
 from router.upstream.lean_connection import LeanAnswer, LeanConnection, TransportFailure
@@ -83,10 +83,7 @@ class LeanUpstream:
         except BaseException:
             await answer.aclose()
             raise
-        invalid = invalid_status(self.worker, answer.status)
-        if invalid is not None:
-            await answer.aclose()
-            raise invalid
+        await refuse_invalid_status(self.worker, answer)
         return answer
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
