@@ -54,6 +54,11 @@ class Interrupt:
             self._reason = reason
             self._task.cancel()
 
+    @staticmethod
+    def together(*watches: _Watch) -> _Watches:
+        """One block for several watches (entered in order, left in reverse)."""
+        return _Watches(watches)
+
     def after(self, delay_s: float, reason: Callable[[], BaseException]) -> _Deadline:
         """While the block runs, ``delay_s`` passing interrupts the task with ``reason()`` (one
         timer: cheaper than ``asyncio.timeout``)."""
@@ -103,6 +108,23 @@ class _Watch:
     def __exit__(self, *exc_info: object) -> None:
         self._interrupt._armed -= 1
         self._future.remove_done_callback(self._fire)
+
+
+class _Watches:
+    """``Interrupt.together``'s block."""
+
+    __slots__ = ("_watches",)
+
+    def __init__(self, watches: tuple[_Watch, ...]) -> None:
+        self._watches = watches
+
+    def __enter__(self) -> None:
+        for watch in self._watches:
+            watch.__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        for watch in reversed(self._watches):
+            watch.__exit__(*exc_info)
 
 
 class _Deadline:

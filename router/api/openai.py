@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
-import secrets
 import time
 from typing import Any
 
@@ -34,7 +34,7 @@ from router.schemas import (
     RequestLimits,
     parse_request,
 )
-from router.types import CLIENT_GONE, Receive, Scope, Send
+from router.types import CLIENT_GONE, WHOLE_RESPONSE, Receive, Scope, Send
 
 __all__ = ["HOT_ROUTES", "handle_completion"]
 
@@ -57,7 +57,7 @@ async def handle_completion(
         scope, settings.server.max_request_id_bytes, settings.features.trace_headers
     )
     token = REQUEST_ID.set(request_id)
-    responder = Responder(send, [(b"x-request-id", request_id.encode())])
+    responder = _responder(scope, send, request_id)
     receipt = RoutingReceipt()
     span = _request_span(ctx, endpoint, trace_context)
     stream = False
@@ -128,6 +128,12 @@ async def _admit_and_route(
             ctx.admission.release(sequences)
     finally:
         disconnected.cancel()
+
+
+def _responder(scope: Scope, send: Send, request_id: str) -> Responder:
+    """The request's responder; whole answers go as one message where the server takes it."""
+    whole_message = WHOLE_RESPONSE in scope.get("extensions", ())
+    return Responder(send, [(b"x-request-id", request_id.encode())], whole_message=whole_message)
 
 
 def _client_gone(scope: Scope, receive: Receive) -> asyncio.Future[Any]:
@@ -211,7 +217,7 @@ def _read_headers(
             trace_context[name.decode()] = value.decode("latin-1")
     content_length = int(length) if length is not None and length.isdigit() else None
     bad_id = _check_request_id(raw_id, max_id_bytes)
-    request_id = raw_id.decode("ascii") if raw_id and bad_id is None else secrets.token_hex(16)
+    request_id = raw_id.decode("ascii") if raw_id and bad_id is None else os.urandom(16).hex()
     return request_id, authorization, content_length, trace_context, bad_id
 
 

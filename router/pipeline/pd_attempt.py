@@ -18,10 +18,10 @@ Real engines never give up on a KV that does not come before 480-540 s, so the r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -146,8 +146,7 @@ class PDAttempt(Attempt):
             metrics.count(metrics.upstream_errors, failure.role, failure.kind)
             logger.warning("prefill failed after the decode answered: %s", failure.message)
 
-    @contextlib.contextmanager
-    def _kv_watch(self, interrupt: Interrupt) -> Iterator[None]:
+    def _kv_watch(self, interrupt: Interrupt) -> AbstractContextManager[None]:
         """While the decode leg runs: the client leaving, the prefill being lost while the KV may
         still be on its way, or the KV-arrival deadline passing interrupt it."""
         prefill, decode, clock = self.prefill, self.decode, self.clock
@@ -172,12 +171,11 @@ class PDAttempt(Attempt):
                 kind="kv_timeout",
             )
 
-        with (
+        return interrupt.together(
             interrupt.on_done(self.disconnected, lambda _: ClientDisconnected()),
             interrupt.on_done(prefill.loss_signal(), lost),
             interrupt.on_done(clock.expired, expired),
-        ):
-            yield
+        )
 
     async def _answer_from_prefill(self, answer: dict[str, Any]) -> None:
         logger.info("the prefill's one token ended the generation: answering with it")

@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 
 from router.errors import RouterError, error_body, sse_error_event
-from router.types import Send
+from router.types import WHOLE_RESPONSE, Send
 from router.upstream.base import UpstreamResponse
 
 __all__ = ["Responder"]
@@ -22,12 +22,14 @@ class Responder:
     ``started``: the status line went out, so errors can only be reported in-band.
     ``complete``: the last body message went out. ``status``: the status sent (0: none yet);
     ``started_at``: ``time.monotonic()`` when it was sent. ``receipt_headers`` go out with it.
+    ``whole_message``: the server takes a whole response as one ``WHOLE_RESPONSE`` message.
     """
 
     __slots__ = (
         "_at_boundary",
         "_extra_headers",
         "_send",
+        "_whole_message",
         "complete",
         "receipt_headers",
         "sse",
@@ -36,8 +38,11 @@ class Responder:
         "status",
     )
 
-    def __init__(self, send: Send, extra_headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(
+        self, send: Send, extra_headers: list[tuple[bytes, bytes]], *, whole_message: bool = False
+    ) -> None:
         self._send = send
+        self._whole_message = whole_message
         self._extra_headers = extra_headers
         self.receipt_headers: list[tuple[bytes, bytes]] = []
         self.started = False
@@ -90,6 +95,11 @@ class Responder:
         """A complete buffered response with its length."""
         self._started(status)
         self.complete = True
+        if self._whole_message:
+            headers = [(b"content-type", content_type), *self._extra_headers, *self.receipt_headers]
+            message = {"type": WHOLE_RESPONSE, "status": status, "headers": headers, "body": body}
+            await self._send(message)
+            return
         headers = [
             (b"content-type", content_type),
             (b"content-length", str(len(body)).encode()),

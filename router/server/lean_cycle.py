@@ -7,6 +7,12 @@ loopback delivery too) for a whole answer, one more than needed. ``LeanCycle`` k
   head uvicorn built (with all of uvicorn's checks) and writes it together with the next body
   message. This router sends the first body message right after the start, always (a relay
   starts its response only once the first chunk is in hand), so no head waits for anything.
+* Fewer steps per response: a whole answer can come as one message of the ``WHOLE_RESPONSE``
+  extension (advertised in ``scope["extensions"]``), written at once with its content-length,
+  without uvicorn's per-header checks meant for any application's headers (names and values are
+  still checked, once); a stream's body chunks, once its head is out, are framed and written
+  here, without uvicorn's general path. Anything else (a HEAD request, a client not reading:
+  uvicorn's write flow control waits for it) takes uvicorn's path.
 * The client leaving is a future in the scope (``router.types.CLIENT_GONE``), resolved when
   uvicorn marks the cycle disconnected, so that a request needs no task of its own blocked in
   ``receive()`` to notice it.
@@ -15,13 +21,23 @@ loopback delivery too) for a whole answer, one more than needed. ``LeanCycle`` k
 from __future__ import annotations
 
 import asyncio
+from types import MappingProxyType
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    RequestResponseCycle,
+)
 
-from router.types import CLIENT_GONE
+from router.types import CLIENT_GONE, WHOLE_RESPONSE
 
 __all__ = ["LeanCycle", "lean_cycle"]
+
+_EXTENSIONS: MappingProxyType[str, object] = MappingProxyType(
+    {WHOLE_RESPONSE: MappingProxyType({})}
+)
 
 
 class _Capture:
@@ -51,10 +67,18 @@ class _Prefixed:
         self._transport.write(head + data)
 
     def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def flush(self) -> None:
         if self._head:
             self._transport.write(self._head)
             self._head = b""
-        self._transport.close()
+
+    @property
+    def head(self) -> bytes:
+        """The head, if no body bytes were written to carry it."""
+        return self._head
 
 
 class LeanCycle(RequestResponseCycle):
@@ -76,18 +100,29 @@ class LeanCycle(RequestResponseCycle):
             gone.set_result(None)
 
     async def send(self, message: Any) -> None:
-        if self.response_started or message["type"] != "http.response.start":
+        kind = message["type"]
+        if kind == WHOLE_RESPONSE:
+            if not self._respond_whole(message):
+                await self._whole_as_asgi(message)
+            return
+        if kind == "http.response.body" and self._write_chunk(message):
+            return
+        if self.response_started or kind != "http.response.start":
             held = self._held
             if not held:
                 await super().send(message)
                 return
-            self._held = b""
             transport = self.transport
-            self.transport = _Prefixed(transport, held)  # type: ignore[assignment]
+            prefixed = _Prefixed(transport, held)
+            self.transport = prefixed  # type: ignore[assignment]
             try:
                 await super().send(message)
             finally:
                 self.transport = transport
+                # no body bytes yet (an empty chunk): still held; none to come (HEAD): sent now
+                if self.response_complete:
+                    prefixed.flush()
+                self._held = prefixed.head
             return
         transport, capture = self.transport, _Capture()
         self.transport = capture  # type: ignore[assignment]
@@ -97,6 +132,63 @@ class LeanCycle(RequestResponseCycle):
             self.transport = transport
         self._held = capture.data
 
+    def _write_chunk(self, message: Any) -> bool:
+        """A stream's body chunk after its head went out, framed and written here; False:
+        uvicorn's path must take it (the head still held, the end of the body, the client
+        not reading or gone)."""
+        if (
+            self._held
+            or not self.chunked_encoding  # (None before the head, False with a length or HEAD)
+            or self.response_complete
+            or self.flow.write_paused
+            or self.disconnected
+            or not message.get("more_body", False)
+        ):
+            return False
+        body = message.get("body", b"")
+        if body:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    def _respond_whole(self, message: Any) -> bool:
+        """``WHOLE_RESPONSE``: the head and the body in one write, the response then complete as
+        uvicorn completes one; False: uvicorn's path must take it."""
+        if self.response_started or self.flow.write_paused or self.scope["method"] == "HEAD":
+            return False
+        if self.disconnected:
+            return True  # (as uvicorn's send: nobody to answer)
+        status, body = message["status"], message["body"]
+        status_line = STATUS_LINE.get(status)
+        if status_line is None:
+            return False
+        parts = [status_line]
+        for name, value in self.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        for name, value in message["headers"]:
+            if name == b"connection" or HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+                return False  # uvicorn's path: its connection handling, its error
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(b"content-length: %d\r\n" % len(body))
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts += (b"\r\n", body)
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        self.transport.write(b"".join(parts))
+        self.response_complete = True
+        self.message_event.set()
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
+        return True
+
+    async def _whole_as_asgi(self, message: Any) -> None:
+        body = message["body"]
+        headers = [*message["headers"], (b"content-length", b"%d" % len(body))]
+        start = {"type": "http.response.start", "status": message["status"], "headers": headers}
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
 
 def lean_cycle(cycle: RequestResponseCycle | None, loop: asyncio.AbstractEventLoop) -> None:
     """Make uvicorn's new cycle (None after an upgrade request) a ``LeanCycle``."""
@@ -104,6 +196,8 @@ def lean_cycle(cycle: RequestResponseCycle | None, loop: asyncio.AbstractEventLo
         gone = loop.create_future()
         scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
         scope[CLIENT_GONE] = gone
+        extensions = scope.get("extensions")
+        scope["extensions"] = {**extensions, **_EXTENSIONS} if extensions else _EXTENSIONS
         if cycle.disconnected:
             gone.set_result(None)
         cycle.__class__ = LeanCycle

@@ -1,5 +1,7 @@
 """A response's head leaves in the same write as its first body bytes (one system call fewer
-per answer), through uvicorn's own cycle with all its checks."""
+per answer), through uvicorn's own cycle with all its checks; a whole answer sent as one
+``WHOLE_RESPONSE`` message, and a stream's later chunks, are written by the cycle itself, but
+never past uvicorn's write flow control."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 
 from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.server.lean_cycle import LeanCycle
-from router.types import CLIENT_GONE, Receive, Scope, Send
+from router.types import CLIENT_GONE, WHOLE_RESPONSE, Receive, Scope, Send
 from testkit.polling import wait_until
 from testkit.servers import TestServer, serving
 
@@ -37,8 +39,15 @@ class _Transport:
     def resume_reading(self) -> None: ...
 
 
-def _cycle(transport: _Transport, *, keep_alive: bool = True) -> LeanCycle:
-    scope = {"type": "http", "method": "POST", "path": "/", "http_version": "1.1"}
+def _cycle(
+    transport: _Transport,
+    *,
+    keep_alive: bool = True,
+    method: str = "POST",
+    on_response: list[int] | None = None,
+) -> LeanCycle:
+    scope = {"type": "http", "method": method, "path": "/", "http_version": "1.1"}
+    responses = on_response if on_response is not None else []
     return LeanCycle(
         scope=scope,  # type: ignore[arg-type]
         transport=transport,  # type: ignore[arg-type]
@@ -50,8 +59,12 @@ def _cycle(transport: _Transport, *, keep_alive: bool = True) -> LeanCycle:
         message_event=asyncio.Event(),
         expect_100_continue=False,
         keep_alive=keep_alive,
-        on_response=lambda: None,
+        on_response=lambda: responses.append(1),
     )
+
+
+def _whole(body: bytes, *headers: tuple[bytes, bytes]) -> dict[str, object]:
+    return {"type": WHOLE_RESPONSE, "status": 200, "headers": list(headers), "body": body}
 
 
 async def test_a_whole_answer_is_one_write() -> None:
@@ -90,11 +103,121 @@ async def test_a_closing_connection_still_gets_the_head_before_it_closes() -> No
     assert transport.closed
 
 
+async def test_a_head_request_gets_its_head_though_no_body_bytes_carry_it() -> None:
+    transport = _Transport()
+    cycle = _cycle(transport, method="HEAD")
+    headers = [(b"content-length", b"2")]
+    await cycle.send({"type": "http.response.start", "status": 405, "headers": headers})
+    await cycle.send({"type": "http.response.body", "body": b"{}", "more_body": False})
+    (write,) = transport.writes
+    assert write.startswith(b"HTTP/1.1 405 Method Not Allowed\r\n")
+    assert write.endswith(b"content-length: 2\r\n\r\n")
+
+
 async def test_uvicorns_checks_still_apply_to_the_head() -> None:
     cycle = _cycle(_Transport())
     bad = [(b"x-bad", b"a\r\nb")]
     with pytest.raises(RuntimeError, match="Invalid HTTP header value"):
         await cycle.send({"type": "http.response.start", "status": 200, "headers": bad})
+
+
+async def test_a_whole_message_is_one_write_with_its_length_and_completes_the_response() -> None:
+    transport, responses = _Transport(), list[int]()
+    cycle = _cycle(transport, on_response=responses)
+    await cycle.send(_whole(b'{"a":1}', (b"content-type", b"application/json")))
+    (write,) = transport.writes
+    head, body = write.split(b"\r\n\r\n")
+    assert head.split(b"\r\n") == [
+        b"HTTP/1.1 200 OK",
+        b"content-type: application/json",
+        b"content-length: 7",
+    ]
+    assert body == b'{"a":1}'
+    assert cycle.response_complete and responses == [1] and not transport.closed
+
+
+async def test_a_whole_message_on_a_closing_connection_says_so_and_closes() -> None:
+    transport = _Transport()
+    cycle = _cycle(transport, keep_alive=False)
+    await cycle.send(_whole(b"{}"))
+    assert b"\r\nconnection: close\r\n" in transport.writes[0] and transport.closed
+
+
+async def test_a_whole_message_with_a_bad_header_gets_uvicorns_checks() -> None:
+    cycle = _cycle(_Transport())
+    with pytest.raises(RuntimeError, match="Invalid HTTP header value"):
+        await cycle.send(_whole(b"{}", (b"content-type", b"a\r\nx-injected: 1")))
+
+
+async def test_a_whole_message_to_a_head_request_has_no_body() -> None:
+    transport = _Transport()
+    await _cycle(transport, method="HEAD").send(_whole(b"{}"))
+    assert b"".join(transport.writes).endswith(b"content-length: 2\r\n\r\n")
+
+
+async def test_a_client_not_reading_holds_whole_answers_and_chunks_back() -> None:
+    """Past the transport's high-water mark, nothing more is written until it drains."""
+    transport = _Transport()
+    cycle = _cycle(transport)
+    cycle.flow.pause_writing()
+    whole = asyncio.create_task(cycle.send(_whole(b"{}")))
+    await asyncio.sleep(0)
+    assert transport.writes == [] and not whole.done()
+    cycle.flow.resume_writing()
+    await asyncio.wait_for(whole, 5.0)
+    assert transport.writes[0].endswith(b"\r\n\r\n{}")
+
+    streaming = _cycle(transport := _Transport())
+    await streaming.send({"type": "http.response.start", "status": 200, "headers": []})
+    await streaming.send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+    streaming.flow.pause_writing()
+    chunk = {"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True}
+    second = asyncio.create_task(streaming.send(chunk))
+    await asyncio.sleep(0)
+    assert len(transport.writes) == 1 and not second.done()
+    streaming.flow.resume_writing()
+    await asyncio.wait_for(second, 5.0)
+    assert transport.writes[1] == b"9\r\ndata: 2\n\n\r\n"
+
+
+def test_whole_messages_answer_requests_one_after_another_on_one_connection() -> None:
+    """The router's server advertises the extension; a keep-alive connection goes on to its
+    next request after a whole message."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        assert WHOLE_RESPONSE in scope["extensions"]
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await send(_whole(b"echo " + body, (b"content-type", b"text/plain")))
+
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        http=limited_http_protocol(HttpLimits()),
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+    )
+    with serving([TestServer(config)], 10.0) as (port,):
+        _ask_three_times(port)
+
+
+def _ask_three_times(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5.0) as client:
+        for n in (1, 2, 3):
+            client.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\n\r\n%d" % n)
+            answer = b""
+            while not answer.endswith(b"echo %d" % n):
+                data = client.recv(4096)
+                assert data, f"connection closed after {answer!r}"
+                answer += data
+            assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert b"content-length: 6\r\n" in answer
 
 
 def test_the_client_leaving_resolves_the_scope_future_on_the_routers_server() -> None:
