@@ -34,8 +34,9 @@ class Interrupt:
 
     __slots__ = ("_armed", "_reason", "_task")
 
-    def __init__(self) -> None:
-        task = asyncio.current_task()
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        # with ``loop`` given, no ``get_running_loop()`` (a getpid system call in CPython 3.11)
+        task = asyncio.current_task(loop)
         assert task is not None
         self._task = task
         self._armed = 0
@@ -145,7 +146,7 @@ class _Deadline:
 
     def __enter__(self) -> None:
         self._interrupt._armed += 1
-        loop = asyncio.get_running_loop()
+        loop = self._interrupt._task.get_loop()
         self._handle = loop.call_later(self._delay_s, self._fire)
 
     def __exit__(self, *exc_info: object) -> None:

@@ -63,6 +63,7 @@ class Attempt:
         "decode",
         "disconnected",
         "headers",
+        "loop",
         "prefill",
         "prefill_tokens",
         "rank",
@@ -89,6 +90,7 @@ class Attempt:
         self.headers = headers
         self.responder = responder
         self.disconnected = disconnected
+        self.loop = disconnected.get_loop()  # (not get_running_loop(): a getpid system call)
         self.receipt = receipt
         self.trace = trace
         self.prefill: Worker | None = route.prefill  # the PD attempt's prefill, None: direct
@@ -99,13 +101,13 @@ class Attempt:
         self.trial = bool(route.trials)
         # only a PD stream's decode has a KV-arrival deadline
         watch = request.stream and route.prefill is not None
-        self.clock = LegClock(kit.settings.kv_arrival_timeout_s, watch_first_byte=watch)
+        self.clock = LegClock(self.loop, kit.settings.kv_arrival_timeout_s, watch_first_byte=watch)
 
     async def run(self) -> None:
         """The decode alone, with the client's body unchanged: it prefills locally (a vLLM
         request without kv_transfer_params). Same relay, errors and retries as a PD attempt."""
         call = self._decode(_encode(self.request.body))
-        interrupt = Interrupt()
+        interrupt = Interrupt(self.loop)
         try:
             with interrupt.on_done(self.disconnected, lambda _: ClientDisconnected()):
                 await interrupt.guard(call)

@@ -18,6 +18,7 @@ __all__ = ["LegClock"]
 class LegClock:
     __slots__ = (
         "_handle",
+        "_loop",
         "_timeout_s",
         "_watch",
         "expired",
@@ -25,27 +26,34 @@ class LegClock:
         "prefill_done",
     )
 
-    def __init__(self, timeout_s: float, *, watch_first_byte: bool) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, timeout_s: float, *, watch_first_byte: bool
+    ) -> None:
+        self._loop = loop
         self.prefill_done: float | None = None
         self.first_byte: float | None = None
         self._timeout_s = timeout_s
         self._watch = watch_first_byte
         self._handle: asyncio.TimerHandle | None = None
         # resolved with the deadline in seconds once it passed without a first byte
-        self.expired: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.expired: asyncio.Future[float] = loop.create_future()
 
     def prefill_answered(self) -> None:
         """The prefill answered: the KV is on its way; start the deadline."""
         self.prefill_done = time.monotonic()
         if self._watch and self.first_byte is None:
-            loop = asyncio.get_running_loop()
-            self._handle = loop.call_later(self._timeout_s, self._expire, self._timeout_s)
+            self._handle = self._loop.call_later(self._timeout_s, self._expire, self._timeout_s)
 
     def decode_answered(self) -> None:
         """The decode's first byte arrived: the KV did too."""
         if self.first_byte is None:
             self.first_byte = time.monotonic()
         self.close()
+
+    @property
+    def watches_first_byte(self) -> bool:
+        """Whether ``expired`` can resolve (only a PD stream's clock has the deadline)."""
+        return self._watch
 
     def kv_pending(self) -> bool:
         """Whether the decode may be waiting for a KV the prefill answered for (so losing the

@@ -76,7 +76,7 @@ class PDAttempt(Attempt):
 
     async def _sequential(self, prefill_call: Coroutine[Any, Any, bytes]) -> None:
         """Prefill first; then the decode, built from the prefill's answer."""
-        interrupt = Interrupt()  # guards one leg at a time
+        interrupt = Interrupt(self.loop)  # guards one leg at a time
         with interrupt.on_done(self.disconnected, lambda _: ClientDisconnected()):
             answer = _prefill_json(await interrupt.guard(prefill_call), self.prefill)
         self.clock.prefill_answered()
@@ -112,8 +112,8 @@ class PDAttempt(Attempt):
                 return None
             return _PrefillCompleted(data) if adapter.completed_by_prefill(data) else None
 
-        prefill_task = asyncio.create_task(prefill_call)
-        interrupt = Interrupt()
+        prefill_task = self.loop.create_task(prefill_call)
+        interrupt = Interrupt(self.loop)
         try:
             with interrupt.on_done(prefill_task, prefill_outcome), self._kv_watch(interrupt):
                 try:
@@ -171,10 +171,12 @@ class PDAttempt(Attempt):
                 kind="kv_timeout",
             )
 
+        disconnected = interrupt.on_done(self.disconnected, lambda _: ClientDisconnected())
+        prefill_lost = interrupt.on_done(prefill.loss_signal(), lost)
+        if not clock.watches_first_byte:  # (its deadline never passes: no watch)
+            return interrupt.together(disconnected, prefill_lost)
         return interrupt.together(
-            interrupt.on_done(self.disconnected, lambda _: ClientDisconnected()),
-            interrupt.on_done(prefill.loss_signal(), lost),
-            interrupt.on_done(clock.expired, expired),
+            disconnected, prefill_lost, interrupt.on_done(clock.expired, expired)
         )
 
     async def _answer_from_prefill(self, answer: dict[str, Any]) -> None:
@@ -197,7 +199,7 @@ class PDAttempt(Attempt):
         timeout_s = self._kit.settings.prefill_timeout_s
         with worker.load(rank, self.prefill_tokens), self._leg(worker, span):
             # a prefill marked down (frozen, gone), or the leg's deadline passing, ends it now
-            interrupt = Interrupt()
+            interrupt = Interrupt(self.loop)
             with (
                 interrupt.on_done(worker.loss_signal(), partial(_lost_during_prefill, worker)),
                 interrupt.after(timeout_s, partial(_overdue, worker, timeout_s)),
@@ -243,7 +245,7 @@ def _prefill_json(answer: bytes, prefill: Worker) -> Any:
 
 async def _ended_or_after(task: asyncio.Task[Any], delay_s: float) -> None:
     """Until ``task`` ended or ``delay_s`` passed (``asyncio.wait`` for one task, lighter)."""
-    loop = asyncio.get_running_loop()
+    loop = task.get_loop()
     waiter = loop.create_future()
 
     def wake(_: object = None) -> None:
