@@ -15,7 +15,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 
 from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.server.lean_cycle import LeanCycle
-from router.types import CLIENT_GONE, WHOLE_RESPONSE, Receive, Scope, Send
+from router.types import CLIENT_GONE, WHOLE_RESPONSE, ASGIApp, Receive, Scope, Send
 from testkit.polling import wait_until
 from testkit.servers import TestServer, serving
 
@@ -60,6 +60,19 @@ def _cycle(
         expect_100_continue=False,
         keep_alive=keep_alive,
         on_response=lambda: responses.append(1),
+    )
+
+
+def _routers_server(app: ASGIApp) -> uvicorn.Config:
+    """A real uvicorn server with the router's protocol, on a free loopback port."""
+    return uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        http=limited_http_protocol(HttpLimits()),
+        lifespan="off",
+        log_config=None,
+        access_log=False,
     )
 
 
@@ -194,16 +207,7 @@ def test_whole_messages_answer_requests_one_after_another_on_one_connection() ->
                 break
         await send(_whole(b"echo " + body, (b"content-type", b"text/plain")))
 
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=0,
-        http=limited_http_protocol(HttpLimits()),
-        lifespan="off",
-        log_config=None,
-        access_log=False,
-    )
-    with serving([TestServer(config)], 10.0) as (port,):
+    with serving([TestServer(_routers_server(app))], 10.0) as (port,):
         _ask_three_times(port)
 
 
@@ -233,16 +237,7 @@ def test_the_client_leaving_resolves_the_scope_future_on_the_routers_server() ->
         await asyncio.wait_for(gone, 5.0)
         seen.append("gone")
 
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=0,
-        http=limited_http_protocol(HttpLimits()),
-        lifespan="off",
-        log_config=None,
-        access_log=False,
-    )
-    with serving([TestServer(config)], 10.0) as (port,):
+    with serving([TestServer(_routers_server(app))], 10.0) as (port,):
         with socket.create_connection(("127.0.0.1", port)) as client:
             client.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
             wait_until(lambda: seen == ["waiting"], 5, "the request waiting")
