@@ -35,8 +35,11 @@ class LegClock:
         self._timeout_s = timeout_s
         self._watch = watch_first_byte
         self._handle: asyncio.TimerHandle | None = None
-        # resolved with the deadline in seconds once it passed without a first byte
-        self.expired: asyncio.Future[float] = loop.create_future()
+        # resolved with the deadline in seconds once it passed without a first byte; None: no
+        # deadline (not a PD stream)
+        self.expired: asyncio.Future[float] | None = (
+            loop.create_future() if watch_first_byte else None
+        )
 
     def prefill_answered(self) -> None:
         """The prefill answered: the KV is on its way; start the deadline."""
@@ -49,11 +52,6 @@ class LegClock:
         if self.first_byte is None:
             self.first_byte = time.monotonic()
         self.close()
-
-    @property
-    def watches_first_byte(self) -> bool:
-        """Whether ``expired`` can resolve (only a PD stream's clock has the deadline)."""
-        return self._watch
 
     def kv_pending(self) -> bool:
         """Whether the decode may be waiting for a KV the prefill answered for (so losing the
@@ -74,5 +72,6 @@ class LegClock:
 
     def _expire(self, timeout_s: float) -> None:
         self._handle = None
-        if not self.expired.done():
-            self.expired.set_result(timeout_s)
+        expired = self.expired
+        if expired is not None and not expired.done():
+            expired.set_result(timeout_s)

@@ -173,7 +173,7 @@ class PDAttempt(Attempt):
 
         disconnected = interrupt.on_done(self.disconnected, lambda _: ClientDisconnected())
         prefill_lost = interrupt.on_done(prefill.loss_signal(), lost)
-        if not clock.watches_first_byte:  # (its deadline never passes: no watch)
+        if clock.expired is None:  # no KV-arrival deadline (not a stream)
             return interrupt.together(disconnected, prefill_lost)
         return interrupt.together(
             disconnected, prefill_lost, interrupt.on_done(clock.expired, expired)
