@@ -35,6 +35,10 @@ BENCHMARKS = (
     Benchmark("load.cluster_ttft", "end-to-end TTFT: pd-cluster 1P1D vs a co-located worker"),
     Benchmark("load.clients", "upstream HTTP client cost: httpx, httpx + lean pool, aiohttp"),
     Benchmark("load.loadgen", "the closed-loop HTTP/1.1 load generator (load.run drives it)"),
+    Benchmark("load.workers", "router processes (--workers N): req/s, scaling, CPU/req each"),
+    Benchmark(
+        "load.loadgen_group", "load generators that start together (load.workers drives them)"
+    ),
     Benchmark("load.demo", "no measurement: fake engines behind a real router, to try by hand"),
     Benchmark("routing.workload", "routing policies (ours, sglang-router's) on realistic traces"),
     Benchmark("routing.kv_index", "the router's KV block index: bytes per block, match/store time"),

@@ -21,6 +21,8 @@ class RegistrySettings(BaseModel):
 
     url: str = "memory://"
     admin_token: SecretStr | None = None  # without one, only loopback clients may use /admin
+    # bearer token sent to an http(s):// store (a `registry serve --admin-token` process)
+    store_token: SecretStr | None = None
     ttl_s: float = Field(default=10.0, gt=0)  # lease of self-registered workers and ranks
     resync_backoff_s: float = Field(default=1.0, gt=0)  # wait before re-listing after a failure
     drain_timeout_s: float = Field(default=3600.0, gt=0)  # a draining worker is removed by then

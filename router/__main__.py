@@ -6,26 +6,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from types import FrameType
 
 import uvicorn
+from pydantic import SecretStr
 
 from registry.models import redact_url
 from router.app import create_app
 from router.observability.logs import configure_logging
+from router.process_role import ProcessRole
 from router.server.cli import parse_args
 from router.server.connection_caps import (
     auto_max_connections,
     default_per_source,
     raise_open_file_limit,
 )
+from router.server.cores import process_count
 from router.server.gc_schedule import collect_periodically, tune_gc
 from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.server.lifecycle import RouterLifecycle
+from router.server.listen_sockets import listening_socket
+from router.server.supervisor import Supervisor, die_with_parent
 from router.settings import RouterSettings
 
 __all__ = ["main"]
@@ -102,16 +109,41 @@ def _http_limits(settings: RouterSettings) -> HttpLimits:
     )
 
 
+def _as_process(settings: RouterSettings, role: ProcessRole) -> RouterSettings:
+    """The settings of one of ``router --workers N``'s processes: the supervisor's port (a
+    port 0 resolved) and, when the router's registry is in memory, the supervisor's store."""
+    server = settings.server.model_copy(update={"port": role.port, "workers": "1"})
+    registry = settings.registry
+    if role.registry_url is not None:
+        token = SecretStr(role.registry_token) if role.registry_token else None
+        registry = registry.model_copy(update={"url": role.registry_url, "store_token": token})
+    return settings.model_copy(update={"server": server, "registry": registry})
+
+
+def _client_socket(settings: RouterSettings, role: ProcessRole) -> socket.socket:
+    if role.listen_fd is not None:  # --worker-sockets shared: the supervisor's
+        return socket.socket(fileno=role.listen_fd)
+    return listening_socket(settings.server.host, role.port, reuse_port=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    role = ProcessRole.take_from(os.environ)
     settings = parse_args(argv)
     configure_logging(settings.logging.level)
+    count = process_count(settings.server.workers)
+    if role is None and count > 1:
+        given = sys.argv[1:] if argv is None else list(argv)
+        raise SystemExit(Supervisor(settings, count, given).run())
+    if role is not None:
+        die_with_parent(role.supervisor_pid)
+        settings = _as_process(settings, role)
     logger.info(
         "pd-router: engine=%s prefill=%s decode=%s",
         settings.engine.value,
         [redact_url(w.url) for w in settings.prefill],
         [redact_url(w.url) for w in settings.decode],
     )
-    app = create_app(settings)
+    app = create_app(settings, role)
     grace_s = settings.server.graceful_shutdown_s
     config = uvicorn.Config(
         app,
@@ -129,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         timeout_graceful_shutdown=int(grace_s + _UVICORN_MARGIN_S),
     )
     tune_gc()
-    _RouterServer(config, app.lifecycle, grace_s).run()
+    sockets = None if role is None else [_client_socket(settings, role)]
+    _RouterServer(config, app.lifecycle, grace_s).run(sockets)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from router.api.explain import explain_routes
 from router.api.openai import HOT_ROUTES, handle_completion
 from router.context import open_context
 from router.errors import InvalidRequest, RouterError, error_body
+from router.process_role import ProcessRole
 from router.server.lifecycle import RouterLifecycle
 from router.settings import RouterSettings
 from router.types import Receive, Scope, Send
@@ -104,12 +105,13 @@ def _document_400s(api: FastAPI) -> None:
     api.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(settings: RouterSettings) -> PDRouterApp:
-    """The router's ASGI app; all state lives in the lifespan-owned context."""
+def create_app(settings: RouterSettings, role: ProcessRole | None = None) -> PDRouterApp:
+    """The router's ASGI app; all state lives in the lifespan-owned context. ``role``: this
+    process's place among ``router --workers N``'s (None: a router on its own)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:
-        async with open_context(settings, tables, lifecycle) as ctx:
+        async with open_context(settings, tables, lifecycle, role) as ctx:
             yield {"ctx": ctx}
 
     lifecycle = RouterLifecycle()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -30,10 +32,12 @@ from router.observability.metrics import RouterMetrics
 from router.observability.pair_ledger import PairLedger
 from router.observability.recent_traffic import RecentTraffic
 from router.observability.request_accounting import RequestAccounting
+from router.observability.siblings import Siblings
 from router.observability.state_metrics import RouterStateCollector
 from router.observability.tracing import Tracer, build_tracer
 from router.pipeline.admission import AdmissionGate
 from router.pipeline.serve import Pipeline
+from router.process_role import ProcessRole
 from router.scheduling.features import Featurizer
 from router.scheduling.policies import build_policies
 from router.scheduling.tokenizers import open_token_source
@@ -78,6 +82,7 @@ class Telemetry:
     traffic: RecentTraffic
     accounting: RequestAccounting
     tracer: Tracer | None
+    siblings: Siblings | None = None  # router --workers N: the other processes of this host
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +192,8 @@ def _build_fleet(
     settings: RouterSettings, tables: RankTables, pool: UpstreamPool
 ) -> tuple[RegistryStore, FleetView, EngineLoadMonitor]:
     """The registry store (not bound yet) and the fleet's watchers (not started)."""
-    store = open_store(settings.registry.url)
+    token = settings.registry.store_token
+    store = open_store(settings.registry.url, token=token.get_secret_value() if token else None)
     service = RegistryService(store)
     prober = HealthProber(pool, settings.engine, settings.health, tables)
     discovery = Discovery(pool, service, settings, prober)
@@ -281,11 +287,31 @@ async def _close(parts: _Parts, tables: RankTables) -> None:
     await parts.store.close()
 
 
+def _siblings(
+    role: ProcessRole | None, lifecycle: RouterLifecycle, metrics: RouterMetrics
+) -> Siblings | None:
+    if role is None:
+        return None
+    started = time.time()
+
+    def describe() -> dict[str, Any]:
+        return {
+            "index": role.index,
+            "pid": os.getpid(),
+            "started": started,
+            "requests_inflight": lifecycle.inflight,
+            "requests_served": lifecycle.served,
+        }
+
+    return Siblings(role, metrics.render, describe)
+
+
 def _app_context(
     settings: RouterSettings,
     lifecycle: RouterLifecycle,
     parts: _Parts,
     pod_watcher: PodWatcher | None,
+    siblings: Siblings | None,
 ) -> AppContext:
     return AppContext(
         settings=settings,
@@ -295,15 +321,19 @@ def _app_context(
         admission=AdmissionGate(settings.admission, parts.telemetry.metrics),
         fleet=replace(parts.fleet, pod_watcher=pod_watcher),
         kv=parts.kv,
-        telemetry=parts.telemetry,
+        telemetry=replace(parts.telemetry, siblings=siblings),
     )
 
 
 @contextlib.asynccontextmanager
 async def open_context(
-    settings: RouterSettings, tables: RankTables, lifecycle: RouterLifecycle
+    settings: RouterSettings,
+    tables: RankTables,
+    lifecycle: RouterLifecycle,
+    role: ProcessRole | None = None,
 ) -> AsyncIterator[AppContext]:
-    """Build the context, start probing and registry sync, and tear all down on exit."""
+    """Build the context, start probing and registry sync, and tear all down on exit; ``role``:
+    this process's place among ``router --workers N``'s (None: on its own)."""
     parts = _build_parts(settings, tables)
     fleet = parts.fleet
     tables.bind(parts.store)
@@ -319,9 +349,13 @@ async def open_context(
         if pod_watcher is not None:
             tasks.append(pod_watcher.run())
         background = _background(*tasks)
-        listeners = bootstrap_servers(tables, settings, pool_owner_hosts(parts.pool))
-        async with listeners, background:
-            yield _app_context(settings, lifecycle, parts, pod_watcher)
+        listeners = bootstrap_servers(
+            tables, settings, pool_owner_hosts(parts.pool), reuse_port=role is not None
+        )
+        siblings = _siblings(role, lifecycle, parts.telemetry.metrics)
+        answering = siblings.serving() if siblings is not None else contextlib.nullcontext()
+        async with listeners, background, answering:
+            yield _app_context(settings, lifecycle, parts, pod_watcher, siblings)
     finally:
         if pod_watcher is not None:
             await pod_watcher.aclose()

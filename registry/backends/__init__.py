@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from registry.backends.base import RegistryStore, WatchEvent
 from registry.backends.etcd import EtcdStore
-from registry.backends.http import HttpStore
+from registry.backends.http import HttpStore, parse_http_url
 from registry.backends.memory import MemoryStore
 from registry.errors import ConfigurationError
 
@@ -44,9 +44,12 @@ _OPENERS: Mapping[str, Callable[[str], RegistryStore]] = MappingProxyType(
 )
 
 
-def open_store(url: str) -> RegistryStore:
-    """A new, unconnected store for ``url``; raises ``ConfigurationError`` (see the module doc)."""
+def open_store(url: str, *, token: str | None = None) -> RegistryStore:
+    """A new, unconnected store for ``url``; raises ``ConfigurationError`` (see the module doc).
+    ``token``: the bearer token of an http(s) store (``registry serve --admin-token``)."""
     scheme = urlsplit(url).scheme if "://" in url else ""
+    if token is not None and scheme in ("http", "https"):
+        return HttpStore(parse_http_url(url), token=token)
     opener = _OPENERS.get(scheme)
     if opener is None:
         # Name only the scheme: the rest of a store URL could hold something secret.

@@ -5,9 +5,9 @@ started with ``--registry http://host:port`` keeps its workers there instead of 
 path, if any, is where the registry is mounted (behind a reverse proxy, say).
 
 Auth: the ``/store`` API sits behind the registry's admin auth. ``HttpStore(url, token=...)``
-sends a bearer token; ``from_url`` (and so ``open_store`` and ``--registry``) sends none, since a
-token in the URL was rejected for etcd. Without a token the registry only answers loopback
-clients, so a router on another host cannot use a registry started with ``--admin-token``, yet.
+sends a bearer token (``open_store(url, token=...)``, the router's ``--registry-token``);
+``from_url`` sends none, since a token in the URL was rejected for etcd. Without a token the
+registry only answers loopback clients.
 
 Semantics beyond ``RegistryStore``'s contract:
 * Every call runs under one deadline (``timeout``, default 2 s). Any transport error, deadline

@@ -37,10 +37,11 @@ async def health() -> Response:
     responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
 )
 async def metrics(ctx: Context) -> Response:
-    """The router's Prometheus metrics (requests, stages, routing, workers, pairs, feeds)."""
-    return Response(
-        ctx.telemetry.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
-    )
+    """The router's Prometheus metrics (requests, stages, routing, workers, pairs, feeds); with
+    `--workers N`, every process's merged (`pdr_router_processes`: how many answered)."""
+    siblings = ctx.telemetry.siblings
+    body = ctx.telemetry.metrics.render() if siblings is None else await siblings.metrics()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/ready", responses={503: {"description": "Not ready (the same body)"}})

@@ -37,5 +37,9 @@ async def status_page() -> HTMLResponse:
 
 @router.get("/status/data")
 async def status_data(ctx: Context) -> JSONResponse:
-    """Workers, P<->D pairs, recent traffic, registry and KV event feeds, as JSON."""
-    return JSONResponse(status_snapshot(ctx), headers=_NO_STORE)
+    """Workers, P<->D pairs, recent traffic, registry and KV event feeds, as JSON; with
+    `--workers N`, each router process too (`processes`)."""
+    snapshot = status_snapshot(ctx)
+    siblings = ctx.telemetry.siblings
+    snapshot["processes"] = None if siblings is None else await siblings.processes()
+    return JSONResponse(snapshot, headers=_NO_STORE)

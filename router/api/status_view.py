@@ -15,8 +15,9 @@
       "kv_events": [{"worker": url, "dp_rank": 0, **FeedStats.as_dict()}, ...],
       "admission": {"inflight": 3, "queued": 0, "limit": 1024,   # limit null: no limit
                     "max_queued": 2048, "queue_timeout_s": 30.0},
-      "circuits": [C, ...]                   # breakers open or half-open, as /ready lists them
-    }
+      "circuits": [C, ...],                  # breakers open or half-open, as /ready lists them
+      "processes": [P, ...] | null           # router --workers N: the processes that answered
+    }                                        # (null: a router of one process)
 
     W = {"id", "url", "role", "healthy", "draining", "inflight", "dp_size",
          "ejected": bool,                    # out by outlier detection (healthy is false too)
@@ -25,6 +26,7 @@
          "ranks": [{"dp_rank", "inflight",
                     "engine": {"running", "waiting", "kv_usage", "age_s"} | null,
                     "pending_prefill_tokens", "kv_blocks"}]}        # the last two: prefill only
+    P = {"index", "pid", "started" (time.time()), "requests_inflight", "requests_served"}
     C = {"scope": "worker", "role", "worker"} | {"scope": "pair", "prefill", "decode"},
         plus {"state": "open" | "half_open", "reason", "retry_in_s" (null: half-open),
               "open_s", "trial_in_flight"}

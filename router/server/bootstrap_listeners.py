@@ -37,6 +37,7 @@ from registry.engine_api import (
 )
 from router.server.connection_caps import default_per_source
 from router.server.http_limits import HttpLimits, limited_http_protocol
+from router.server.listen_sockets import listening_socket
 from router.settings import RouterSettings
 from router.upstream.base import UpstreamPool
 
@@ -112,9 +113,15 @@ async def _started(server: _EmbeddedServer, task: asyncio.Task[None], port: int)
 
 @contextlib.asynccontextmanager
 async def bootstrap_servers(
-    tables: RankTables, settings: RouterSettings, owner_hosts: OwnerHosts | None = None
+    tables: RankTables,
+    settings: RouterSettings,
+    owner_hosts: OwnerHosts | None = None,
+    *,
+    reuse_port: bool = False,
 ) -> AsyncIterator[None]:
-    """Serve the shared bootstrap port and every namespace port while the block runs."""
+    """Serve the shared bootstrap port and every namespace port while the block runs;
+    ``reuse_port``: each port bound with SO_REUSEPORT (``router --workers N``: every process
+    serves them, over the one registry store they share)."""
     protection = BootstrapProtection.from_settings(
         settings.registry, settings.server.max_body_bytes, owner_hosts
     )
@@ -123,7 +130,8 @@ async def bootstrap_servers(
     try:
         for port, app in _apps(tables, settings, protection):
             server = _EmbeddedServer(_server_config(app, host, port, _limits(settings)))
-            task = asyncio.create_task(server.serve())
+            sockets = [listening_socket(host, port, reuse_port=True)] if reuse_port else None
+            task = asyncio.create_task(server.serve(sockets))
             running.append((server, task))
             await _started(server, task, port)
         yield

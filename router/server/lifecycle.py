@@ -25,7 +25,13 @@ class RouterLifecycle:
         self.shutting_down = False
         self.stopping = False  # the grace period is over: requests still running are ended
         self._requests: set[asyncio.Task[object]] = set()
+        self.served = 0  # requests that ended (for router --workers N's per-process view)
         self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def inflight(self) -> int:
+        """Requests being served now."""
+        return len(self._requests)
 
     def track(self) -> asyncio.Task[object] | None:
         """Register the current request's task until ``untrack``."""
@@ -37,6 +43,7 @@ class RouterLifecycle:
     def untrack(self, task: asyncio.Task[object] | None) -> None:
         if task is not None:
             self._requests.discard(task)
+            self.served += 1
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop being ready now; end what still runs after ``grace_s``. Idempotent."""

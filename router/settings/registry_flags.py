@@ -29,6 +29,11 @@ _REGISTRY_CLI: dict[str, JsonDict] = {
         "--admin-token",
         help="bearer token for `/admin` (none: loopback clients only); prefer the env variable",
     ),
+    "store_token": cli(
+        "--registry-token",
+        help="bearer token sent to an `http(s)://` registry (one started with `--admin-token`); "
+        "prefer the env variable",
+    ),
     "ttl_s": env_only(_REGISTRY_TIMING, help="lease of self-registered workers and ranks, s"),
     "resync_backoff_s": env_only(
         _REGISTRY_TIMING, help="wait before re-listing the store after a failure, s"

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
 
 from router.settings.flags import DOCUMENTED, TUNING, PositiveFloat, cli
 
-__all__ = ["AdmissionSettings", "ServerSettings"]
+__all__ = ["MAX_WORKERS", "AdmissionSettings", "ServerSettings"]
+
+MAX_WORKERS = 64  # router processes on one host (--workers)
 
 
 class ServerSettings(BaseModel):
@@ -20,6 +24,17 @@ class ServerSettings(BaseModel):
     """address to listen on"""
     port: int = Field(default=8000, ge=0, le=65535, json_schema_extra=cli("--port"))
     """port to listen on"""
+    workers: str = Field(default="1", json_schema_extra=cli("--workers", metavar="N|auto"))
+    """router processes serving the client port, 1 to 64 (`auto`: the cores this process may
+    use, cgroup-aware); with more than one this process supervises them: it holds the shared
+    registry store (with `--registry memory://`), restarts a process that dies, and on SIGTERM
+    drains them all (docs/processes.md)"""
+    worker_sockets: Literal["reuseport", "shared"] = Field(
+        default="reuseport", json_schema_extra=cli("--worker-sockets")
+    )
+    """how the processes share the client port: `reuseport`, a listening socket each
+    (SO_REUSEPORT: the kernel spreads new connections evenly), or `shared`, one socket bound by
+    the supervisor and inherited (the processes race to accept)"""
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, gt=0, json_schema_extra=cli("--max-body-bytes")
     )
@@ -73,6 +88,14 @@ class ServerSettings(BaseModel):
     """open client connections from one peer IP address; one more from it is answered 503 at
     once, others are unaffected (0: no per-source cap; behind a proxy or gateway every client
     shares its address: set it to `--max-connections` or 0 there)"""
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: object) -> str:
+        text = str(value).strip().lower()
+        if text == "auto" or (text.isdigit() and 1 <= int(text) <= MAX_WORKERS):
+            return text
+        raise ValueError(f"expected 1 to {MAX_WORKERS} or auto, got {value!r}")
 
 
 class AdmissionSettings(BaseModel):

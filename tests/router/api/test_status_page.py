@@ -41,6 +41,7 @@ SNAPSHOT_KEYS = {
     "kv_events",
     "admission",
     "circuits",
+    "processes",
 }
 WORKER_KEYS = {
     *("id", "url", "role", "healthy", "draining", "ejected", "inflight", "dp_size", "ranks"),
@@ -72,6 +73,7 @@ def test_status_data_describes_the_cluster(make_cluster: FakeClusterFactory) -> 
     data = response.json()
     assert set(data) == SNAPSHOT_KEYS
     assert data["engine"] == "sglang"
+    assert data["processes"] is None  # one process: router --workers N lists them
     assert data["policy"] == {"prefill": "round_robin", "decode": "round_robin"}
     assert data["ready"] is True
     assert abs(data["generated_at"] - time.time()) < 30
