@@ -104,6 +104,12 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--port", type=int, default=8000, help="router port")
+    parser.add_argument(
+        "--router-workers",
+        default="1",
+        metavar="N|auto",
+        help="router processes serving the router port (the router's --workers)",
+    )
     parser.add_argument("--dp", type=int, default=1, help="DP ranks per prefill")
     parser.add_argument(
         "--engine",
@@ -206,6 +212,8 @@ def _router_args(args: argparse.Namespace, layout: _Layout) -> list[str]:
         str(args.port),
         "--advertise-host",
         _HOST,
+        "--workers",
+        args.router_workers,
     ]
     for flag in ("policy", "prefill_policy", "decode_policy", "tokenizer"):
         if getattr(args, flag) is not None:
