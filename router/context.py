@@ -28,6 +28,7 @@ from router.fleet.outlier import OutlierDetector
 from router.kv_cache.event_feed import KVEventFeed
 from router.kv_cache.index import KVBlockIndex
 from router.kv_cache.prefix_tree import ApproxPrefixTree
+from router.load_board import LoadBoard, board_path
 from router.observability.metrics import RouterMetrics
 from router.observability.pair_ledger import PairLedger
 from router.observability.recent_traffic import RecentTraffic
@@ -107,14 +108,14 @@ class AppContext:
         view: dict[str, Any] = {
             "healthy": worker.healthy,
             "draining": worker.draining,
-            "inflight": worker.inflight,
+            "inflight": worker.host_inflight(),
         }
         if worker.role.value == "prefill":
             view["dp_size"] = worker.dp_size
             view["ranks"] = [
                 {
                     "dp_rank": rank,
-                    "inflight": load,
+                    "inflight": worker.rank_load(rank),
                     # prompt tokens this router's in-flight prefill legs there will compute
                     "pending_prefill_tokens": worker.pending_tokens(rank),
                     "engine_id": worker.engine_ids[rank] if rank < len(worker.engine_ids) else None,
@@ -122,7 +123,7 @@ class AppContext:
                     "kv_blocks": self.kv.index.block_count((worker.id, rank)),
                     "kv_events": self.kv.feed.stats((worker.id, rank)),
                 }
-                for rank, load in enumerate(worker.rank_inflight)
+                for rank in range(len(worker.rank_inflight))
             ]
         return view
 
@@ -161,18 +162,22 @@ class _Parts:
     telemetry: Telemetry
     pipeline: Pipeline
     outlier: OutlierDetector
+    board: LoadBoard | None  # router --workers N: the host's shared counts
 
 
 def _live_ids(pool: UpstreamPool) -> set[str]:
     return {w.id for w in (*pool.prefill, *pool.decode)}
 
 
-def _build_pool(admission: AdmissionSettings, needs_engine_ids: bool) -> UpstreamPool:
+def _build_pool(
+    admission: AdmissionSettings, needs_engine_ids: bool, board: LoadBoard | None
+) -> UpstreamPool:
     return UpstreamPool(
         needs_engine_ids=needs_engine_ids,
         caps=admission.worker_caps(),
         capacity_backoff_s=admission.capacity_backoff_s,
         retry_after_s=admission.retry_after_s,
+        board=board,
     )
 
 
@@ -217,10 +222,10 @@ def _build_telemetry(
     )
 
 
-def _build_parts(settings: RouterSettings, tables: RankTables) -> _Parts:
+def _build_parts(settings: RouterSettings, tables: RankTables, board: LoadBoard | None) -> _Parts:
     """Build every part; nothing starts, nothing is sent."""
     adapter = build_adapter(settings.engine)
-    pool = _build_pool(settings.admission, adapter.needs_engine_ids)
+    pool = _build_pool(settings.admission, adapter.needs_engine_ids, board)
     store, fleet, load_monitor = _build_fleet(settings, tables, pool)
     features = settings.features
     metrics = RouterMetrics(enabled=features.metrics)
@@ -270,6 +275,7 @@ def _build_parts(settings: RouterSettings, tables: RankTables) -> _Parts:
         telemetry=telemetry,
         pipeline=pipeline,
         outlier=outlier,
+        board=board,
     )
 
 
@@ -285,6 +291,8 @@ async def _close(parts: _Parts, tables: RankTables) -> None:
     await parts.fleet.prober.aclose()
     await parts.load_monitor.aclose()
     await parts.store.close()
+    if parts.board is not None:
+        parts.board.close()
 
 
 def _siblings(
@@ -318,7 +326,7 @@ def _app_context(
         lifecycle=lifecycle,
         pool=parts.pool,
         pipeline=parts.pipeline,
-        admission=AdmissionGate(settings.admission, parts.telemetry.metrics),
+        admission=AdmissionGate(settings.admission, parts.telemetry.metrics, board=parts.board),
         fleet=replace(parts.fleet, pod_watcher=pod_watcher),
         kv=parts.kv,
         telemetry=replace(parts.telemetry, siblings=siblings),
@@ -334,7 +342,8 @@ async def open_context(
 ) -> AsyncIterator[AppContext]:
     """Build the context, start probing and registry sync, and tear all down on exit; ``role``:
     this process's place among ``router --workers N``'s (None: on its own)."""
-    parts = _build_parts(settings, tables)
+    board = None if role is None else LoadBoard(board_path(role.run_dir), role.count, role.index)
+    parts = _build_parts(settings, tables, board)
     fleet = parts.fleet
     tables.bind(parts.store)
     pod_watcher = None

@@ -14,6 +14,7 @@ import httpx
 from registry.models import redact_url
 from router.errors import WorkersBusy
 from router.leg_stats import LegStats
+from router.load_board import HostLoad, LoadBoard
 
 __all__ = ["EngineLoad", "LoadReading", "Role", "Worker", "WorkerPool", "format_host"]
 
@@ -55,7 +56,7 @@ class LoadReading:
 class LegLoad:
     """``Worker.load``'s block (a plain class: no generator per leg)."""
 
-    __slots__ = ("_leg", "_pending", "_ranks", "rank", "tokens", "worker")
+    __slots__ = ("_host", "_leg", "_pending", "_ranks", "_slot", "rank", "tokens", "worker")
 
     def __init__(self, worker: Worker, rank: int, tokens: int) -> None:
         self.worker = worker
@@ -64,6 +65,8 @@ class LegLoad:
         self._ranks: list[int] | None = None
         self._pending: list[int] = []
         self._leg = 0
+        self._host: HostLoad | None = None
+        self._slot = 0
 
     def __enter__(self) -> None:
         worker, rank = self.worker, self.rank
@@ -75,6 +78,12 @@ class LegLoad:
             ranks[rank] += 1
             worker.rank_dispatched[rank] += 1
             self._pending[rank] += self.tokens
+            host = worker.host_load
+            if host is not None and rank < len(host.slots):
+                slot = host.slots[rank]
+                if slot is not None:
+                    self._host, self._slot = host, slot
+                    host.add(slot, 1, self.tokens)
         self._leg = worker.legs.begin()
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
@@ -84,6 +93,8 @@ class LegLoad:
         if ranks is not None:
             ranks[rank] -= 1
             self._pending[rank] -= self.tokens
+            if self._host is not None:
+                self._host.add(self._slot, -1, -self.tokens)
 
 
 @dataclass(eq=False, slots=True)
@@ -130,6 +141,8 @@ class Worker:
     legs: LegStats = field(default_factory=LegStats)
     ejected: bool = False
     ejected_until: float = 0.0
+    # router --workers N: its DP ranks' counts on the host's load board (every process's legs)
+    host_load: HostLoad | None = None
     # Resolved (with the reason) when this prefill is lost: requests waiting for its KV give up.
     _loss: asyncio.Future[str] | None = None
 
@@ -159,6 +172,8 @@ class Worker:
             self.rank_dispatched = [0] * dp_size
             self.rank_pending_tokens = [0] * dp_size
             self.engine_load = [None] * dp_size
+            if self.host_load is not None:
+                self.host_load.resize(dp_size)
 
     def load(self, rank: int = 0, tokens: int = 0) -> LegLoad:
         """Count one in-flight request (and DP rank) for as long as the block runs, and one more
@@ -169,9 +184,31 @@ class Worker:
 
     def pending_tokens(self, rank: int) -> int:
         """Prompt tokens this router's in-flight prefill legs at ``rank`` are predicted to
-        compute (the prefill work queued there by this router)."""
+        compute (the prefill work queued there by this router: with ``--workers N``, by every
+        process of the host)."""
+        host = self.host_load
+        if host is not None:
+            tokens = host.tokens(rank)
+            if tokens is not None:
+                return tokens
         pending = self.rank_pending_tokens
         return pending[rank] if rank < len(pending) else 0
+
+    def rank_load(self, rank: int) -> int:
+        """This router's legs in flight at ``rank`` (with ``--workers N``: the host's)."""
+        host = self.host_load
+        if host is not None:
+            legs = host.legs(rank)
+            if legs is not None:
+                return legs
+        ranks = self.rank_inflight
+        return ranks[rank] if rank < len(ranks) else 0
+
+    def host_inflight(self) -> int:
+        """This router's legs in flight at the worker (with ``--workers N``: the host's)."""
+        if self.host_load is None:
+            return self.inflight
+        return sum(self.rank_load(rank) for rank in range(len(self.rank_inflight)))
 
     def load_score(self, rank: int | None = None) -> float:
         """Work queued at this worker (or one DP rank), for load-aware choices.
@@ -185,7 +222,7 @@ class Worker:
             return 0.0
         reading = self.engine_load[rank]
         if reading is None or time.monotonic() >= reading.fresh_until:
-            return float(self.rank_inflight[rank])
+            return float(self.rank_load(rank))
         return reading.queued + (self.rank_dispatched[rank] - reading.dispatched)
 
     def _total_score(self) -> float:
@@ -194,7 +231,7 @@ class Worker:
         total = 0.0
         for reading, dispatched in zip(self.engine_load, self.rank_dispatched, strict=True):
             if reading is None or now >= reading.fresh_until:
-                return float(self.inflight)
+                return float(self.host_inflight())
             total += reading.queued + (dispatched - reading.dispatched)
         return total
 
@@ -289,8 +326,10 @@ class WorkerPool(Generic[C]):
         caps: tuple[int, int] = (0, 0),
         capacity_backoff_s: float = 0.0,
         retry_after_s: int = 1,
+        board: LoadBoard | None = None,
     ) -> None:
         self._needs_engine_ids = needs_engine_ids
+        self._board = board
         self._prefill_cap, self._decode_cap = caps
         self._backoff_s = capacity_backoff_s
         self._retry_after_s = retry_after_s
@@ -301,6 +340,8 @@ class WorkerPool(Generic[C]):
         self.decode: list[Worker] = []
 
     def add(self, worker: Worker, client: C) -> None:
+        if self._board is not None:
+            worker.host_load = HostLoad(self._board, worker.id, worker.dp_size)
         self._workers[worker.id] = worker
         self._clients[worker.id] = client
         self._rebuild()
@@ -363,7 +404,7 @@ class WorkerPool(Generic[C]):
 
     def _candidates(self, usable: list[Worker], cap: int) -> list[Worker]:
         if cap and usable:
-            below = [w for w in usable if w.inflight < cap]
+            below = [w for w in usable if w.host_inflight() < cap]
             if not below:
                 role = usable[0].role.value
                 raise WorkersBusy(

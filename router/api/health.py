@@ -87,7 +87,7 @@ def _describe(worker: Worker) -> dict[str, Any]:
         "id": worker.id,
         "url": redact_url(worker.url),
         "healthy": worker.healthy,
-        "inflight": worker.inflight,
+        "inflight": worker.host_inflight(),
         "draining": worker.draining,
         "ejected": worker.ejected,
     }

@@ -110,7 +110,7 @@ def _worker(
         "healthy": worker.healthy,
         "draining": worker.draining,
         "ejected": worker.ejected,
-        "inflight": worker.inflight,
+        "inflight": worker.host_inflight(),
         "dp_size": worker.dp_size,
         "full_retry_in_s": round(worker.full_until - now, 3) if worker.full_until > now else None,
         "circuit": None if breaker is None else {k: breaker[k] for k in _CIRCUIT_KEYS},
@@ -122,7 +122,7 @@ def _rank(worker: Worker, rank: int, index: KVBlockIndex, now: float) -> dict[st
     readings = worker.engine_load
     view: dict[str, Any] = {
         "dp_rank": rank,
-        "inflight": worker.rank_inflight[rank],
+        "inflight": worker.rank_load(rank),
         "engine": _engine(readings[rank] if rank < len(readings) else None, now),
     }
     if worker.role is Role.PREFILL:

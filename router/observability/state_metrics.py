@@ -138,9 +138,10 @@ class RouterStateCollector(Collector):
             )
         }
         for w in prefills:
-            for rank in range(len(w.rank_inflight)):
+            for rank, tokens in enumerate(w.rank_pending_tokens):
                 values = [w.public_url, str(rank)]
-                pending.add_metric(values, float(w.pending_tokens(rank)))
+                # this process's own (--workers N: /metrics sums the processes')
+                pending.add_metric(values, float(tokens))
                 for tier in tiers:
                     count = self._index.block_count((w.id, rank), tier)
                     blocks.add_metric([*values, tier.medium], float(count))

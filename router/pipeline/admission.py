@@ -28,27 +28,33 @@ from typing import Any
 
 from router.errors import Overloaded
 from router.interrupt import ClientDisconnected
+from router.load_board import ADMISSION, LoadBoard
 from router.observability.metrics import RouterMetrics
 from router.settings import AdmissionSettings
 
-__all__ = ["BODY_MEMORY_FACTOR", "AdmissionGate", "BodyMemory"]
+__all__ = ["BODY_MEMORY_FACTOR", "HOST_POLL_S", "AdmissionGate", "BodyMemory"]
 
 # The memory one request's body is taken to hold, per byte of it: the bytes themselves, their
 # parsed form (measured with msgspec: chat messages ~4x, token-id prompts ~6x; a large field the
 # router does not read, such as a 28 MB logit_bias, stays raw: ~0x, see router.schemas) and the
 # encoded copies sent to the two legs.
 BODY_MEMORY_FACTOR = 8
+HOST_POLL_S = 0.005  # --workers N: how often waiters look for units another process released
+_UNITS, _BODY_BYTES = 0, 1  # the admission slot's fields on the host's load board
 
 
 class BodyMemory:
     """The estimated bytes of the request bodies in the router: ``take`` as a body arrives
     (429 beyond the budget), ``give_back`` when its request ended."""
 
-    __slots__ = ("_retry_after_s", "held", "limit", "parse_turn")
+    __slots__ = ("_board", "_retry_after_s", "held", "limit", "parse_turn")
 
-    def __init__(self, limit_bytes: int, retry_after_s: int) -> None:
+    def __init__(
+        self, limit_bytes: int, retry_after_s: int, board: LoadBoard | None = None
+    ) -> None:
         self.limit = limit_bytes or sys.maxsize
         self._retry_after_s = retry_after_s
+        self._board = board  # router --workers N: the budget is the host's
         self.held = 0
         # large bodies are parsed one at a time (router.api.request_body.parse_in_turn)
         self.parse_turn = asyncio.Lock()
@@ -57,8 +63,9 @@ class BodyMemory:
         """Add ``amount`` to one request's share (``own``: what it holds already). Raises
         Overloaded (429) when that passes the budget while another request holds some of it: a
         request larger than the whole budget runs alone."""
-        held = self.held + amount
-        if held > self.limit and self.held > own:
+        board = self._board
+        host_held = self.held if board is None else board.total(ADMISSION, _BODY_BYTES)
+        if host_held + amount > self.limit and host_held > own:
             raise Overloaded(
                 f"the router holds the bodies of other requests up to its "
                 f"{self.limit}-byte body memory budget (--max-body-memory; this request needs "
@@ -66,10 +73,14 @@ class BodyMemory:
                 reason="body_memory",
                 retry_after_s=self._retry_after_s,
             )
-        self.held = held
+        self.held += amount
+        if board is not None:
+            board.add(ADMISSION, _BODY_BYTES, amount)
 
     def give_back(self, amount: int) -> None:
         self.held -= amount
+        if self._board is not None:
+            self._board.add(ADMISSION, _BODY_BYTES, -amount)
 
 
 class AdmissionGate:
@@ -77,12 +88,20 @@ class AdmissionGate:
     the response ended (on every path); ``inflight`` (requests) and ``queued`` are exported as
     gauges. ``body_memory`` is the budget of request-body memory."""
 
-    def __init__(self, settings: AdmissionSettings, metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        metrics: RouterMetrics | None = None,
+        *,
+        board: LoadBoard | None = None,
+    ) -> None:
         self._limit = settings.max_concurrent_requests or sys.maxsize
+        self._board = board  # router --workers N: the budget is the host's
+        self._poll: asyncio.TimerHandle | None = None
         self._max_queued = settings.max_queued_requests
         self._timeout_s = settings.queue_timeout_s
         self._retry_after_s = settings.retry_after_s
-        self.body_memory = BodyMemory(settings.max_body_memory_bytes, settings.retry_after_s)
+        self.body_memory = BodyMemory(settings.max_body_memory_bytes, settings.retry_after_s, board)
         self.inflight = 0  # requests admitted
         self.units = 0  # their sequences (each at most the limit)
         # insertion order is the queue order (a waiter -> its units); one that gives up removes
@@ -102,9 +121,8 @@ class AdmissionGate:
         ClientDisconnected when ``disconnected`` (the client's next ASGI message) completes
         first."""
         units = min(sequences, self._limit)
-        if self.units + units <= self._limit and not self._waiters:
-            self.units += units
-            self.inflight += 1
+        if self._used() + units <= self._limit and not self._waiters:
+            self._take(units)
             return
         if len(self._waiters) >= self._max_queued:
             raise Overloaded(
@@ -117,10 +135,31 @@ class AdmissionGate:
 
     def release(self, sequences: int = 1) -> None:
         """Give the units back, then admit the oldest waiters that fit, in order."""
-        self.units -= min(sequences, self._limit)
+        units = min(sequences, self._limit)
+        self.units -= units
         self.inflight -= 1
+        if self._board is not None:
+            self._board.add(ADMISSION, _UNITS, -units)
         if self._waiters:
             self._wake()
+
+    def _used(self) -> int:
+        """Units in use: this process's, or with ``--workers N`` the host's."""
+        return self.units if self._board is None else self._board.total(ADMISSION, _UNITS)
+
+    def _take(self, units: int) -> None:
+        self.units += units
+        self.inflight += 1
+        if self._board is not None:
+            self._board.add(ADMISSION, _UNITS, units)
+
+    def _poll_host(self) -> None:
+        """With ``--workers N`` another process's release frees units too: look again while
+        requests wait (every ``HOST_POLL_S``)."""
+        self._poll = None
+        self._wake()
+        if self._waiters:
+            self._poll = asyncio.get_running_loop().call_later(HOST_POLL_S, self._poll_host)
 
     def _wake(self) -> None:
         waiters = self._waiters
@@ -129,17 +168,18 @@ class AdmissionGate:
             if waiter.done():  # gave up; it removes itself too
                 del waiters[waiter]
                 continue
-            if self.units + units > self._limit:
+            if self._used() + units > self._limit:
                 return  # the head waits for more: nobody overtakes it
             del waiters[waiter]
-            self.units += units
-            self.inflight += 1
+            self._take(units)
             waiter.set_result(None)
 
     async def _wait(self, disconnected: asyncio.Future[Any], units: int) -> None:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters[waiter] = units
+        if self._board is not None and self._poll is None:
+            self._poll = loop.call_later(HOST_POLL_S, self._poll_host)
 
         def fail(exc: BaseException) -> None:
             if not waiter.done():

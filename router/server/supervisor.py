@@ -6,6 +6,9 @@ The supervisor serves no client. It
   every process uses it as its registry (workers added through any process's admin REST, ranks
   registered through any process's bootstrap port, are every process's); a router given etcd,
   Kubernetes or a ``registry serve`` keeps using that;
+* holds the host's load board (``router.load_board``: the in-flight legs and pending prefill
+  tokens per worker rank, the admission units and body memory of every process), zeroing a
+  process's share when it exits;
 * holds the client port: ``reuseport`` (default) binds it with SO_REUSEPORT without listening
   (a port 0 is resolved once) and each process binds its own listening socket on it, so the
   kernel spreads new connections evenly; ``shared`` binds and listens once and each process
@@ -38,6 +41,7 @@ import tempfile
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 
+from router.load_board import LoadBoard, board_path
 from router.process_role import ROLE_ENV, ProcessRole
 from router.server.listen_sockets import listening_socket, reserved_port
 from router.server.store_server import served_memory_store
@@ -85,7 +89,9 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
-        run_dir = tempfile.mkdtemp(prefix="pd-router-")  # mode 0700
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        run_dir = tempfile.mkdtemp(prefix="pd-router-", dir=shm)  # mode 0700
+        LoadBoard.create(board_path(run_dir), self._count)
         try:
             async with self._shared_store() as (url, token):
                 with self._client_socket() as (port, fd):
@@ -167,6 +173,7 @@ class Supervisor:
             process = await self._start(role)
             self._processes[role.index] = process
             status = await process.wait()
+            LoadBoard.clear(board_path(role.run_dir), role.count, role.index)
             answered_once = answered_once or _came_up(role)
             if self._stopping.is_set():
                 return
