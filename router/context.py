@@ -28,6 +28,7 @@ from router.fleet.outlier import OutlierDetector
 from router.kv_cache.event_feed import KVEventFeed
 from router.kv_cache.index import KVBlockIndex
 from router.kv_cache.prefix_tree import ApproxPrefixTree
+from router.kv_cache.shared_predictions import SharedPredictions
 from router.load_board import LoadBoard, board_path
 from router.observability.metrics import RouterMetrics
 from router.observability.pair_ledger import PairLedger
@@ -296,7 +297,10 @@ async def _close(parts: _Parts, tables: RankTables) -> None:
 
 
 def _siblings(
-    role: ProcessRole | None, lifecycle: RouterLifecycle, metrics: RouterMetrics
+    role: ProcessRole | None,
+    lifecycle: RouterLifecycle,
+    metrics: RouterMetrics,
+    shared: SharedPredictions | None,
 ) -> Siblings | None:
     if role is None:
         return None
@@ -309,6 +313,7 @@ def _siblings(
             "started": started,
             "requests_inflight": lifecycle.inflight,
             "requests_served": lifecycle.served,
+            "predictions": None if shared is None else shared.stats(),
         }
 
     return Siblings(role, metrics.render, describe)
@@ -342,8 +347,14 @@ async def open_context(
 ) -> AsyncIterator[AppContext]:
     """Build the context, start probing and registry sync, and tear all down on exit; ``role``:
     this process's place among ``router --workers N``'s (None: on its own)."""
-    board = None if role is None else LoadBoard(board_path(role.run_dir), role.count, role.index)
+    sharing = role if settings.features.host_sharing else None
+    board = (
+        None
+        if sharing is None
+        else LoadBoard(board_path(sharing.run_dir), sharing.count, sharing.index)
+    )
     parts = _build_parts(settings, tables, board)
+    shared = None if sharing is None else SharedPredictions(parts.kv.index, sharing)
     fleet = parts.fleet
     tables.bind(parts.store)
     pod_watcher = None
@@ -355,17 +366,20 @@ async def open_context(
         tasks += [fleet.prober.run()] if features.health else []
         tasks += [parts.load_monitor.run()] if features.engine_load else []
         tasks += [parts.outlier.run()] if features.outliers else []
+        tasks += [shared.run()] if shared is not None else []
         if pod_watcher is not None:
             tasks.append(pod_watcher.run())
         background = _background(*tasks)
         listeners = bootstrap_servers(
             tables, settings, pool_owner_hosts(parts.pool), reuse_port=role is not None
         )
-        siblings = _siblings(role, lifecycle, parts.telemetry.metrics)
+        siblings = _siblings(role, lifecycle, parts.telemetry.metrics, shared)
         answering = siblings.serving() if siblings is not None else contextlib.nullcontext()
         async with listeners, background, answering:
             yield _app_context(settings, lifecycle, parts, pod_watcher, siblings)
     finally:
         if pod_watcher is not None:
             await pod_watcher.aclose()
+        if shared is not None:
+            shared.close()
         await _close(parts, tables)

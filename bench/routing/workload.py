@@ -47,6 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import os
 import random
 import socket
 import sys
@@ -176,6 +177,8 @@ class WorkloadConfig:
     policies: tuple[str, ...] = tuple(p.label for p in POLICIES)
     traces: tuple[str, ...] = TRACE_NAMES
     json_path: Path | None = None
+    router_workers: int = 1  # our router's processes (pd-cluster --router-workers)
+    host_sharing: bool = True  # with several: they share load counts and KV predictions
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,7 @@ def cluster_argv(
     ]
     if spec.router == "ours":
         flags += ["--prefill-policy", spec.policy, "--decode-policy", spec.decode_policy]
+        flags += ["--router-workers", str(cfg.router_workers)]
         if spec.precise:
             flags += ["--tokenizer", str(setup.tokenizer_dir)]
     return pd_cluster_argv(
@@ -343,8 +347,23 @@ def started(
 ) -> Iterator[Cluster]:
     """A fresh pd-cluster; stopped (its whole process tree) on the way out."""
     argv = cluster_argv(cfg, setup, spec, pages, free_port())
-    with started_cluster(argv, cfg.ready_timeout_s) as cluster:
+    with _host_sharing(cfg.host_sharing), started_cluster(argv, cfg.ready_timeout_s) as cluster:
         yield cluster
+
+
+@contextlib.contextmanager
+def _host_sharing(on: bool) -> Iterator[None]:
+    """``PDR_FEATURES__HOST_SHARING`` for the cluster started in the block (no flag has it)."""
+    name = "PDR_FEATURES__HOST_SHARING"
+    before = os.environ.get(name)
+    os.environ[name] = "true" if on else "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def peer_argv(spec: PolicySpec, cluster: Cluster, port: int, metrics_port: int) -> list[str]:
@@ -890,6 +909,15 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkloadConfig:
         "--run-deadline", type=float, help="seconds of load per run (default 120, --quick 40)"
     )
     parser.add_argument("--seed", type=int, default=WorkloadConfig.seed)
+    parser.add_argument(
+        "--router-workers", type=int, default=1, help="our router's processes (--workers N)"
+    )
+    parser.add_argument(
+        "--no-host-sharing",
+        dest="host_sharing",
+        action="store_false",
+        help="its processes route on their own counts (to show what sharing prevents)",
+    )
     args = parser.parse_args(argv)
     policies = tuple(p for p in args.policies.split(",") if p)
     traces = tuple(t for t in args.traces.split(",") if t)
@@ -909,6 +937,8 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkloadConfig:
         policies=policies,
         traces=traces,
         json_path=args.json,
+        router_workers=args.router_workers,
+        host_sharing=args.host_sharing,
     )
 
 

@@ -36,3 +36,6 @@ class FeatureSettings(BaseModel):
     """the status page's recent-traffic window"""
     trace_headers: bool = Field(default=True, json_schema_extra=_LEDGER)
     """forwarding the client's W3C `traceparent`/`tracestate` to both legs"""
+    host_sharing: bool = Field(default=True, json_schema_extra=_LEDGER)
+    """`--workers N`: the processes share their load counts and KV predictions (off: each
+    routes and admits on its own counts, as N routers would)"""
