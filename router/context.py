@@ -354,7 +354,9 @@ async def open_context(
         else LoadBoard(board_path(sharing.run_dir), sharing.count, sharing.index)
     )
     parts = _build_parts(settings, tables, board)
-    shared = None if sharing is None else SharedPredictions(parts.kv.index, sharing)
+    shared = None
+    if sharing is not None and settings.cache.share_predictions:
+        shared = SharedPredictions(parts.kv.index, sharing)
     fleet = parts.fleet
     tables.bind(parts.store)
     pod_watcher = None

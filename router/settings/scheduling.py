@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field, field_validator
 
 from router.kv_tiers import DEFAULT_TIER_WEIGHTS, check_tier_weights, parse_tier_weights
-from router.settings.flags import DOCUMENTED, PositiveFloat, cli
+from router.settings.flags import DOCUMENTED, TUNING, PositiveFloat, cli
 
 __all__ = ["CacheAwareSettings", "PolicySettings"]
 
@@ -60,6 +60,9 @@ class CacheAwareSettings(BaseModel):
     prediction_ttl_s: PositiveFloat = Field(default=2.0, json_schema_extra=cli("--prediction-ttl"))
     """seconds the entries a routing decision predicts live unless the engine's events
     confirm them"""
+    share_predictions: bool = Field(default=False, json_schema_extra=TUNING)
+    """`--workers N`: each process also applies the entries its siblings predict (off by
+    default: measured worse on the shared-prefix workload, docs/operations/processes.md)"""
     # SMG's cache_threshold
     cache_threshold: float = Field(
         default=0.3, ge=0.0, le=1.0, json_schema_extra=cli("--cache-threshold")
