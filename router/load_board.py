@@ -26,12 +26,13 @@ import mmap
 import os
 from collections.abc import Sequence
 
-__all__ = ["ADMISSION", "FIELDS", "SLOTS", "HostLoad", "LoadBoard"]
+__all__ = ["ADMISSION", "FIELDS", "LEGS", "SLOTS", "TOKENS", "HostLoad", "LoadBoard"]
 
 logger = logging.getLogger(__name__)
 
 SLOTS = 8192  # worker DP ranks (and the admission row) the board can hold
 FIELDS = 2  # per slot: in-flight (legs; admission: units), pending tokens (admission: body bytes)
+LEGS, TOKENS = 0, 1  # a worker rank's fields
 ADMISSION = 0  # the slot of the router's own admission
 _ADMISSION_KEY = 1
 _WORD = 8
@@ -138,20 +139,15 @@ class HostLoad:
         board, worker_id = self._board, self._worker_id
         self.slots = tuple(board.slot(worker_id, rank) for rank in range(dp_size))
 
-    def add(self, slot: int, legs: int, tokens: int) -> None:
-        board = self._board
-        board.add(slot, 0, legs)
-        if tokens:
-            board.add(slot, 1, tokens)
+    def add(self, slot: int, field: int, amount: int) -> None:
+        """This process's count of ``field`` (``LEGS``, ``TOKENS``) at ``slot``."""
+        if amount:
+            self._board.add(slot, field, amount)
 
-    def legs(self, rank: int) -> int | None:
-        """The host's in-flight legs at ``rank`` (None: not on the board)."""
+    def count(self, rank: int, field: int) -> int | None:
+        """The host's count of ``field`` at ``rank`` (None: the rank is not on the board)."""
         slot = self.slots[rank] if rank < len(self.slots) else None
-        return None if slot is None else self._board.total(slot, 0)
-
-    def tokens(self, rank: int) -> int | None:
-        slot = self.slots[rank] if rank < len(self.slots) else None
-        return None if slot is None else self._board.total(slot, 1)
+        return None if slot is None else self._board.total(slot, field)
 
 
 def board_path(run_dir: str) -> str:

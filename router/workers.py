@@ -13,8 +13,9 @@ import httpx
 
 from registry.models import redact_url
 from router.errors import WorkersBusy
+from router.leg_load import LegLoad
 from router.leg_stats import LegStats
-from router.load_board import HostLoad, LoadBoard
+from router.load_board import LEGS, TOKENS, HostLoad, LoadBoard
 
 __all__ = ["EngineLoad", "LoadReading", "Role", "Worker", "WorkerPool", "format_host"]
 
@@ -51,50 +52,6 @@ class LoadReading:
     fresh_until: float
     dispatched: int
     queued: float  # running + waiting, kept so that load_score adds nothing up
-
-
-class LegLoad:
-    """``Worker.load``'s block (a plain class: no generator per leg)."""
-
-    __slots__ = ("_host", "_leg", "_pending", "_ranks", "_slot", "rank", "tokens", "worker")
-
-    def __init__(self, worker: Worker, rank: int, tokens: int) -> None:
-        self.worker = worker
-        self.rank = rank
-        self.tokens = tokens
-        self._ranks: list[int] | None = None
-        self._pending: list[int] = []
-        self._leg = 0
-        self._host: HostLoad | None = None
-        self._slot = 0
-
-    def __enter__(self) -> None:
-        worker, rank = self.worker, self.rank
-        worker.inflight += 1
-        ranks = worker.rank_inflight
-        if rank < len(ranks):
-            # kept: a layout change replaces the lists, the leg leaves the ones it entered
-            self._ranks, self._pending = ranks, worker.rank_pending_tokens
-            ranks[rank] += 1
-            worker.rank_dispatched[rank] += 1
-            self._pending[rank] += self.tokens
-            host = worker.host_load
-            if host is not None and rank < len(host.slots):
-                slot = host.slots[rank]
-                if slot is not None:
-                    self._host, self._slot = host, slot
-                    host.add(slot, 1, self.tokens)
-        self._leg = worker.legs.begin()
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        worker, rank, ranks = self.worker, self.rank, self._ranks
-        worker.legs.end(self._leg, completed=exc_type is None)
-        worker.inflight -= 1
-        if ranks is not None:
-            ranks[rank] -= 1
-            self._pending[rank] -= self.tokens
-            if self._host is not None:
-                self._host.add(self._slot, -1, -self.tokens)
 
 
 @dataclass(eq=False, slots=True)
@@ -186,23 +143,19 @@ class Worker:
         """Prompt tokens this router's in-flight prefill legs at ``rank`` are predicted to
         compute (the prefill work queued there by this router: with ``--workers N``, by every
         process of the host)."""
-        host = self.host_load
-        if host is not None:
-            tokens = host.tokens(rank)
-            if tokens is not None:
-                return tokens
-        pending = self.rank_pending_tokens
-        return pending[rank] if rank < len(pending) else 0
+        return self._counted(rank, TOKENS, self.rank_pending_tokens)
 
     def rank_load(self, rank: int) -> int:
         """This router's legs in flight at ``rank`` (with ``--workers N``: the host's)."""
+        return self._counted(rank, LEGS, self.rank_inflight)
+
+    def _counted(self, rank: int, field: int, own: list[int]) -> int:
         host = self.host_load
         if host is not None:
-            legs = host.legs(rank)
-            if legs is not None:
-                return legs
-        ranks = self.rank_inflight
-        return ranks[rank] if rank < len(ranks) else 0
+            count = host.count(rank, field)
+            if count is not None:
+                return count
+        return own[rank] if rank < len(own) else 0
 
     def host_inflight(self) -> int:
         """This router's legs in flight at the worker (with ``--workers N``: the host's)."""

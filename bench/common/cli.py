@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import signal
+import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +17,14 @@ import msgspec
 
 from bench.common.process import BenchError
 
-__all__ = ["exit_on_failure", "finish", "positive_ints", "sigterm_raises", "write_json"]
+__all__ = [
+    "exit_on_failure",
+    "finish",
+    "positive_ints",
+    "run_in_log_dir",
+    "sigterm_raises",
+    "write_json",
+]
 
 
 def positive_ints(text: str) -> tuple[int, ...]:
@@ -75,3 +85,25 @@ def finish(text: str, report: object, json_path: Path | None, failed: bool) -> N
         write_json(report, json_path)
     if failed:
         raise SystemExit(1)
+
+
+def run_in_log_dir(
+    execute: Callable[[Path], int], log_dir: Path | None, prefix: str, name: str
+) -> int:
+    """``execute(log_dir)``'s exit status, SIGTERM and Ctrl-C ending it cleanly (130); the
+    processes' logs go to ``log_dir`` (a temporary one when None, removed after a clean run)
+    and are kept, and named, after a failed one."""
+    where = log_dir or Path(tempfile.mkdtemp(prefix=prefix))
+    where.mkdir(parents=True, exist_ok=True)
+    code = 130
+    try:
+        with sigterm_raises():
+            code = execute(where)
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; all processes stopped", file=sys.stderr, flush=True)
+    finally:
+        if code != 0:
+            print(f"{name}: process logs kept in {where}", file=sys.stderr, flush=True)
+        elif log_dir is None:
+            shutil.rmtree(where, ignore_errors=True)
+    return code

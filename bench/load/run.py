@@ -20,10 +20,8 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -33,7 +31,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from bench.common.cli import positive_ints, sigterm_raises
+from bench.common.cli import positive_ints, run_in_log_dir
 from bench.common.process import (
     LOOPBACK,
     REPO_ROOT,
@@ -703,20 +701,7 @@ def _execute(cfg: BenchConfig, log_dir: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(argv)
-    log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="pd-bench-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    code = 130
-    try:
-        with sigterm_raises():
-            code = _execute(cfg, log_dir)
-    except KeyboardInterrupt:
-        _say("bench: interrupted; all processes stopped")
-    finally:
-        if cfg.log_dir is None and code == 0:
-            shutil.rmtree(log_dir, ignore_errors=True)
-        elif code != 0:
-            _say(f"bench: process logs kept in {log_dir}")
-    return code
+    return run_in_log_dir(lambda log_dir: _execute(cfg, log_dir), cfg.log_dir, "pd-bench-", "bench")
 
 
 if __name__ == "__main__":

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common.cli import positive_ints, sigterm_raises, write_json
+from bench.common.cli import positive_ints, run_in_log_dir, write_json
 from bench.common.process import BenchError
 from bench.load import run
 from bench.load.loadgen_group import Group, GroupSpec
@@ -316,20 +314,9 @@ def _execute(cfg: Config, log_dir: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(argv)
-    log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="pd-workers-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    code = 130
-    try:
-        with sigterm_raises():
-            code = _execute(cfg, log_dir)
-    except KeyboardInterrupt:
-        _say("bench.load.workers: interrupted; all processes stopped")
-    finally:
-        if code != 0:
-            _say(f"bench.load.workers: process logs kept in {log_dir}")
-        elif cfg.log_dir is None:
-            shutil.rmtree(log_dir, ignore_errors=True)
-    return code
+    return run_in_log_dir(
+        lambda log_dir: _execute(cfg, log_dir), cfg.log_dir, "pd-workers-", "bench.load.workers"
+    )
 
 
 if __name__ == "__main__":

@@ -96,7 +96,6 @@ class KVBlockIndex:
             max_blocks, self._present, self._engine_maps, self._lower, self._predictions, clock
         )
         self._orphaned = 0
-        # router --workers N: told of every prediction made here (SharedPredictions publishes it)
         self.on_predict: Callable[[Location, Sequence[int], int], None] | None = None
 
     # -- engine events -------------------------------------------------------------------------
@@ -180,13 +179,10 @@ class KVBlockIndex:
     def predict(
         self, location: Location, keys: Sequence[int], block_size: int, *, own: bool = True
     ) -> None:
-        """A routing decision: the blocks ``keys`` will soon be at ``location``.
-
-        The entries count for ``match`` until ``prediction_ttl_s`` passes or a ``BlockStored``
-        confirms them. Ignored when the location's known block size is not ``block_size`` (such
-        keys could never match there). ``own``: this process decided it (``on_predict`` is told),
-        not a sibling process.
-        """
+        """A routing decision: the blocks ``keys`` will soon be at ``location``, for ``match``
+        until ``prediction_ttl_s`` passes or a ``BlockStored`` confirms them; ignored when the
+        location's known block size is not ``block_size`` (such keys could never match there).
+        ``own``: decided here (``on_predict`` is told), not by a sibling process."""
         slot = self._slot_for(location)
         known = self._slots.block_sizes[slot]
         if known is not None and known != block_size:

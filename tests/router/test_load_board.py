@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from router import load_board
-from router.load_board import ADMISSION, HostLoad, LoadBoard, board_path
+from router.load_board import ADMISSION, LEGS, TOKENS, HostLoad, LoadBoard, board_path
 
 
 def boards(tmp_path: Path, processes: int = 2) -> list[LoadBoard]:
@@ -47,13 +47,14 @@ def test_a_restarted_process_starts_from_zero_and_clear_zeroes_a_dead_one(tmp_pa
 def test_host_load_follows_a_layout_change(tmp_path: Path) -> None:
     first, second = boards(tmp_path)
     mine, theirs = HostLoad(first, "p-1", 1), HostLoad(second, "p-1", 1)
-    assert mine.legs(1) is None
+    assert mine.count(1, LEGS) is None
     mine.resize(2)
     theirs.resize(2)
     slot = mine.slots[1]
     assert slot is not None
-    theirs.add(slot, 1, 64)
-    assert mine.legs(1) == 1 and mine.tokens(1) == 64
+    theirs.add(slot, LEGS, 1)
+    theirs.add(slot, TOKENS, 64)
+    assert mine.count(1, LEGS) == 1 and mine.count(1, TOKENS) == 64
 
 
 def test_a_full_board_counts_new_ranks_per_process(
@@ -64,4 +65,4 @@ def test_a_full_board_counts_new_ranks_per_process(
     slots = [board.slot("p-1", rank) for rank in range(3)]
     assert None not in slots and len(set(slots)) == 3
     assert board.slot("p-2", 0) is None
-    assert HostLoad(board, "p-2", 1).legs(0) is None
+    assert HostLoad(board, "p-2", 1).count(0, LEGS) is None
