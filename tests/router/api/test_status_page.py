@@ -28,6 +28,7 @@ from testkit.cluster_process import ClusterProcess
 from testkit.fake_cluster import FakeClusterFactory, settings_for
 from testkit.polling import await_until
 from testkit.servers import free_port
+from tests.router.server.test_workers import supervised
 
 SNAPSHOT_KEYS = {
     "generated_at",
@@ -306,6 +307,8 @@ async def test_status_page_in_headless_chromium(pd_cluster: ClusterProcess, tmp_
             await browser.wait_for(f"{_REQUESTS_JS} >= {before + 1}", 20, "the new request")
             assert await browser.evaluate("document.body.dataset.updated") != stamp
             assert await browser.evaluate("document.body.dataset.state") == "live"
+            # one router process: no process table
+            assert await browser.evaluate("document.getElementById('processes-section').hidden")
             png = await browser.screenshot()
             # the router goes away: the page says its data is stale and keeps showing it
             await asyncio.to_thread(pd_cluster.stop)
@@ -319,3 +322,14 @@ async def test_status_page_in_headless_chromium(pd_cluster: ClusterProcess, tmp_
     print(f"status page screenshot: {path}")
     if copy_to := os.environ.get("PDR_STATUS_SCREENSHOT"):
         shutil.copyfile(path, copy_to)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not chromium_available(), reason="needs Chromium (scripts/setup-test.sh)")
+async def test_status_page_lists_the_router_processes(tmp_path: Path) -> None:
+    with supervised() as (url, _):
+        async with Chromium(tmp_path) as browser:
+            await browser.navigate(f"{url}/status")
+            rows = "document.querySelectorAll('tr[data-process]').length === 2"
+            await browser.wait_for(rows, 30, "both router processes listed")
+            assert not await browser.evaluate("document.getElementById('processes-section').hidden")
