@@ -25,10 +25,11 @@ from router.fleet.discovery import Discovery
 from router.fleet.engine_load import EngineLoadMonitor
 from router.fleet.health import HealthProber
 from router.fleet.outlier import OutlierDetector
+from router.fleet.shared_breakers import BreakerVerdict, share_breakers
 from router.kv_cache.event_feed import KVEventFeed
 from router.kv_cache.index import KVBlockIndex
 from router.kv_cache.prefix_tree import ApproxPrefixTree
-from router.kv_cache.shared_predictions import SharedPredictions
+from router.kv_cache.shared_predictions import Prediction, SharedPredictions
 from router.load_board import LoadBoard, board_path
 from router.observability.metrics import RouterMetrics
 from router.observability.pair_ledger import PairLedger
@@ -46,6 +47,7 @@ from router.scheduling.tokenizers import open_token_source
 from router.server.bootstrap_listeners import bootstrap_servers, pool_owner_hosts
 from router.server.lifecycle import RouterLifecycle
 from router.settings import AdmissionSettings, RouterSettings
+from router.sibling_bus import SiblingBus
 from router.upstream.base import UpstreamPool
 
 if TYPE_CHECKING:
@@ -300,7 +302,7 @@ def _siblings(
     role: ProcessRole | None,
     lifecycle: RouterLifecycle,
     metrics: RouterMetrics,
-    shared: SharedPredictions | None,
+    bus: SiblingBus | None,
 ) -> Siblings | None:
     if role is None:
         return None
@@ -313,10 +315,19 @@ def _siblings(
             "started": started,
             "requests_inflight": lifecycle.inflight,
             "requests_served": lifecycle.served,
-            "predictions": None if shared is None else shared.stats(),
+            "bus": None if bus is None else bus.stats(),
         }
 
     return Siblings(role, metrics.render, describe)
+
+
+def _sibling_bus(role: ProcessRole, settings: RouterSettings, parts: _Parts) -> SiblingBus:
+    """The host's bus: breaker verdicts, and predictions when they are shared."""
+    bus = SiblingBus(role, (Prediction, BreakerVerdict))
+    share_breakers(parts.pipeline.circuits, bus, parts.pool.get)
+    if settings.cache.share_predictions:
+        SharedPredictions(parts.kv.index, bus)
+    return bus
 
 
 def _app_context(
@@ -354,9 +365,7 @@ async def open_context(
         else LoadBoard(board_path(sharing.run_dir), sharing.count, sharing.index)
     )
     parts = _build_parts(settings, tables, board)
-    shared = None
-    if sharing is not None and settings.cache.share_predictions:
-        shared = SharedPredictions(parts.kv.index, sharing)
+    bus = None if sharing is None else _sibling_bus(sharing, settings, parts)
     fleet = parts.fleet
     tables.bind(parts.store)
     pod_watcher = None
@@ -368,20 +377,20 @@ async def open_context(
         tasks += [fleet.prober.run()] if features.health else []
         tasks += [parts.load_monitor.run()] if features.engine_load else []
         tasks += [parts.outlier.run()] if features.outliers else []
-        tasks += [shared.run()] if shared is not None else []
+        tasks += [bus.run()] if bus is not None else []
         if pod_watcher is not None:
             tasks.append(pod_watcher.run())
         background = _background(*tasks)
         listeners = bootstrap_servers(
             tables, settings, pool_owner_hosts(parts.pool), reuse_port=role is not None
         )
-        siblings = _siblings(role, lifecycle, parts.telemetry.metrics, shared)
+        siblings = _siblings(role, lifecycle, parts.telemetry.metrics, bus)
         answering = siblings.serving() if siblings is not None else contextlib.nullcontext()
         async with listeners, background, answering:
             yield _app_context(settings, lifecycle, parts, pod_watcher, siblings)
     finally:
         if pod_watcher is not None:
             await pod_watcher.aclose()
-        if shared is not None:
-            shared.close()
+        if bus is not None:
+            bus.close()
         await _close(parts, tables)

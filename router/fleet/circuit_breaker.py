@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 Clock = Callable[[], float]
 Listener = Callable[["CircuitState", str], None]
 PairKey = tuple[str, str]  # (prefill worker id, decode worker id)
+# a breaker opened or closed: (worker id,) or a pair's ids, opened, its back-off, the reason
+Verdict = Callable[[tuple[str, ...], bool, float, str], None]
 
 
 class CircuitState(StrEnum):
@@ -128,6 +130,26 @@ class CircuitBreaker:
             self._backoff = min(self._backoff * 2, self._policy.max_open_s)
             self._open(f"a request failed while half-open: {reason}")
 
+    def adopt(self, opened: bool, open_s: float, reason: str) -> None:
+        """Another router process's verdict on the same target (``router --workers N``): open
+        for ``open_s`` (unless this one is open longer), or closed."""
+        now = self._clock()
+        if opened:
+            if self._state is CircuitState.OPEN and self._retry_at >= now + open_s:
+                return
+            self._backoff = open_s
+            self._open(f"{reason} (in another router process)")
+        elif self._state is not CircuitState.CLOSED:
+            self._state = CircuitState.CLOSED
+            self._failures = 0
+            self._backoff = self._policy.open_s
+            self._trial = False
+            self._notify("another router process's request succeeded while half-open")
+
+    @property
+    def open_s(self) -> float:
+        return self._backoff
+
     def retry_in(self) -> float | None:
         """Seconds until the next trial may go through; None unless open."""
         if self.state() is not CircuitState.OPEN:
@@ -200,6 +222,9 @@ class Circuits:
         self._on_transition = on_transition
         self._workers: dict[str, tuple[tuple[str, ...], CircuitBreaker]] = {}
         self._pairs: dict[PairKey, tuple[tuple[str, ...], CircuitBreaker]] = {}
+        # router --workers N: told of this process's breakers opening and closing
+        self.on_verdict: Verdict | None = None
+        self._adopting = False
 
     # --------------------------------------------------------------- routing
 
@@ -236,16 +261,16 @@ class Circuits:
     def worker_failure(self, worker: Worker, reason: str) -> None:
         if not self._enabled:
             return
-        key = worker.id
-        entry = self._workers.get(key)
+        self._worker_entry(worker)[1].failure(reason)
+
+    def _worker_entry(self, worker: Worker) -> tuple[tuple[str, ...], CircuitBreaker]:
+        entry = self._workers.get(worker.id)
         if entry is None:
             labels = (worker.role.value, worker.public_url)
             what = f"{worker.role.value} worker {worker.public_url}"
-            entry = self._workers[key] = (
-                labels,
-                self._breaker("worker", what, self._worker_policy),
-            )
-        entry[1].failure(reason)
+            breaker = self._breaker("worker", (worker.id,), what, self._worker_policy)
+            entry = self._workers[worker.id] = (labels, breaker)
+        return entry
 
     def pair_success(self, prefill: Worker, decode: Worker) -> None:
         entry = self._pairs.get((prefill.id, decode.id))
@@ -255,13 +280,35 @@ class Circuits:
     def pair_failure(self, prefill: Worker, decode: Worker, reason: str) -> None:
         if self._pair_policy is None or not self._enabled:
             return
+        self._pair_entry(prefill, decode, self._pair_policy)[1].failure(reason)
+
+    def _pair_entry(
+        self, prefill: Worker, decode: Worker, policy: BreakerPolicy
+    ) -> tuple[tuple[str, ...], CircuitBreaker]:
         key = (prefill.id, decode.id)
         entry = self._pairs.get(key)
         if entry is None:
             labels = (prefill.public_url, decode.public_url)
             what = f"pair {prefill.public_url} -> {decode.public_url}"
-            entry = self._pairs[key] = (labels, self._breaker("pair", what, self._pair_policy))
-        entry[1].failure(reason)
+            entry = self._pairs[key] = (labels, self._breaker("pair", key, what, policy))
+        return entry
+
+    def adopt(self, workers: tuple[Worker, ...], opened: bool, open_s: float, reason: str) -> None:
+        """Another router process's breaker on ``workers`` (one: a worker; two: a pair)
+        opened or closed: this process's follows (``CircuitBreaker.adopt``), quietly."""
+        if not self._enabled:
+            return
+        if len(workers) == 1:
+            entry = self._worker_entry(workers[0])
+        elif self._pair_policy is not None:
+            entry = self._pair_entry(workers[0], workers[1], self._pair_policy)
+        else:
+            return
+        self._adopting = True
+        try:
+            entry[1].adopt(opened, open_s, reason)
+        finally:
+            self._adopting = False
 
     # --------------------------------------------------------------- views
 
@@ -314,14 +361,20 @@ class Circuits:
         for pair in [k for k in self._pairs if k[0] not in live or k[1] not in live]:
             del self._pairs[pair]
 
-    def _breaker(self, scope: str, what: str, policy: BreakerPolicy) -> CircuitBreaker:
+    def _breaker(
+        self, scope: str, key: tuple[str, ...], what: str, policy: BreakerPolicy
+    ) -> CircuitBreaker:
         def listener(state: CircuitState, reason: str) -> None:
             level = logging.WARNING if state is CircuitState.OPEN else logging.INFO
             logger.log(level, "circuit of %s is now %s: %s", what, state.value, reason)
             if self._on_transition is not None:
                 self._on_transition(scope, state)
+            told = self.on_verdict
+            if told is not None and not self._adopting and state is not CircuitState.HALF_OPEN:
+                told(key, state is CircuitState.OPEN, breaker.open_s, breaker.reason)
 
-        return CircuitBreaker(policy, clock=self._clock, listener=listener)
+        breaker = CircuitBreaker(policy, clock=self._clock, listener=listener)
+        return breaker
 
 
 def build_circuits(

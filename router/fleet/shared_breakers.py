@@ -1,0 +1,46 @@
+"""Circuit breaker verdicts shared by the processes of ``router --workers N``: when a worker's
+or a pair's breaker opens or closes in one process, the others' follow (``Circuits.adopt``),
+over the host's bus (``router.sibling_bus``).
+
+Bounded: a verdict reaches the siblings within a millisecond or so; until then they may send
+the target a request or two more. Each process still runs its own half-open trial once its
+back-off is over, so a target that came back gets at most one trial request per process (N,
+not 1) before every process has closed its breaker again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from router.fleet.circuit_breaker import Circuits
+from router.sibling_bus import SiblingBus
+from router.workers import Worker
+
+__all__ = ["BreakerVerdict", "share_breakers"]
+
+
+class BreakerVerdict(msgspec.Struct, array_like=True, tag="breaker"):
+    ids: list[str]  # a worker's id, or a pair's prefill and decode ids
+    opened: bool
+    open_s: float
+    reason: str
+
+
+def share_breakers(
+    circuits: Circuits, bus: SiblingBus, lookup: Callable[[str], Worker | None]
+) -> None:
+    """Tell the siblings this process's verdicts and follow theirs."""
+
+    def tell(key: tuple[str, ...], opened: bool, open_s: float, reason: str) -> None:
+        bus.publish(BreakerVerdict(list(key), opened, open_s, reason))
+
+    def follow(verdict: BreakerVerdict) -> None:
+        workers = [lookup(worker_id) for worker_id in verdict.ids]
+        known = tuple(worker for worker in workers if worker is not None)
+        if len(known) == len(workers) and 1 <= len(known) <= 2:
+            circuits.adopt(known, verdict.opened, verdict.open_s, verdict.reason)
+
+    circuits.on_verdict = tell
+    bus.on(BreakerVerdict, follow)
