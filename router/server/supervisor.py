@@ -183,7 +183,7 @@ class Supervisor:
                     role.index,
                     status,
                 )
-                self._failure = status or 1
+                self._failure = status if status > 0 else 1  # (killed by a signal: < 0)
                 self._stopping.set()
                 return
             backoff = _FIRST_BACKOFF_S if loop.time() - started > _STABLE_S else backoff
