@@ -31,7 +31,7 @@ from router.server.cores import process_count
 from router.server.gc_schedule import collect_periodically, tune_gc
 from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.server.lifecycle import RouterLifecycle
-from router.server.listen_sockets import listening_socket
+from router.server.listen_sockets import reserved_port
 from router.server.supervisor import Supervisor, die_with_parent
 from router.settings import RouterSettings
 
@@ -121,9 +121,13 @@ def _as_process(settings: RouterSettings, role: ProcessRole) -> RouterSettings:
 
 
 def _client_socket(settings: RouterSettings, role: ProcessRole) -> socket.socket:
-    if role.listen_fd is not None:  # --worker-sockets shared: the supervisor's
+    """The process's client socket: the supervisor's (``--worker-sockets shared``), or its own
+    bound with SO_REUSEPORT and not yet listening: the server listens once the app started
+    (the lifespan: the workers known and probed once), so the kernel sends this process no
+    connection before it can answer as its siblings do."""
+    if role.listen_fd is not None:
         return socket.socket(fileno=role.listen_fd)
-    return listening_socket(settings.server.host, role.port, reuse_port=True)
+    return reserved_port(settings.server.host, role.port)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -373,6 +373,8 @@ async def open_context(
         await fleet.discovery.seed()
         pod_watcher = await _open_pod_watcher(settings, fleet.registry)
         features = settings.features
+        if role is not None and features.health:
+            await fleet.prober.probe_all()  # /ready as its siblings answer it, from the start
         tasks = [fleet.discovery.run(), parts.kv.feed.run()]
         tasks += [fleet.prober.run()] if features.health else []
         tasks += [parts.load_monitor.run()] if features.engine_load else []

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from router.leg_stats import LegStats
-from router.load_board import LEGS, TOKENS, HostLoad
+from router.load_board import DISPATCHED, LEGS, TOKENS, HostLoad
 
 __all__ = ["LegLoad"]
 
@@ -54,6 +54,7 @@ class LegLoad:
                     self._host, self._slot = host, slot
                     host.add(slot, LEGS, 1)
                     host.add(slot, TOKENS, self.tokens)
+                    host.add(slot, DISPATCHED, 1)
         self._leg = worker.legs.begin()
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:

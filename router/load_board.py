@@ -26,13 +26,23 @@ import mmap
 import os
 from collections.abc import Sequence
 
-__all__ = ["ADMISSION", "FIELDS", "LEGS", "SLOTS", "TOKENS", "HostLoad", "LoadBoard"]
+__all__ = [
+    "ADMISSION",
+    "DISPATCHED",
+    "FIELDS",
+    "LEGS",
+    "SLOTS",
+    "TOKENS",
+    "HostLoad",
+    "LoadBoard",
+]
 
 logger = logging.getLogger(__name__)
 
 SLOTS = 8192  # worker DP ranks (and the admission row) the board can hold
-FIELDS = 2  # per slot: in-flight (legs; admission: units), pending tokens (admission: body bytes)
-LEGS, TOKENS = 0, 1  # a worker rank's fields
+FIELDS = 3  # per slot: in-flight legs (admission: units), pending tokens (admission: body
+# bytes), requests dispatched (only grows; the credit since an engine's load report)
+LEGS, TOKENS, DISPATCHED = 0, 1, 2  # a worker rank's fields
 ADMISSION = 0  # the slot of the router's own admission
 _ADMISSION_KEY = 1
 _WORD = 8

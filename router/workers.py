@@ -15,7 +15,7 @@ from registry.models import redact_url
 from router.errors import WorkersBusy
 from router.leg_load import LegLoad
 from router.leg_stats import LegStats
-from router.load_board import LEGS, TOKENS, HostLoad, LoadBoard
+from router.load_board import DISPATCHED, LEGS, TOKENS, HostLoad, LoadBoard
 
 __all__ = ["EngineLoad", "LoadReading", "Role", "Worker", "WorkerPool", "format_host"]
 
@@ -176,17 +176,23 @@ class Worker:
         reading = self.engine_load[rank]
         if reading is None or time.monotonic() >= reading.fresh_until:
             return float(self.rank_load(rank))
-        return reading.queued + (self.rank_dispatched[rank] - reading.dispatched)
+        sent = self._counted(rank, DISPATCHED, self.rank_dispatched)
+        return reading.queued + max(sent - reading.dispatched, 0)
 
     def _total_score(self) -> float:
         """Sum over the DP ranks; this router's in-flight count when any rank's load is unknown."""
         now = time.monotonic()
         total = 0.0
-        for reading, dispatched in zip(self.engine_load, self.rank_dispatched, strict=True):
+        for reading, dispatched in zip(self.engine_load, self.dispatched_counts(), strict=True):
             if reading is None or now >= reading.fresh_until:
                 return float(self.host_inflight())
-            total += reading.queued + (dispatched - reading.dispatched)
+            total += reading.queued + max(dispatched - reading.dispatched, 0)
         return total
+
+    def dispatched_counts(self) -> list[int]:
+        """Requests this router ever sent to each DP rank (with ``--workers N``: the host's)."""
+        own = self.rank_dispatched
+        return [self._counted(rank, DISPATCHED, own) for rank in range(len(own))]
 
     def engine_waiting(self, rank: int | None = None) -> float | None:
         """Requests waiting at the engine (one DP rank, or all) as it last reported them (no
@@ -219,7 +225,7 @@ class Worker:
         if len(loads) != self.dp_size:
             raise ValueError(f"{len(loads)} rank loads for dp_size={self.dp_size}")
         if len(dispatched) != self.dp_size:  # the layout changed during the read
-            dispatched = self.rank_dispatched
+            dispatched = self.dispatched_counts()
         self.engine_load = [
             None
             if load is None

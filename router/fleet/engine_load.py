@@ -259,7 +259,7 @@ class EngineLoadMonitor:
 
     async def poll(self, worker: Worker) -> None:
         """Read one worker's load and record it (or forget the old one). Never raises."""
-        dispatched = list(worker.rank_dispatched)  # sent later: maybe not in the engine's count
+        dispatched = worker.dispatched_counts()  # sent later: maybe not in the engine's count
         started = time.monotonic()
         try:
             async with asyncio.timeout(self._settings.timeout_s):

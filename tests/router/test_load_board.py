@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from router import load_board
 from router.load_board import ADMISSION, LEGS, TOKENS, HostLoad, LoadBoard, board_path
+from router.workers import EngineLoad, Role, Worker
 
 
 def boards(tmp_path: Path, processes: int = 2) -> list[LoadBoard]:
@@ -66,3 +68,22 @@ def test_a_full_board_counts_new_ranks_per_process(
     assert None not in slots and len(set(slots)) == 3
     assert board.slot("p-2", 0) is None
     assert HostLoad(board, "p-2", 1).count(0, LEGS) is None
+
+
+def test_load_scores_credit_every_process_dispatches_since_a_reading(tmp_path: Path) -> None:
+    """A prefill's load between two engine reports: its report plus what the whole host sent
+    since (each process reads the report at its own time)."""
+    mine, theirs = boards(tmp_path)
+    here, there = (Worker(Role.PREFILL, "http://127.0.0.1:9001", id="p-1") for _ in range(2))
+    here.host_load, there.host_load = HostLoad(mine, "p-1", 1), HostLoad(theirs, "p-1", 1)
+    here.record_engine_load(
+        [EngineLoad(running=2, waiting=1)],
+        at=time.monotonic(),
+        stale_after=60.0,
+        dispatched=here.dispatched_counts(),
+    )
+    for _ in range(3):  # the other process sends three requests
+        with there.load(0, tokens=10):
+            pass
+    assert here.load_score(0) == 2 + 1 + 3
+    assert here.load_score(None) == 6

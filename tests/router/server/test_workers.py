@@ -26,9 +26,12 @@ STREAM = {**BODY, "stream": True, "max_tokens": 12}
 
 @contextmanager
 def supervised(
-    *extra: str, processes: int = 2, config: FakeConfig | None = None
+    *extra: str,
+    processes: int = 2,
+    config: FakeConfig | None = None,
+    prefill_config: FakeConfig | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    prefill = FakeEngine("prefill", "sglang", config=FakeConfig(check_kv=False))
+    prefill = FakeEngine("prefill", "sglang", config=prefill_config or FakeConfig(check_kv=False))
     decode = FakeEngine("decode", "sglang", config=config or FakeConfig(check_kv=False))
     with run_servers(prefill.app, decode.app) as (p_port, d_port):
         port = free_port()
@@ -100,6 +103,25 @@ def test_a_process_that_dies_is_restarted_and_the_others_keep_serving() -> None:
             "the killed process restarted",
         )
         assert process.poll() is None
+
+
+def test_a_restarted_process_takes_connections_only_once_it_knows_the_fleet() -> None:
+    """Its workers probed (here the prefill's /health takes 1 s) before its socket listens: a
+    client never reaches a process that would answer /ready with 503 while its siblings serve."""
+    slow_health = FakeConfig(check_kv=False, health_delay=1.0)
+    with supervised(prefill_config=slow_health) as (url, _):
+        victim = processes_of(url)[0]
+        os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+        statuses: list[int] = []
+
+        def restarted() -> bool:
+            statuses.append(fresh(url, "GET", "/ready").status_code)
+            pids = {p["index"]: p["pid"] for p in processes_of(url)}
+            return pids.get(victim["index"]) not in (None, victim["pid"])
+
+        wait_until(restarted, 30, "the killed process restarted", interval=0.05)
+        statuses += [fresh(url, "GET", "/ready").status_code for _ in range(20)]
+        assert set(statuses) == {200}
 
 
 def test_sigterm_drains_every_process_and_exits_0() -> None:
