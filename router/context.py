@@ -40,7 +40,7 @@ from router.observability.state_metrics import RouterStateCollector
 from router.observability.tracing import Tracer, build_tracer
 from router.pipeline.admission import AdmissionGate
 from router.pipeline.serve import Pipeline
-from router.process_role import ProcessRole
+from router.process_role import JOIN_WAIT_S, ProcessRole, until_ready
 from router.scheduling.features import Featurizer
 from router.scheduling.policies import build_policies
 from router.scheduling.tokenizers import open_token_source
@@ -373,8 +373,6 @@ async def open_context(
         await fleet.discovery.seed()
         pod_watcher = await _open_pod_watcher(settings, fleet.registry)
         features = settings.features
-        if role is not None and features.health:
-            await fleet.prober.probe_all()  # /ready as its siblings answer it, from the start
         tasks = [fleet.discovery.run(), parts.kv.feed.run()]
         tasks += [fleet.prober.run()] if features.health else []
         tasks += [parts.load_monitor.run()] if features.engine_load else []
@@ -389,6 +387,8 @@ async def open_context(
         siblings = _siblings(role, lifecycle, parts.telemetry.metrics, bus)
         answering = siblings.serving() if siblings is not None else contextlib.nullcontext()
         async with listeners, background, answering:
+            if role is not None:  # its socket listens once this returns: when it can route
+                await until_ready(parts.pool, JOIN_WAIT_S)
             yield _app_context(settings, lifecycle, parts, pod_watcher, siblings)
     finally:
         if pod_watcher is not None:

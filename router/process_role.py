@@ -10,14 +10,32 @@ SO_REUSEPORT. Without that variable the process is a router on its own (``None``
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import MutableMapping
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
-__all__ = ["ROLE_ENV", "ProcessRole"]
+__all__ = ["JOIN_WAIT_S", "ROLE_ENV", "ProcessRole", "until_ready"]
 
 ROLE_ENV = "PD_ROUTER_PROCESS"
+JOIN_WAIT_S = 10.0  # a process joins the port once it can route, or after this long anyway
+_READY_POLL_S = 0.05
+
+
+class _Routable(Protocol):
+    def ready(self) -> bool: ...
+
+
+async def until_ready(pool: _Routable, timeout_s: float) -> None:
+    """Until ``pool`` has a healthy prefill and decode, or ``timeout_s`` passed: a process of
+    ``router --workers N`` starts listening only then, so that a client is never sent to a
+    process that would answer 503 while its siblings serve (at the first start, with no worker
+    up yet, no process listens for up to ``timeout_s``)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not pool.ready() and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110 - start-up only; readiness has no event
+        await asyncio.sleep(_READY_POLL_S)
 
 
 @dataclass(frozen=True, slots=True)
