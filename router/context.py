@@ -315,6 +315,7 @@ def _siblings(
             "started": started,
             "requests_inflight": lifecycle.inflight,
             "requests_served": lifecycle.served,
+            "joined": lifecycle.joined,  # it listens on the client port
             "bus": None if bus is None else bus.stats(),
         }
 
@@ -389,6 +390,7 @@ async def open_context(
         async with listeners, background, answering:
             if role is not None:  # its socket listens once this returns: when it can route
                 await until_ready(parts.pool, JOIN_WAIT_S)
+            lifecycle.joined = True
             yield _app_context(settings, lifecycle, parts, pod_watcher, siblings)
     finally:
         if pod_watcher is not None:

@@ -27,6 +27,7 @@
                     "engine": {"running", "waiting", "kv_usage", "age_s"} | null,
                     "pending_prefill_tokens", "kv_blocks"}]}        # the last two: prefill only
     P = {"index", "pid", "started" (time.time()), "requests_inflight", "requests_served",
+         "joined",                          # it listens on the client port (it can route)
          "bus": {"sent", "received", "dropped", "gaps", "lag_s"} | null}  # router.sibling_bus
     C = {"scope": "worker", "role", "worker"} | {"scope": "pair", "prefill", "decode"},
         plus {"state": "open" | "half_open", "reason", "retry_in_s" (null: half-open),

@@ -26,6 +26,7 @@ class RouterLifecycle:
         self.stopping = False  # the grace period is over: requests still running are ended
         self._requests: set[asyncio.Task[object]] = set()
         self.served = 0  # requests that ended (for router --workers N's per-process view)
+        self.joined = False  # router --workers N: this process listens on the client port
         self._timer: asyncio.TimerHandle | None = None
 
     @property

@@ -45,7 +45,7 @@ def supervised(
             f"http://127.0.0.1:{d_port}",
         ]
         with http_process([*argv, *extra], url, path="/ready", timeout=30) as process:
-            wait_until(lambda: len(processes_of(url)) == processes, 20, "every process up")
+            wait_until(lambda: joined(url) == processes, 20, "every process on the port")
             yield url, process
 
 
@@ -61,6 +61,11 @@ def processes_of(url: str) -> list[dict[str, object]]:
     except (httpx.HTTPError, KeyError, ValueError):
         return []
     return list(found or [])
+
+
+def joined(url: str) -> int:
+    """Processes that listen on the client port (``processes[].joined``)."""
+    return sum(1 for process in processes_of(url) if process.get("joined"))
 
 
 def requests_counted(url: str) -> float:
