@@ -41,13 +41,13 @@ from router.server.listen_sockets import listening_socket
 from router.settings import RouterSettings
 from router.upstream.base import UpstreamPool
 
-__all__ = ["MAX_CONNECTIONS", "bootstrap_servers", "pool_owner_hosts"]
+__all__ = ["MAX_CONNECTIONS", "EmbeddedServer", "bootstrap_servers", "pool_owner_hosts", "started"]
 
 _START_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 1024  # per bootstrap port (503 beyond, router.server.http_limits)
 
 
-class _EmbeddedServer(uvicorn.Server):
+class EmbeddedServer(uvicorn.Server):
     """A uvicorn server inside the router's loop; the router's own server owns the signals."""
 
     @contextlib.contextmanager
@@ -103,11 +103,13 @@ def _apps(
     return apps
 
 
-async def _started(server: _EmbeddedServer, task: asyncio.Task[None], port: int) -> None:
+async def started(server: EmbeddedServer, task: asyncio.Task[None], what: str) -> None:
+    """Until ``server`` (run by ``task``) listens; RuntimeError naming ``what`` when it failed
+    to start."""
     async with asyncio.timeout(_START_TIMEOUT_S):
         while not server.started:
             if task.done():
-                raise RuntimeError(f"bootstrap port {port} failed to start")
+                raise RuntimeError(f"{what} failed to start")
             await asyncio.sleep(0.01)
 
 
@@ -126,14 +128,14 @@ async def bootstrap_servers(
         settings.registry, settings.server.max_body_bytes, owner_hosts
     )
     host = settings.registry.bootstrap_host or settings.server.host
-    running: list[tuple[_EmbeddedServer, asyncio.Task[None]]] = []
+    running: list[tuple[EmbeddedServer, asyncio.Task[None]]] = []
     try:
         for port, app in _apps(tables, settings, protection):
-            server = _EmbeddedServer(_server_config(app, host, port, _limits(settings)))
+            server = EmbeddedServer(_server_config(app, host, port, _limits(settings)))
             sockets = [listening_socket(host, port, reuse_port=True)] if reuse_port else None
             task = asyncio.create_task(server.serve(sockets))
             running.append((server, task))
-            await _started(server, task, port)
+            await started(server, task, f"bootstrap port {port}")
         yield
     finally:
         for server, _ in running:

@@ -7,27 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import uvicorn
 from pydantic import SecretStr
 
 from registry.app import create_registry_app
 from registry.settings import RegistrySettings
+from router.server.bootstrap_listeners import EmbeddedServer, started
 from router.server.listen_sockets import listening_socket
 
 __all__ = ["served_memory_store"]
 
-_START_TIMEOUT_S = 10.0
 _SHUTDOWN_GRACE_S = 1  # the processes' watch streams are cut, not waited for
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """The supervisor owns the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 @contextlib.asynccontextmanager
@@ -44,14 +36,10 @@ async def served_memory_store(token: str, max_body_bytes: int) -> AsyncIterator[
         access_log=False,
         timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
     )
-    server = _EmbeddedServer(config)
+    server = EmbeddedServer(config)
     task = asyncio.create_task(server.serve([sock]))
     try:
-        async with asyncio.timeout(_START_TIMEOUT_S):
-            while not server.started:
-                if task.done():
-                    raise RuntimeError("the shared registry store did not start")
-                await asyncio.sleep(0.01)
+        await started(server, task, "the shared registry store")
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
