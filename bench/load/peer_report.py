@@ -1,7 +1,8 @@
 """The peer benchmark's arithmetic and its report: per cell and router build the median CPU per
 request (with min-max) and p50 latency added over a direct request; the matrix of ours against
 the peer (ratio and PASS/FAIL of ratio <= 1.0), the comparison against another build of ours,
-and the ledger of what each feature costs (median all on - median that one off).
+the ledger of what each feature costs (median all on - median that one off), and the floors
+(``bench.load.floor_app``: what the router's server alone and its bare PD proxying cost).
 
 Pure functions over ``RunRecord``s: no process, no clock. ``peer_tables`` renders them.
 """
@@ -23,10 +24,12 @@ __all__ = [
     "BuildStats",
     "CellSummary",
     "CompareRow",
+    "FloorRow",
     "LedgerRow",
     "MatrixRow",
     "PeersReport",
     "compare_rows",
+    "floor_rows",
     "ledger_rows",
     "make_report",
     "matrix_rows",
@@ -35,6 +38,7 @@ __all__ = [
 
 ALL_OFF = "everything off"
 PEER, OLD = "peer", "old"  # the build names of the peer and of the compare build
+FLOOR_SERVER, FLOOR_PROXY = "floor-server", "floor-proxy"  # the floors' build names
 RATIO_LIMIT = 1.0  # ours / peer, per cell (issue 22, requirement 1)
 
 
@@ -224,6 +228,47 @@ def ledger_rows(
 
 
 # ---------------------------------------------------------------------------------------------
+# The floors: the router's own parts without its pipeline
+# ---------------------------------------------------------------------------------------------
+
+
+class FloorRow(msgspec.Struct, frozen=True):
+    """One cell's floors: ``pipeline_us`` is what ours costs above the bare proxy on its own
+    parts; ``room_us`` what the peer leaves above that proxy (negative: even the bare proxy
+    costs more than the peer)."""
+
+    engine: str
+    cell: str
+    server_us: float | None  # the router's server answering by itself
+    proxy_us: float | None  # the bare PD proxy on the router's server and client
+    ours_us: float | None
+    peer_us: float | None
+    pipeline_us: float | None  # ours - proxy
+    room_us: float | None  # peer - proxy
+
+
+def floor_rows(summaries: Sequence[CellSummary]) -> list[FloorRow]:
+    rows = []
+    for s in summaries:
+        if FLOOR_PROXY not in s.targets and FLOOR_SERVER not in s.targets:
+            continue
+        proxy, ours, peer = s.cpu(FLOOR_PROXY), s.cpu(OURS), s.cpu(PEER)
+        rows.append(
+            FloorRow(
+                engine=s.engine,
+                cell=s.cell,
+                server_us=s.cpu(FLOOR_SERVER),
+                proxy_us=proxy,
+                ours_us=ours,
+                peer_us=peer,
+                pipeline_us=difference(ours, proxy),
+                room_us=difference(peer, proxy),
+            )
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole report
 # ---------------------------------------------------------------------------------------------
 
@@ -233,7 +278,7 @@ class BuildInfo(msgspec.Struct, frozen=True):
 
     name: str
     kind: str
-    role: str  # ours, peer, compare or ledger
+    role: str  # ours, peer, compare, ledger or floor
     features_off: list[str]
     router: str  # where its ``router`` package is imported from (builds of ours), else the kind
 
@@ -248,6 +293,7 @@ class PeersReport(msgspec.Struct, frozen=True):
     compare: list[CompareRow]
     ledger: list[LedgerRow]
     failures: list[str]
+    floors: list[FloorRow] = []
 
 
 def ledger_builds(builds: Sequence[BuildInfo]) -> list[tuple[str, str]]:
@@ -288,4 +334,5 @@ def make_report(
         compare=compare_rows(cells, OURS, OLD) if "compare" in roles else [],
         ledger=ledger_rows(cells, OURS, ledger_builds(builds), unknown),
         failures=failure_lines(records),
+        floors=floor_rows(cells),
     )

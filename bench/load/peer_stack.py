@@ -29,6 +29,7 @@ from bench.load.loadgen import LoadResult
 
 __all__ = [
     "FEATURES",
+    "FLOOR",
     "PEER_OF",
     "Build",
     "Cell",
@@ -59,6 +60,7 @@ FEATURES = (
 FEATURE_ENV_PREFIX = "PDR_FEATURES__"
 
 OURS, VLLM_ROUTER, SGLANG_ROUTER = "ours", "vllm-router", "sglang-router"
+FLOOR = "floor"  # ``bench.load.floor_app``: the router's own parts without its pipeline
 PEER_OF = {"vllm-mooncake": VLLM_ROUTER, "sglang": SGLANG_ROUTER}
 PEERS_BIN = REPO_ROOT / ".venv-peers" / "bin"
 DIRECT = "direct"  # the load generator straight at the fake decode: the latency baseline
@@ -70,7 +72,8 @@ class Build:
     """One router under test.
 
     ``role``: ``ours`` (this checkout), ``peer`` (the engine protocol's Rust router),
-    ``compare`` (another build of ours) or ``ledger`` (ours with ``features_off`` switched off).
+    ``compare`` (another build of ours), ``ledger`` (ours with ``features_off`` switched off)
+    or ``floor`` (``bench.load.floor_app``'s ``shape`` of this checkout's parts).
     For builds of ours, ``python`` is the interpreter (default: this one) and ``source`` the
     directory put on ``PYTHONPATH`` (default: this checkout; ``""``: none, the interpreter's
     own installed ``router``).
@@ -82,6 +85,7 @@ class Build:
     python: str | None = None
     source: str | None = None
     features_off: tuple[str, ...] = ()
+    shape: str = ""  # a floor's: ``server`` or ``proxy``
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,13 @@ def router_argv(
     round-robin, logging warnings only, every other option at its default."""
     prefill, decode, boot = ports.url(ports.prefill), ports.url(ports.decode), str(ports.bootstrap)
     common = ["--host", LOOPBACK, "--port", str(port), "--policy", "round_robin"]
+    if build.kind == FLOOR:
+        return [
+            *python_argv(build),
+            *("-m", "bench.load.floor_app", "--shape", build.shape, "--engine", engine),
+            *("--prefill", prefill, boot, "--decode", decode),
+            *("--host", LOOPBACK, "--port", str(port)),
+        ]
     if build.kind == VLLM_ROUTER:
         return [
             str(PEERS_BIN / "vllm-router"),
@@ -195,6 +206,8 @@ def router_env(build: Build, base: Mapping[str, str] | None = None) -> dict[str,
     ours its source tree on PYTHONPATH and its features off."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if k != "PYTHONPATH"}
     env["PYTHONUNBUFFERED"] = "1"
+    if build.kind == FLOOR:
+        return env | {"PYTHONPATH": str(REPO_ROOT)}
     if build.kind != OURS:
         return env
     source = str(REPO_ROOT) if build.source is None else build.source
@@ -206,6 +219,8 @@ def router_env(build: Build, base: Mapping[str, str] | None = None) -> dict[str,
 def router_source(build: Build) -> str:
     """Where ``build``'s ``router`` package is imported from (a check that a compare build
     really runs another tree); the error text when it cannot be imported."""
+    if build.kind == FLOOR:
+        return f"bench.load.floor_app --shape {build.shape}"
     if build.kind != OURS:
         return build.kind
     argv = [*python_argv(build), "-c", "import router; print(router.__file__)"]
@@ -253,7 +268,7 @@ def _peer_ready(response: httpx.Response) -> bool:
 
 
 def _wait_router(build: Build, child: Child, port: int, deadline: float) -> None:
-    ours = build.kind == OURS
+    ours = build.kind in (OURS, FLOOR)  # (a floor serves ``/ready`` as ours does)
     url = f"http://{LOOPBACK}:{port}{'/ready' if ours else '/readiness'}"
 
     def alive() -> None:

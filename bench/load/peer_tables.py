@@ -14,6 +14,7 @@ from bench.load.peer_report import (
     RATIO_LIMIT,
     BuildStats,
     CellSummary,
+    FloorRow,
     LedgerRow,
     MatrixRow,
     PeersReport,
@@ -22,7 +23,14 @@ from bench.load.peer_report import (
 )
 from bench.load.peer_stack import DIRECT, OURS
 
-__all__ = ["render", "render_compare", "render_ledger", "render_matrix", "worst_ratio_line"]
+__all__ = [
+    "render",
+    "render_compare",
+    "render_floors",
+    "render_ledger",
+    "render_matrix",
+    "worst_ratio_line",
+]
 
 
 def us_text(stats: BuildStats | None) -> str:
@@ -116,6 +124,24 @@ def render_ledger(rows: Sequence[LedgerRow]) -> list[str]:
     return lines
 
 
+def render_floors(rows: Sequence[FloorRow]) -> list[str]:
+    """The floors (markdown): the router's server alone, the bare PD proxy on its parts, ours,
+    the peer, and what ours spends (and the peer leaves) above the bare proxy."""
+    lines = [
+        "| engine | cell | server µs | bare proxy µs | ours µs | peer µs "
+        "| ours - proxy µs | peer - proxy µs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.engine} | {row.cell} | {or_na(row.server_us, '.0f')} "
+            f"| {or_na(row.proxy_us, '.0f')} | {or_na(row.ours_us, '.0f')} "
+            f"| {or_na(row.peer_us, '.0f')} | {_signed_us(row.pipeline_us)} "
+            f"| {_signed_us(row.room_us)} |"
+        )
+    return lines
+
+
 def _signed_us(value: float | None) -> str:
     return or_na(value, "+.0f")
 
@@ -164,6 +190,9 @@ def render(report: PeersReport) -> str:
     if report.ledger:
         lines += ["", "ledger: what each feature costs, median(all on) - median(that one off):"]
         lines += render_ledger(report.ledger)
+    if report.floors:
+        lines += ["", "floors: the router's parts without its pipeline (bench.load.floor_app):"]
+        lines += render_floors(report.floors)
     if report.failures:
         lines += ["", f"FAILED RUNS ({len(report.failures)}), left out of every median:"]
         lines += [f"  {failure}" for failure in report.failures]

@@ -4,17 +4,21 @@ fake engines, interleaved and repeated.
     python -m bench.load.peers [--engines vllm-mooncake,sglang] [--tokens 16,256]
         [--concurrency 1,32,128] [--modes stream,non-stream] [--requests 2000] [--duration 10]
         [--repeats 3] [--quick] [--no-peers] [--ledger [--ledger-cells 16:32:stream,...]]
-        [--compare-commit REV | --compare-pythonpath DIR] [--compare-python PATH] [--json OUT]
+        [--compare-commit REV | --compare-pythonpath DIR] [--compare-python PATH] [--floors]
+        [--json OUT]
 
 For each engine protocol one fake prefill + decode pair (``--token-delay 0 --no-check-kv``) and,
 in front of it, long-lived routers started once: ours (``--engine vllm-mooncake`` or
 ``sglang``), its peer (vllm-router 0.1.17 with the Mooncake connector, sglang-router 0.3.2, from
 ``.venv-peers``: ``scripts/setup-peers.sh``), optionally an older build of ours (the regression
-guard) and ours with one feature switched off at a time (the ledger). Every run is the load
-generator in its own process; it samples the CPU time of the router's process tree exactly at
-the start and end of its measured phase. For each repeat every cell runs on every router, the
-order rotated so that whoever goes first changes and drift hits all alike. A direct run (the
-load generator straight at the fake decode) per cell and repeat gives the latency baseline.
+guard), ours with one feature switched off at a time (the ledger) and, with ``--floors``, the
+router's own server answering by itself and a bare PD proxy on its server and client
+(``bench.load.floor_app``: what the pipeline costs above its parts, and what a peer leaves).
+Every run is the load generator in its own process; it samples the CPU time of the router's
+process tree exactly at the start and end of its measured phase. For each repeat every cell runs
+on every router, the order rotated so that whoever goes first changes and drift hits all alike.
+A direct run (the load generator straight at the fake decode) per cell and repeat gives the
+latency baseline.
 """
 
 from __future__ import annotations
@@ -37,10 +41,19 @@ import msgspec
 from bench.common.cli import positive_ints, sigterm_raises, write_json
 from bench.common.process import REPO_ROOT, BenchError
 from bench.load import peer_tables, run
-from bench.load.peer_report import OLD, PEER, BuildInfo, PeersReport, make_report
+from bench.load.peer_report import (
+    FLOOR_PROXY,
+    FLOOR_SERVER,
+    OLD,
+    PEER,
+    BuildInfo,
+    PeersReport,
+    make_report,
+)
 from bench.load.peer_stack import (
     DIRECT,
     FEATURES,
+    FLOOR,
     OURS,
     PEER_OF,
     PEERS_BIN,
@@ -78,6 +91,7 @@ class PeersConfig:
     compare_python: str | None = None
     compare_pythonpath: str | None = None
     compare_commit: str | None = None
+    floors: bool = False
     startup_timeout: float = 60.0
     json_out: Path | None = None
     log_dir: Path | None = None
@@ -107,8 +121,8 @@ def ledger_build_name(feature: str) -> str:
 def plan_builds(
     cfg: PeersConfig, engine: str, compare_source: str | None, features: Sequence[str] = FEATURES
 ) -> list[Build]:
-    """Ours, the engine's peer, the compare build, then one ledger build per feature and one
-    with every feature off. ``compare_source``: the compare build's PYTHONPATH (``""``: the
+    """Ours, the engine's peer, the compare build, the floors, then one ledger build per feature
+    and one with every feature off. ``compare_source``: the compare build's PYTHONPATH (``""``: the
     compare interpreter's own install)."""
     builds = [Build(OURS)]
     if cfg.peers:
@@ -117,6 +131,11 @@ def plan_builds(
         builds.append(
             Build(OLD, role="compare", python=cfg.compare_python, source=compare_source or "")
         )
+    if cfg.floors:
+        builds += [
+            Build(FLOOR_SERVER, kind=FLOOR, role="floor", shape="server"),
+            Build(FLOOR_PROXY, kind=FLOOR, role="floor", shape="proxy"),
+        ]
     if cfg.ledger:
         builds += [Build(ledger_build_name(f), role="ledger", features_off=(f,)) for f in features]
         builds.append(Build("ours-all-off", role="ledger", features_off=tuple(features)))
@@ -272,6 +291,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-python", default=None, metavar="PATH", help="interpreter of it")
     p.add_argument("--compare-pythonpath", default=None, metavar="DIR", help="source tree of it")
     p.add_argument("--compare-commit", default=None, metavar="REV", help="git archive of REV")
+    p.add_argument("--floors", action="store_true", help="also the router's parts alone")
     p.add_argument("--startup-timeout", type=float, default=60.0)
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write everything")
     p.add_argument("--log-dir", type=Path, default=None, help="keep process logs here")
@@ -305,6 +325,7 @@ def config_from_args(argv: Sequence[str] | None) -> PeersConfig:
         compare_python=args.compare_python,
         compare_pythonpath=args.compare_pythonpath,
         compare_commit=args.compare_commit,
+        floors=args.floors,
         startup_timeout=args.startup_timeout,
         json_out=args.json,
         log_dir=args.log_dir,
