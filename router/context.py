@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -25,11 +23,10 @@ from router.fleet.discovery import Discovery
 from router.fleet.engine_load import EngineLoadMonitor
 from router.fleet.health import HealthProber
 from router.fleet.outlier import OutlierDetector
-from router.fleet.shared_breakers import BreakerVerdict, share_breakers
+from router.fleet.replica_sync import ReplicaSync
 from router.kv_cache.event_feed import KVEventFeed
 from router.kv_cache.index import KVBlockIndex
 from router.kv_cache.prefix_tree import ApproxPrefixTree
-from router.kv_cache.shared_predictions import Prediction, SharedPredictions
 from router.load_board import LoadBoard, board_path
 from router.observability.metrics import RouterMetrics
 from router.observability.pair_ledger import PairLedger
@@ -47,7 +44,7 @@ from router.scheduling.tokenizers import open_token_source
 from router.server.bootstrap_listeners import bootstrap_servers, pool_owner_hosts
 from router.server.lifecycle import RouterLifecycle
 from router.settings import AdmissionSettings, RouterSettings
-from router.sibling_bus import SiblingBus
+from router.sharing import host_bus, replica_sync, sibling_view
 from router.upstream.base import UpstreamPool
 
 if TYPE_CHECKING:
@@ -65,6 +62,7 @@ class FleetView:
     discovery: Discovery
     prober: HealthProber
     pod_watcher: PodWatcher | None = None  # --discovery k8s
+    replicas: ReplicaSync | None = None  # --replica-listen: the replicas' sync
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +195,7 @@ def _build_circuits(
 
 
 def _build_fleet(
-    settings: RouterSettings, tables: RankTables, pool: UpstreamPool
+    settings: RouterSettings, tables: RankTables, pool: UpstreamPool, metrics: RouterMetrics
 ) -> tuple[RegistryStore, FleetView, EngineLoadMonitor]:
     """The registry store (not bound yet) and the fleet's watchers (not started)."""
     token = settings.registry.store_token
@@ -206,7 +204,13 @@ def _build_fleet(
     prober = HealthProber(pool, settings.engine, settings.health, tables)
     discovery = Discovery(pool, service, settings, prober)
     load_monitor = EngineLoadMonitor(pool, settings.engine, settings.load)
-    return store, FleetView(registry=service, discovery=discovery, prober=prober), load_monitor
+    fleet = FleetView(
+        registry=service,
+        discovery=discovery,
+        prober=prober,
+        replicas=replica_sync(settings, pool, metrics),
+    )
+    return store, fleet, load_monitor
 
 
 def _build_telemetry(
@@ -229,9 +233,9 @@ def _build_parts(settings: RouterSettings, tables: RankTables, board: LoadBoard 
     """Build every part; nothing starts, nothing is sent."""
     adapter = build_adapter(settings.engine)
     pool = _build_pool(settings.admission, adapter.needs_engine_ids, board)
-    store, fleet, load_monitor = _build_fleet(settings, tables, pool)
     features = settings.features
     metrics = RouterMetrics(enabled=features.metrics)
+    store, fleet, load_monitor = _build_fleet(settings, tables, pool, metrics)
     cache = settings.cache
     index = KVBlockIndex(cache.max_indexed_blocks, cache.prediction_ttl_s)
     tree = ApproxPrefixTree(cache.approx_tree_max_chars)
@@ -298,39 +302,6 @@ async def _close(parts: _Parts, tables: RankTables) -> None:
         parts.board.close()
 
 
-def _siblings(
-    role: ProcessRole | None,
-    lifecycle: RouterLifecycle,
-    metrics: RouterMetrics,
-    bus: SiblingBus | None,
-) -> Siblings | None:
-    if role is None:
-        return None
-    started = time.time()
-
-    def describe() -> dict[str, Any]:
-        return {
-            "index": role.index,
-            "pid": os.getpid(),
-            "started": started,
-            "requests_inflight": lifecycle.inflight,
-            "requests_served": lifecycle.served,
-            "joined": lifecycle.joined,  # it listens on the client port
-            "bus": None if bus is None else bus.stats(),
-        }
-
-    return Siblings(role, metrics.render, describe)
-
-
-def _sibling_bus(role: ProcessRole, settings: RouterSettings, parts: _Parts) -> SiblingBus:
-    """The host's bus: breaker verdicts, and predictions when they are shared."""
-    bus = SiblingBus(role, (Prediction, BreakerVerdict))
-    share_breakers(parts.pipeline.circuits, bus, parts.pool.get)
-    if settings.cache.share_predictions:
-        SharedPredictions(parts.kv.index, bus)
-    return bus
-
-
 def _app_context(
     settings: RouterSettings,
     lifecycle: RouterLifecycle,
@@ -338,12 +309,21 @@ def _app_context(
     pod_watcher: PodWatcher | None,
     siblings: Siblings | None,
 ) -> AppContext:
+    replicas = parts.fleet.replicas
+    admission = AdmissionGate(
+        settings.admission,
+        parts.telemetry.metrics,
+        board=parts.board,
+        peers=None if replicas is None else replicas.units,
+    )
+    if replicas is not None:
+        replicas.own_units = lambda: admission.units
     return AppContext(
         settings=settings,
         lifecycle=lifecycle,
         pool=parts.pool,
         pipeline=parts.pipeline,
-        admission=AdmissionGate(settings.admission, parts.telemetry.metrics, board=parts.board),
+        admission=admission,
         fleet=replace(parts.fleet, pod_watcher=pod_watcher),
         kv=parts.kv,
         telemetry=replace(parts.telemetry, siblings=siblings),
@@ -366,7 +346,9 @@ async def open_context(
         else LoadBoard(board_path(sharing.run_dir), sharing.count, sharing.index)
     )
     parts = _build_parts(settings, tables, board)
-    bus = None if sharing is None else _sibling_bus(sharing, settings, parts)
+    bus = None
+    if sharing is not None:
+        bus = host_bus(sharing, settings, parts.pipeline.circuits, parts.pool, parts.kv.index)
     fleet = parts.fleet
     tables.bind(parts.store)
     pod_watcher = None
@@ -379,13 +361,14 @@ async def open_context(
         tasks += [parts.load_monitor.run()] if features.engine_load else []
         tasks += [parts.outlier.run()] if features.outliers else []
         tasks += [bus.run()] if bus is not None else []
+        tasks += [fleet.replicas.run()] if fleet.replicas is not None else []
         if pod_watcher is not None:
             tasks.append(pod_watcher.run())
         background = _background(*tasks)
         listeners = bootstrap_servers(
             tables, settings, pool_owner_hosts(parts.pool), reuse_port=role is not None
         )
-        siblings = _siblings(role, lifecycle, parts.telemetry.metrics, bus)
+        siblings = sibling_view(role, lifecycle, parts.telemetry.metrics, bus)
         answering = siblings.serving() if siblings is not None else contextlib.nullcontext()
         async with listeners, background, answering:
             if role is not None:  # its socket listens once this returns: when it can route
@@ -397,4 +380,6 @@ async def open_context(
             await pod_watcher.aclose()
         if bus is not None:
             bus.close()
+        if fleet.replicas is not None:
+            fleet.replicas.close()
         await _close(parts, tables)

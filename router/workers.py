@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import httpx
 
@@ -30,6 +30,12 @@ class Role(StrEnum):
 def format_host(host: str) -> str:
     """A host as it goes into ``host:port`` strings: IPv6 literals in brackets."""
     return f"[{host}]" if ":" in host else host
+
+
+class FleetCounts(Protocol):
+    """The replica peers' counts at the workers (``router.fleet.replica_sync.ReplicaSync``)."""
+
+    def count(self, worker_id: str, rank: int, board_field: int) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +106,8 @@ class Worker:
     ejected_until: float = 0.0
     # router --workers N: its DP ranks' counts on the host's load board (every process's legs)
     host_load: HostLoad | None = None
+    # --replica-listen: the replica peers' legs and pending tokens here (router.fleet.replica_sync)
+    fleet_load: FleetCounts | None = None
     # Resolved (with the reason) when this prefill is lost: requests waiting for its KV give up.
     _loss: asyncio.Future[str] | None = None
 
@@ -150,16 +158,16 @@ class Worker:
         return self._counted(rank, LEGS, self.rank_inflight)
 
     def _counted(self, rank: int, field: int, own: list[int]) -> int:
-        host = self.host_load
-        if host is not None:
-            count = host.count(rank, field)
-            if count is not None:
-                return count
-        return own[rank] if rank < len(own) else 0
+        host, fleet = self.host_load, self.fleet_load
+        count = None if host is None else host.count(rank, field)
+        if count is None:
+            count = own[rank] if rank < len(own) else 0
+        return count if fleet is None else count + fleet.count(self.id, rank, field)
 
     def host_inflight(self) -> int:
-        """This router's legs in flight at the worker (with ``--workers N``: the host's)."""
-        if self.host_load is None:
+        """This router's legs in flight at the worker (with ``--workers N``: the host's; with
+        replica peers: theirs too)."""
+        if self.host_load is None and self.fleet_load is None:
             return self.inflight
         return sum(self.rank_load(rank) for rank in range(len(self.rank_inflight)))
 
@@ -289,6 +297,7 @@ class WorkerPool(Generic[C]):
     ) -> None:
         self._needs_engine_ids = needs_engine_ids
         self._board = board
+        self._fleet: FleetCounts | None = None
         self._prefill_cap, self._decode_cap = caps
         self._backoff_s = capacity_backoff_s
         self._retry_after_s = retry_after_s
@@ -301,6 +310,7 @@ class WorkerPool(Generic[C]):
     def add(self, worker: Worker, client: C) -> None:
         if self._board is not None:
             worker.host_load = HostLoad(self._board, worker.id, worker.dp_size)
+        worker.fleet_load = self._fleet
         self._workers[worker.id] = worker
         self._clients[worker.id] = client
         self._rebuild()
@@ -315,6 +325,12 @@ class WorkerPool(Generic[C]):
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
+
+    def count_fleet(self, fleet: FleetCounts) -> None:
+        """Every worker's counts, now and added later, include the replica peers'."""
+        self._fleet = fleet
+        for worker in self._workers.values():
+            worker.fleet_load = fleet
 
     def client(self, worker: Worker) -> C:
         return self._clients[worker.id]

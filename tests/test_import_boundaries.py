@@ -86,7 +86,8 @@ def test_imports_follow_the_layering(package: str) -> None:
 
 # router's subpackages ("rooms") and the rooms each may import. The top level holds the shared
 # vocabulary (errors, types, settings, schemas, workers, interrupt, kv_tiers: they import no
-# room) and the composition root (app, context, __main__, __init__: they may import any room;
+# room) and the composition root (app, context with sharing, its wiring of what a router shares
+# with its host's processes and its replicas, __main__, __init__: they may import any room;
 # ``api`` may import ``context``, the lifespan-owned context it serves requests with).
 ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "adapters": frozenset(),
@@ -99,7 +100,7 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "server": frozenset({"scheduling", "upstream"}),
     "api": frozenset({"context", "pipeline", "observability", "kv_cache", "scheduling", "fleet"}),
 }
-COMPOSITION_ROOT = frozenset({"app", "context", "__main__", "__init__"})
+COMPOSITION_ROOT = frozenset({"app", "context", "sharing", "__main__", "__init__"})
 
 
 def _room_of(module: str) -> str:

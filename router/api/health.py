@@ -52,11 +52,13 @@ async def ready(ctx: Context) -> JSONResponse:
     The body lists every worker with its health, in-flight requests and DP layout, and the
     circuit breakers that are open or half-open (a worker or a prefill->decode pair, the reason,
     seconds until the next trial); URLs are shown without credentials (this route needs no
-    auth). An open breaker does not make the router not ready: it is retried by itself.
+    auth). An open breaker does not make the router not ready: it is retried by itself. With
+    `--replica-listen`, `replicas` says what this replica hears of its peers; one cut off from
+    a peer stays ready (it routes on its own state) and says why it is `degraded`.
     """
     pool = ctx.pool
     registry = ctx.fleet.discovery.status
-    watcher = ctx.fleet.pod_watcher
+    watcher, replicas = ctx.fleet.pod_watcher, ctx.fleet.replicas
     ready = pool.ready() and not ctx.lifecycle.shutting_down
     status = "ready" if ready else "not_ready"
     body = {
@@ -66,6 +68,8 @@ async def ready(ctx: Context) -> JSONResponse:
         "registry": {"url": redact_url(registry.url), "ok": registry.ok, "error": registry.error},
         # --discovery k8s: whether the engine pods are listed and watched now
         **({} if watcher is None else {"kubernetes": watcher.status.as_dict()}),
+        # --replica-listen: the peers heard, and why this replica is degraded (null: it is not)
+        **({} if replicas is None else {"replicas": replicas.stats()}),
         # P<->D pairs whose decode recomputed the prompt lately: PD did not happen there
         # circuit breakers that keep traffic away now (open or half-open), with the reason
         "circuits": [t.describe() for t in ctx.pipeline.circuits.tripped()],

@@ -16,8 +16,10 @@
       "admission": {"inflight": 3, "queued": 0, "limit": 1024,   # limit null: no limit
                     "max_queued": 2048, "queue_timeout_s": 30.0},
       "circuits": [C, ...],                  # breakers open or half-open, as /ready lists them
-      "processes": [P, ...] | null           # router --workers N: the processes that answered
-    }                                        # (null: a router of one process)
+      "processes": [P, ...] | null,          # router --workers N: the processes that answered
+                                             # (null: a router of one process)
+      "replicas": R | null                   # --replica-listen: the replicas' sync (null: off)
+    }
 
     W = {"id", "url", "role", "healthy", "draining", "inflight", "dp_size",
          "ejected": bool,                    # out by outlier detection (healthy is false too)
@@ -29,6 +31,9 @@
     P = {"index", "pid", "started" (time.time()), "requests_inflight", "requests_served",
          "joined",                          # it listens on the client port (it can route)
          "bus": {"sent", "received", "dropped", "gaps", "lag_s"} | null}  # router.sibling_bus
+    R = {"replica", "listen", "peer_addresses", "sent", "received", "rejected",
+         "degraded": "1 of 1 replica peer(s) not heard within 1s" | null,
+         "peers": [{"replica", "fresh", "age_s", "lag_s", "seq", "gaps", "restarts"}]}
     C = {"scope": "worker", "role", "worker"} | {"scope": "pair", "prefill", "decode"},
         plus {"state": "open" | "half_open", "reason", "retry_in_s" (null: half-open),
               "open_s", "trial_in_flight"}
@@ -85,6 +90,7 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
         "kv_events": _kv_events(pool.prefill, ctx.kv.feed),
         "admission": _admission(ctx.admission, ctx.settings.admission),
         "circuits": circuits,
+        "replicas": None if ctx.fleet.replicas is None else ctx.fleet.replicas.stats(),
     }
 
 

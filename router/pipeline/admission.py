@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from router.errors import Overloaded
@@ -94,9 +95,13 @@ class AdmissionGate:
         metrics: RouterMetrics | None = None,
         *,
         board: LoadBoard | None = None,
+        peers: Callable[[], int] | None = None,
     ) -> None:
         self._limit = settings.max_concurrent_requests or sys.maxsize
         self._board = board  # router --workers N: the budget is the host's
+        # replica peers: the units they use count too (a fleet-wide budget; their releases
+        # are seen on their next snapshot, so waiters look again every HOST_POLL_S)
+        self.peers = peers
         self._poll: asyncio.TimerHandle | None = None
         self._max_queued = settings.max_queued_requests
         self._timeout_s = settings.queue_timeout_s
@@ -144,8 +149,10 @@ class AdmissionGate:
             self._wake()
 
     def _used(self) -> int:
-        """Units in use: this process's, or with ``--workers N`` the host's."""
-        return self.units if self._board is None else self._board.total(ADMISSION, _UNITS)
+        """Units in use: this process's, or with ``--workers N`` the host's; with replica
+        peers, theirs too."""
+        used = self.units if self._board is None else self._board.total(ADMISSION, _UNITS)
+        return used if self.peers is None else used + self.peers()
 
     def _take(self, units: int) -> None:
         self.units += units
@@ -178,7 +185,7 @@ class AdmissionGate:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters[waiter] = units
-        if self._board is not None and self._poll is None:
+        if (self._board is not None or self.peers is not None) and self._poll is None:
             self._poll = loop.call_later(HOST_POLL_S, self._poll_host)
 
         def fail(exc: BaseException) -> None:

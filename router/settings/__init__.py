@@ -8,8 +8,9 @@ The sections live in modules by concern: ``flags`` (those two helpers), ``server
 server's bounds, admission), ``upstream`` (connections, load, health, breakers), ``outlier``
 (request-path ejection), ``scheduling`` (policies, the KV-cache-aware choice), ``discovery``
 (the workers and where they come from), ``observability`` (logs, traffic, tracing),
-``features`` (switches for the CPU ledger), ``registry_flags`` (the router's flags for
-``registry.settings``) and ``root`` (:class:`RouterSettings`); this module re-exports them.
+``features`` (switches for the CPU ledger), ``replicas`` (the replicas' sync),
+``registry_flags`` (the router's flags for ``registry.settings``) and ``root``
+(:class:`RouterSettings`); this module re-exports them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from router.settings.features import FeatureSettings
 from router.settings.flags import cli, env_only
 from router.settings.observability import LoggingSettings, ObservabilitySettings, TracingSettings
 from router.settings.outlier import OutlierSettings
+from router.settings.replicas import ReplicaSettings
 from router.settings.root import RouterSettings
 from router.settings.scheduling import CacheAwareSettings, PolicySettings
 from router.settings.server import AdmissionSettings, ServerSettings
@@ -38,6 +40,7 @@ __all__ = [
     "HealthSettings",
     "KubernetesDiscoverySettings",
     "LoadSettings",
+    "ReplicaSettings",
     "LoggingSettings",
     "ObservabilitySettings",
     "OutlierSettings",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from registry.settings import RegistrySettings
@@ -13,6 +13,7 @@ from router.settings.features import FeatureSettings
 from router.settings.flags import cli
 from router.settings.observability import LoggingSettings, ObservabilitySettings, TracingSettings
 from router.settings.outlier import OutlierSettings
+from router.settings.replicas import ReplicaSettings
 from router.settings.scheduling import CacheAwareSettings, PolicySettings
 from router.settings.server import AdmissionSettings, ServerSettings
 from router.settings.upstream import (
@@ -74,6 +75,9 @@ class RouterSettings(BaseSettings):
     observability: ObservabilitySettings = ObservabilitySettings()
     tracing: TracingSettings = TracingSettings()
     features: FeatureSettings = FeatureSettings()
+    replicas: ReplicaSettings = Field(
+        default_factory=ReplicaSettings, json_schema_extra=cli("--replica-listen")
+    )
     discovery: Literal["static", "k8s"] = Field(
         default="static", json_schema_extra=cli("--discovery")
     )
@@ -104,3 +108,12 @@ class RouterSettings(BaseSettings):
         if missing:
             raise ValueError(f"k8s needs a label selector per role: {' and '.join(missing)}")
         return value
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> RouterSettings:
+        if self.replicas.listen is not None and self.server.workers != "1":
+            raise ValueError(
+                "--replica-listen needs --workers 1 for now: one process per replica publishes "
+                "its routing state (run one replica per core instead)"
+            )
+        return self

@@ -1,0 +1,285 @@
+"""Routing state shared by router replicas (hosts, pods) so that they route as one.
+
+Each replica publishes, every ``interval_s``, a snapshot of its own state on a ZeroMQ PUB socket
+(``--replica-listen``): per worker and DP rank its legs in flight and the prompt tokens its
+prefill legs there are predicted to compute, and its admission units in use. It subscribes to
+every peer's (``--replica-peer``) and keeps the latest snapshot of each. A worker's counts
+(``Worker.rank_load``, ``pending_tokens``, ``host_inflight``: the caps and every load-aware
+policy) and the admission gate then add the peers' to its own.
+
+Not best effort, and bounded:
+- A snapshot carries the sender's whole state, not a change: a lost one is repaired by the next
+  (``interval_s`` later), a replica that joins or restarts has its peers' state within one
+  interval, and nothing is ever re-sent or replayed. Each replica still knows what it missed:
+  snapshots carry a sequence number per sender run (``epoch``), gaps are counted per peer, a
+  new epoch (the peer restarted) replaces its state at once.
+- What a replica routes with is at most ``interval_s`` plus the network's delay old
+  (``age_s`` per peer on the status page and in the metrics; ``lag_s``: a snapshot's age on
+  arrival, by the sender's clock). Within that window a burst may reach the same worker
+  from two replicas: at most what one replica admits in ``interval_s``.
+- A peer silent for ``stale_s`` (dead, cut off) no longer counts: its last counts are dropped
+  rather than held forever, this replica keeps routing on its own state and says it is
+  degraded (``/ready`` details, the status page) until it hears the peer again.
+- Every message carries an HMAC-SHA256 under ``--replica-token``; one without a valid one is
+  dropped and counted (``rejected``): nobody without the token changes routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from router.load_board import LEGS, TOKENS
+from router.settings.replicas import ReplicaSettings, split_address
+from router.workers import Worker
+
+__all__ = ["LoadSnapshot", "PeerState", "ReplicaSync"]
+
+logger = logging.getLogger(__name__)
+
+MAC_BYTES = 32  # HMAC-SHA256
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a larger one is dropped by ZeroMQ
+SEND_HWM = 100  # snapshots queued for a slow peer before older ones are dropped
+_FIELDS = {LEGS: 0, TOKENS: 1}  # the board fields a snapshot carries, and where
+
+
+class LoadSnapshot(msgspec.Struct, array_like=True):
+    """One replica's routing state at ``sent`` (its ``time.time()``)."""
+
+    replica: str
+    epoch: float  # when the sending replica started: a new run, a new sequence
+    seq: int
+    sent: float
+    units: int  # admission units in use
+    # worker id -> [legs in flight per DP rank, pending prefill tokens per DP rank]
+    workers: dict[str, tuple[list[int], list[int]]]
+
+
+@dataclass
+class PeerState:
+    """What this replica knows of one peer (by the name it publishes as)."""
+
+    replica: str
+    epoch: float = 0.0
+    seq: int = 0
+    received_at: float | None = None  # time.monotonic() of its last snapshot
+    lag_s: float | None = None
+    gaps: int = 0
+    restarts: int = 0
+    units: int = 0
+    workers: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+    def fresh(self, now: float, stale_s: float) -> bool:
+        return self.received_at is not None and now - self.received_at < stale_s
+
+    def view(self, now: float, stale_s: float) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "fresh": self.fresh(now, stale_s),
+            "age_s": None if self.received_at is None else round(now - self.received_at, 3),
+            "lag_s": None if self.lag_s is None else round(self.lag_s, 4),
+            "seq": self.seq,
+            "gaps": self.gaps,
+            "restarts": self.restarts,
+        }
+
+
+class ReplicaSync:
+    """This replica's end of the sync: publishes its state, follows its peers'."""
+
+    def __init__(self, settings: ReplicaSettings, workers: Callable[[], Iterable[Worker]]) -> None:
+        assert settings.listen is not None and settings.token is not None
+        self._settings = settings
+        self._workers = workers
+        # this replica's admission units in use (the admission gate's, once it exists)
+        self.own_units: Callable[[], int] = lambda: 0
+        self._key = settings.token.get_secret_value().encode()
+        self._epoch = time.time()
+        self._seq = 0
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(LoadSnapshot).decode
+        self._context = zmq.asyncio.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        host, port = split_address(settings.listen)
+        self._pub.setsockopt(zmq.IPV6, 1)
+        self._pub.bind(f"tcp://{_bracketed(host)}:{port}")
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.IPV6, 1)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for address in settings.peers:
+            peer_host, peer_port = split_address(address)
+            self._sub.connect(f"tcp://{_bracketed(peer_host)}:{peer_port}")
+        self.peers: dict[str, PeerState] = {}  # by the name each publishes as
+        # the fresh peers' counts summed: worker id -> [legs per rank, tokens per rank]
+        self._totals: dict[str, tuple[list[int], list[int]]] = {}
+        self._peer_units = 0
+        self.sent = self.received = self.rejected = 0
+
+    # --- what routing reads -----------------------------------------------------------------
+
+    def count(self, worker_id: str, rank: int, board_field: int) -> int:
+        """The fresh peers' count of ``board_field`` (LEGS, TOKENS) at a worker's rank."""
+        totals = self._totals.get(worker_id)
+        index = _FIELDS.get(board_field)
+        if totals is None or index is None:
+            return 0
+        ranks = totals[index]
+        return ranks[rank] if rank < len(ranks) else 0
+
+    def units(self) -> int:
+        """The fresh peers' admission units in use."""
+        return self._peer_units
+
+    def degraded(self) -> str | None:
+        """Why this replica routes on less than every peer's state (None: it does not): a
+        configured peer not heard within ``stale_s``."""
+        now, stale_s = time.monotonic(), self._settings.stale_s
+        fresh = sum(1 for peer in self.peers.values() if peer.fresh(now, stale_s))
+        expected = len(self._settings.peers)
+        if fresh >= expected:
+            return None
+        return f"{expected - fresh} of {expected} replica peer(s) not heard within {stale_s:g}s"
+
+    def stats(self) -> dict[str, Any]:
+        now, stale_s = time.monotonic(), self._settings.stale_s
+        return {
+            "replica": self._settings.id,
+            "listen": self._settings.listen,
+            "sent": self.sent,
+            "received": self.received,
+            "rejected": self.rejected,
+            "peer_addresses": list(self._settings.peers),
+            "degraded": self.degraded(),
+            "peers": [peer.view(now, stale_s) for peer in self.peers.values()],
+        }
+
+    # --- the loops --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Publish and follow until cancelled."""
+        publishing = asyncio.create_task(self._publish_loop())
+        try:
+            await self._receive_loop()
+        finally:
+            publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await publishing
+
+    async def _publish_loop(self) -> None:
+        while True:
+            self.publish()
+            self.expire()
+            await asyncio.sleep(self._settings.interval_s)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self._sub.recv()
+            self.receive(frame)
+
+    def publish(self) -> None:
+        """Send this replica's state now (a full send buffer drops it: the next repairs it)."""
+        self._seq += 1
+        workers = {
+            w.id: (list(w.rank_inflight), list(w.rank_pending_tokens)) for w in self._workers()
+        }
+        snapshot = LoadSnapshot(
+            self._settings.id, self._epoch, self._seq, time.time(), self.own_units(), workers
+        )
+        payload = self._encode(snapshot)
+        try:
+            self._pub.send(self.mac(self._key, payload) + payload, zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.Again:
+            pass
+
+    def receive(self, frame: bytes) -> None:
+        """One peer's message: checked, counted, its state taken (``run``'s; tests call it)."""
+        mac, payload = frame[:MAC_BYTES], frame[MAC_BYTES:]
+        if not hmac.compare_digest(mac, self.mac(self._key, payload)):
+            self.rejected += 1
+            return
+        try:
+            snapshot = self._decode(payload)
+        except msgspec.DecodeError as exc:
+            self.rejected += 1
+            logger.warning("a replica's message could not be read: %s", exc)
+            return
+        if snapshot.replica == self._settings.id:
+            return  # our own (a peer list naming this replica)
+        peer = self.peers.get(snapshot.replica)
+        if peer is None:
+            peer = self.peers[snapshot.replica] = PeerState(snapshot.replica)
+        if snapshot.epoch != peer.epoch:
+            if peer.epoch:
+                peer.restarts += 1
+            peer.epoch, peer.seq = snapshot.epoch, snapshot.seq - 1
+        if snapshot.seq <= peer.seq:
+            return  # old news
+        peer.gaps += snapshot.seq - peer.seq - 1 if peer.received_at is not None else 0
+        peer.seq = snapshot.seq
+        peer.received_at = time.monotonic()
+        peer.lag_s = max(time.time() - snapshot.sent, 0.0)
+        peer.units, peer.workers = snapshot.units, snapshot.workers
+        self.received += 1
+        self._sum()
+
+    def expire(self) -> None:
+        """Drop the counts of peers gone stale (called every interval)."""
+        now, stale_s = time.monotonic(), self._settings.stale_s
+        if any(p.workers and not p.fresh(now, stale_s) for p in self.peers.values()):
+            for peer in self.peers.values():
+                if not peer.fresh(now, stale_s):
+                    peer.workers, peer.units = {}, 0
+            self._sum()
+
+    def close(self) -> None:
+        self._pub.close()
+        self._sub.close()
+        self._context.term()
+
+    # --- inside -----------------------------------------------------------------------------
+
+    @staticmethod
+    def mac(key: bytes, payload: bytes) -> bytes:
+        """A message's HMAC-SHA256 under ``key`` (what precedes its payload)."""
+        return hmac.new(key, payload, hashlib.sha256).digest()
+
+    def _sum(self) -> None:
+        totals: dict[str, tuple[list[int], list[int]]] = {}
+        units = 0
+        for peer in self.peers.values():
+            units += peer.units
+            for worker_id, (legs, tokens) in peer.workers.items():
+                mine = totals.get(worker_id)
+                if mine is None:
+                    totals[worker_id] = (list(legs), list(tokens))
+                    continue
+                _add(mine[0], legs)
+                _add(mine[1], tokens)
+        self._totals, self._peer_units = totals, units
+
+
+def _add(into: list[int], values: list[int]) -> None:
+    if len(values) > len(into):
+        into.extend([0] * (len(values) - len(into)))
+    for index, value in enumerate(values):
+        into[index] += value
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,202 @@
+"""Two real router replicas (``--replica-listen``/``--replica-peer``) in front of the same fake
+engines route as one: each counts the other's legs toward the caps and its admission units
+toward the fleet's budget; one cut off from its peer keeps routing on its own and says it is
+degraded; a message without the token changes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import httpx
+import msgspec
+import zmq
+
+from router.fleet.replica_sync import LoadSnapshot, ReplicaSync
+from router.settings import ReplicaSettings
+from testkit.fake_engine import FakeConfig, FakeEngine
+from testkit.polling import wait_until
+from testkit.servers import free_port, http_process, run_servers
+
+TOKEN = "replica-test-token-0123"
+BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
+STREAM = {**BODY, "stream": True, "max_tokens": 12}
+SLOW = FakeConfig(tokens=20, token_delay=0.1, check_kv=False)  # 1.2 s per 12-token stream
+
+
+class Replica:
+    def __init__(self, name: str, sync_port: int, peers: list[int], extra: tuple[str, ...]):
+        self.name, self.sync_port, self.peers, self.extra = name, sync_port, peers, extra
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def argv(self, prefill_port: int, decode_port: int) -> list[str]:
+        argv = [sys.executable, "-m", "router", "--engine", "sglang", "--port", str(self.port)]
+        argv += ["--prefill", f"http://127.0.0.1:{prefill_port}"]
+        argv += ["--decode", f"http://127.0.0.1:{decode_port}", "--health-interval", "0.2"]
+        argv += ["--replica-id", self.name, "--replica-token", TOKEN]
+        argv += ["--replica-listen", f"127.0.0.1:{self.sync_port}"]
+        for peer in self.peers:
+            argv += ["--replica-peer", f"127.0.0.1:{peer}"]
+        return [*argv, *self.extra]
+
+
+@contextmanager
+def engines(config: FakeConfig) -> Iterator[tuple[int, int]]:
+    prefill = FakeEngine("prefill", "sglang", config=FakeConfig(check_kv=False))
+    decode = FakeEngine("decode", "sglang", config=config)
+    with run_servers(prefill.app, decode.app) as (prefill_port, decode_port):
+        yield prefill_port, decode_port
+
+
+@contextmanager
+def started(replica: Replica, ports: tuple[int, int]) -> Iterator[subprocess.Popen[str]]:
+    with http_process(replica.argv(*ports), replica.url, path="/ready", timeout=30) as process:
+        yield process
+
+
+def status(url: str) -> dict[str, Any]:
+    try:
+        data: dict[str, Any] = httpx.get(url + "/status/data", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return data
+
+
+def decode_inflight(url: str) -> int:
+    decodes = status(url).get("workers", {}).get("decode", [])
+    return int(decodes[0]["inflight"]) if decodes else -1
+
+
+def hears(url: str, peer: str) -> bool:
+    replicas = status(url).get("replicas") or {}
+    return any(p["replica"] == peer and p["fresh"] for p in replicas.get("peers", []))
+
+
+def stream_in_background(url: str, done: list[int]) -> threading.Thread:
+    def read() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=STREAM, timeout=30) as reply:
+                for _ in reply.iter_lines():
+                    pass
+                done.append(reply.status_code)
+        except httpx.HTTPError:
+            done.append(-1)  # its replica died under it
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def post(url: str) -> int:
+    return httpx.post(url + "/v1/completions", json=BODY, timeout=10).status_code
+
+
+@contextmanager
+def pair(*extra: str, config: FakeConfig = SLOW) -> Iterator[tuple[Replica, Replica, Any]]:
+    sync_a, sync_b = free_port(), free_port()
+    a = Replica("a", sync_a, [sync_b], extra)
+    b = Replica("b", sync_b, [sync_a], extra)
+    with engines(config) as ports, ExitStack() as stack:
+        processes = {r.name: stack.enter_context(started(r, ports)) for r in (a, b)}
+        wait_until(lambda: hears(a.url, "b") and hears(b.url, "a"), 10, "the replicas hear")
+        yield a, b, (ports, processes)
+
+
+def test_a_replica_counts_its_peers_legs_toward_the_worker_caps() -> None:
+    with pair("--max-inflight-per-decode", "1") as (a, b, _):
+        done: list[int] = []
+        thread = stream_in_background(a.url, done)
+        wait_until(lambda: decode_inflight(b.url) == 1, 10, "b sees a's decode leg")
+        assert [post(b.url) for _ in range(4)] == [429] * 4  # the decode is at its cap
+        thread.join(30)
+        assert done == [200]
+        wait_until(lambda: decode_inflight(b.url) == 0, 10, "b sees a's leg end")
+        assert post(b.url) == 200
+
+
+def test_the_admission_budget_is_the_fleets() -> None:
+    with pair("--max-concurrent-requests", "1", "--max-queued-requests", "0") as (a, b, _):
+        done: list[int] = []
+        thread = stream_in_background(a.url, done)
+        wait_until(lambda: decode_inflight(b.url) == 1, 10, "b sees a's request")
+        assert [post(b.url) for _ in range(4)] == [429] * 4
+        thread.join(30)
+        assert done == [200]
+        wait_until(lambda: post(b.url) == 200, 10, "b admits once a's request ended")
+
+
+def test_a_replica_cut_off_routes_alone_says_degraded_and_reconverges() -> None:
+    with pair("--max-inflight-per-decode", "1") as (a, b, (ports, processes)):
+        done: list[int] = []
+        stream_in_background(a.url, done)
+        wait_until(lambda: decode_inflight(b.url) == 1, 10, "b sees a's decode leg")
+        processes["a"].kill()  # a dies with a leg in flight
+        cut_at = time.monotonic()
+        wait_until(lambda: decode_inflight(b.url) == 0, 10, "b drops a's counts")
+        assert time.monotonic() - cut_at < 5
+        ready = httpx.get(b.url + "/ready", timeout=5)
+        assert ready.status_code == 200  # it routes on its own state
+        assert "not heard" in ready.json()["replicas"]["degraded"]
+        assert post(b.url) == 200
+        with started(a, ports):  # a again, a new run: b hears it and is whole again
+            wait_until(lambda: hears(b.url, "a"), 10, "b hears a again")
+            replicas = httpx.get(b.url + "/ready", timeout=5).json()["replicas"]
+            assert replicas["degraded"] is None
+            assert replicas["peers"][0]["restarts"] == 1
+
+
+def _forger(port: int) -> zmq.Socket[bytes]:
+    forger: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+    forger.setsockopt(zmq.LINGER, 0)
+    forger.bind(f"tcp://127.0.0.1:{port}")
+    return forger
+
+
+def test_a_message_without_the_token_changes_nothing() -> None:
+    forged_port = free_port()
+    b = Replica("b", free_port(), [forged_port], ("--max-inflight-per-decode", "1"))
+    forger = _forger(forged_port)
+    try:
+        with engines(SLOW) as ports, started(b, ports):
+            decode = status(b.url)["workers"]["decode"][0]["id"]
+            busy = LoadSnapshot("x", 1.0, 1, time.time(), 0, {decode: ([5], [0])})
+            payload = msgspec.msgpack.encode(busy)
+            wrong = ReplicaSync.mac(b"not-the-token-at-all", payload)
+            wait_until(
+                lambda: (
+                    forger.send(wrong + payload) is None
+                    and status(b.url)["replicas"]["rejected"] > 0
+                ),
+                10,
+                "the forged message refused",
+            )
+            assert decode_inflight(b.url) == 0 and post(b.url) == 200
+            right = ReplicaSync.mac(TOKEN.encode(), payload)
+            wait_until(
+                lambda: forger.send(right + payload) is None and decode_inflight(b.url) == 5,
+                10,
+                "the same message with the token taken",
+            )
+            assert post(b.url) == 429
+    finally:
+        forger.close()
+
+
+def test_replica_sync_settings_are_checked() -> None:
+    for bad in (
+        {"listen": "127.0.0.1:1"},  # no token
+        {"listen": "127.0.0.1:1", "token": "short"},
+        {"peers": ["127.0.0.1:2"]},  # peers without our own listen
+        {"listen": "nope", "token": TOKEN},
+    ):
+        try:
+            ReplicaSettings.model_validate(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted: {bad}")
