@@ -1,0 +1,102 @@
+"""``ReplicaSync`` by itself: what it takes from a peer's snapshots and what it counts (the
+messages handed to ``receive`` as the socket would)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+from pydantic import SecretStr
+
+from router.fleet.replica_sync import LoadSnapshot, ReplicaSync
+from router.load_board import DISPATCHED, LEGS, TOKENS
+from router.settings import ReplicaSettings
+from router.workers import Role, Worker
+from testkit.servers import free_port
+
+TOKEN = "replica-test-token-0123"
+
+
+@pytest.fixture
+def sync() -> Iterator[ReplicaSync]:
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    settings = ReplicaSettings(
+        listen=f"127.0.0.1:{free_port()}", peers=peers, id="me", token=SecretStr(TOKEN), stale_s=0.2
+    )
+    worker = Worker(Role.DECODE, "http://127.0.0.1:9")
+    made = ReplicaSync(settings, lambda: [worker])
+    yield made
+    made.close()
+
+
+def frame(replica: str, seq: int, legs: list[int], *, epoch: float = 1.0, units: int = 0) -> bytes:
+    snapshot = LoadSnapshot(replica, epoch, seq, time.time(), units, {"w": (legs, [7] * len(legs))})
+    payload = msgspec.msgpack.encode(snapshot)
+    return ReplicaSync.mac(TOKEN.encode(), payload) + payload
+
+
+def test_the_peers_counts_add_up_per_rank(sync: ReplicaSync) -> None:
+    sync.receive(frame("p", 1, [1, 2], units=3))
+    sync.receive(frame("q", 1, [4], units=1))
+    assert [sync.count("w", rank, LEGS) for rank in (0, 1, 2)] == [5, 2, 0]
+    assert sync.count("w", 0, TOKENS) == 14
+    assert sync.count("w", 0, DISPATCHED) == 0  # (credits stay per replica)
+    assert sync.count("other", 0, LEGS) == 0
+    assert sync.units() == 4
+    assert sync.degraded() is None
+
+
+def test_the_latest_snapshot_wins_and_misses_are_counted(sync: ReplicaSync) -> None:
+    sync.receive(frame("p", 1, [1]))
+    sync.receive(frame("p", 4, [3]))  # 2 and 3 lost
+    sync.receive(frame("p", 2, [9]))  # late: old news
+    assert sync.count("w", 0, LEGS) == 3
+    (peer,) = sync.stats()["peers"]
+    assert (peer["seq"], peer["gaps"], peer["restarts"]) == (4, 2, 0)
+
+
+def test_a_restarted_peer_is_taken_at_once(sync: ReplicaSync) -> None:
+    sync.receive(frame("p", 50, [3]))
+    sync.receive(frame("p", 1, [1], epoch=2.0))  # a new run starts its sequence again
+    assert sync.count("w", 0, LEGS) == 1
+    (peer,) = sync.stats()["peers"]
+    assert (peer["seq"], peer["gaps"], peer["restarts"]) == (1, 0, 1)
+
+
+def test_a_silent_peer_stops_counting_and_degrades_the_replica(sync: ReplicaSync) -> None:
+    sync.receive(frame("p", 1, [2], units=2))
+    sync.receive(frame("q", 1, [1]))
+    time.sleep(0.25)  # (stale_s = 0.2)
+    sync.receive(frame("q", 2, [1]))
+    sync.expire()
+    assert sync.count("w", 0, LEGS) == 1 and sync.units() == 0
+    assert sync.degraded() == "1 of 2 replica peer(s) not heard within 0.2s"
+
+
+def test_forged_unreadable_and_own_messages_are_not_taken(sync: ReplicaSync) -> None:
+    good = frame("p", 1, [2])
+    sync.receive(b"x" * 32 + good[32:])  # a wrong HMAC
+    payload = b"not msgpack"
+    sync.receive(ReplicaSync.mac(TOKEN.encode(), payload) + payload)
+    sync.receive(frame("me", 1, [9]))  # our own, from a peer list that names us
+    assert sync.rejected == 2 and sync.count("w", 0, LEGS) == 0
+    sync.receive(good)
+    assert sync.count("w", 0, LEGS) == 2
+
+
+def test_the_published_snapshot_is_this_replicas_own_state(
+    sync: ReplicaSync, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sync.own_units = lambda: 3
+    sent: list[bytes] = []
+
+    def send(data: bytes, flags: int = 0) -> None:
+        sent.append(data)
+
+    monkeypatch.setattr(sync._pub, "send", send)
+    sync.publish()
+    snapshot = msgspec.msgpack.decode(sent[0][32:], type=LoadSnapshot)
+    assert (snapshot.replica, snapshot.seq, snapshot.units) == ("me", 1, 3)
+    assert snapshot.workers == {"decode:http://127.0.0.1:9": ([0], [0])}
