@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 MAC_BYTES = 32  # HMAC-SHA256
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a larger one is dropped by ZeroMQ
 SEND_HWM = 100  # snapshots queued for a slow peer before older ones are dropped
+FORGET_AFTER_STALE = 30  # x stale_s: a peer not heard that long is forgotten (scaled away)
 _FIELDS = {LEGS: 0, TOKENS: 1}  # the board fields a snapshot carries, and where
 
 
@@ -113,17 +115,15 @@ class ReplicaSync:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._pub.setsockopt(zmq.LINGER, 0)
-        host, port = split_address(settings.listen)
         self._pub.setsockopt(zmq.IPV6, 1)
-        self._pub.bind(f"tcp://{_bracketed(host)}:{port}")
+        self._pub.bind(_endpoint(settings.listen))
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.IPV6, 1)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        for address in settings.peers:
-            peer_host, peer_port = split_address(address)
-            self._sub.connect(f"tcp://{_bracketed(peer_host)}:{peer_port}")
+        self._addresses: set[str] = set()  # the peers' addresses followed now
+        self.set_peers(settings.peers)
         self.peers: dict[str, PeerState] = {}  # by the name each publishes as
         # the fresh peers' counts summed: worker id -> [legs per rank, tokens per rank]
         self._totals: dict[str, tuple[list[int], list[int]]] = {}
@@ -150,7 +150,7 @@ class ReplicaSync:
         configured peer not heard within ``stale_s``."""
         now, stale_s = time.monotonic(), self._settings.stale_s
         fresh = sum(1 for peer in self.peers.values() if peer.fresh(now, stale_s))
-        expected = len(self._settings.peers)
+        expected = len(self._addresses)
         if fresh >= expected:
             return None
         return f"{expected - fresh} of {expected} replica peer(s) not heard within {stale_s:g}s"
@@ -163,22 +163,50 @@ class ReplicaSync:
             "sent": self.sent,
             "received": self.received,
             "rejected": self.rejected,
-            "peer_addresses": list(self._settings.peers),
+            "peer_addresses": sorted(self._addresses),
             "degraded": self.degraded(),
             "peers": [peer.view(now, stale_s) for peer in self.peers.values()],
         }
 
+    def set_peers(self, addresses: Iterable[str]) -> None:
+        """Follow these peers (``HOST:PORT``), and no others; this replica's own address is
+        left out (a DNS name of every replica resolves to it too)."""
+        wanted = set(addresses) - {self._settings.listen}
+        for address in wanted - self._addresses:
+            self._sub.connect(_endpoint(address))
+        for address in self._addresses - wanted:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disconnect(_endpoint(address))
+        self._addresses = wanted
+
     # --- the loops --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Publish and follow until cancelled."""
-        publishing = asyncio.create_task(self._publish_loop())
+        """Publish, follow (and with ``peers_dns`` find the peers) until cancelled."""
+        loops = [asyncio.create_task(self._publish_loop())]
+        if self._settings.peers_dns is not None:
+            loops.append(asyncio.create_task(self._resolve_loop(self._settings.peers_dns)))
         try:
             await self._receive_loop()
         finally:
-            publishing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await publishing
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+
+    async def _resolve_loop(self, name: str) -> None:
+        """Every ``dns_interval_s``: the peers are the addresses ``name`` resolves to (a
+        Kubernetes headless Service lists every replica's pod), with the static ones."""
+        host, port = split_address(name)
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                logger.warning("replica peers: %s does not resolve: %s", host, exc)
+            else:
+                resolved = {_address(str(info[4][0]), port) for info in found}
+                self.set_peers({*self._settings.peers, *resolved})
+            await asyncio.sleep(self._settings.dns_interval_s)
 
     async def _publish_loop(self) -> None:
         while True:
@@ -239,8 +267,13 @@ class ReplicaSync:
         self._sum()
 
     def expire(self) -> None:
-        """Drop the counts of peers gone stale (called every interval)."""
+        """Drop the counts of peers gone stale (called every interval), and forget a peer not
+        heard for ``FORGET_AFTER_STALE`` times ``stale_s`` (a replica scaled away)."""
         now, stale_s = time.monotonic(), self._settings.stale_s
+        forget = now - FORGET_AFTER_STALE * stale_s
+        gone = [name for name, p in self.peers.items() if (p.received_at or now) < forget]
+        for name in gone:
+            del self.peers[name]
         if any(p.workers and not p.fresh(now, stale_s) for p in self.peers.values()):
             for peer in self.peers.values():
                 if not peer.fresh(now, stale_s):
@@ -281,5 +314,10 @@ def _add(into: list[int], values: list[int]) -> None:
         into[index] += value
 
 
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+def _endpoint(address: str) -> str:
+    host, port = split_address(address)
+    return f"tcp://{_address(host, port)}"
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -40,6 +40,10 @@ class ReplicaSettings(BaseModel):
         json_schema_extra=cli("--replica-peer", metavar="HOST:PORT", repeat=True),
     )
     """another replica's `--replica-listen` address (repeat the flag per peer)"""
+    peers_dns: str | None = Field(default=None, json_schema_extra=cli("--replica-peers-dns"))
+    """`NAME:PORT`: the peers are every address NAME resolves to (a Kubernetes headless Service
+    of the router pods), looked up every `dns_interval_s`; this replica's own `--replica-listen`
+    address is left out, so listen on the pod's IP (`$(POD_IP):PORT`)"""
     id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         json_schema_extra=cli("--replica-id", default="HOSTNAME-PID"),
@@ -56,7 +60,10 @@ class ReplicaSettings(BaseModel):
     """a peer silent this long no longer counts (its last counts are dropped) and this replica
     reports itself degraded (`/ready` details, the status page) until it hears it again"""
 
-    @field_validator("listen")
+    dns_interval_s: PositiveFloat = Field(default=2.0, json_schema_extra=TUNING)
+    """how often `--replica-peers-dns` is looked up again"""
+
+    @field_validator("listen", "peers_dns")
     @classmethod
     def _check_listen(cls, value: str | None) -> str | None:
         if value is not None:
@@ -73,8 +80,11 @@ class ReplicaSettings(BaseModel):
     @model_validator(mode="after")
     def _check_sync(self) -> ReplicaSettings:
         if self.listen is None:
-            if self.peers:
-                raise ValueError("--replica-peer needs --replica-listen (this replica's own)")
+            if self.peers or self.peers_dns:
+                raise ValueError(
+                    "--replica-peer and --replica-peers-dns need --replica-listen (this "
+                    "replica's own address)"
+                )
             return self
         token = self.token.get_secret_value() if self.token is not None else ""
         if len(token) < MIN_TOKEN_CHARS:

@@ -3,6 +3,7 @@ messages handed to ``receive`` as the socket would)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
@@ -100,3 +101,30 @@ def test_the_published_snapshot_is_this_replicas_own_state(
     snapshot = msgspec.msgpack.decode(sent[0][32:], type=LoadSnapshot)
     assert (snapshot.replica, snapshot.seq, snapshot.units) == ("me", 1, 3)
     assert snapshot.workers == {"decode:http://127.0.0.1:9": ([0], [0])}
+
+
+async def test_peers_by_dns_are_every_address_the_name_resolves_to_but_our_own() -> None:
+    port = free_port()
+    mine = f"127.0.0.1:{port}"
+    other = f"127.0.0.1:{free_port()}"
+    settings = ReplicaSettings(
+        listen=mine,
+        peers=[other],
+        peers_dns=f"localhost:{port}",  # resolves to this replica's own address
+        token=SecretStr(TOKEN),
+        dns_interval_s=0.01,
+    )
+    sync = ReplicaSync(settings, list)
+    task = asyncio.create_task(sync.run())
+    try:
+        await asyncio.sleep(0.1)
+        addresses = sync.stats()["peer_addresses"]
+        assert other in addresses and mine not in addresses  # the static one, not ourselves
+        assert set(addresses) <= {other, f"[::1]:{port}"}  # (localhost may be ::1 as well)
+        sync.set_peers([other, "127.0.0.1:1"])
+        assert sync.stats()["peer_addresses"] == ["127.0.0.1:1", other]
+        assert sync.degraded() == "2 of 2 replica peer(s) not heard within 1s"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        sync.close()
