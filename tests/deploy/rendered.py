@@ -296,7 +296,7 @@ class Container:
             maps = find(docs, "ConfigMap", ref["name"])
             return maps[0].get("data", {}).get(ref["key"]) if maps else None
         if "secretKeyRef" in source:
-            return "secret-value"
+            return "secret-value-from-the-cluster"  # (a replica token needs 16 characters)
         return None
 
     def ports(self) -> dict[str, int]:

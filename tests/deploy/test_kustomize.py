@@ -292,6 +292,31 @@ def test_router_is_available_and_spread(directory: Path, renders: Renders) -> No
 
 
 @pytest.mark.parametrize("directory", WITH_ROUTER, ids=_id)
+def test_router_replicas_find_and_follow_each_other(
+    directory: Path, renders: Renders, router_settings: Callable[[Container], RouterSettings]
+) -> None:
+    """Each replica publishes on its pod IP and finds the others through a headless Service
+    that lists every router pod, ready or not, on that port; the token comes from a Secret."""
+    docs = renders(directory)
+    router = _router(docs)
+    replicas = router_settings(router).replicas
+    port = router.ports()["replica-sync"]
+    assert replicas.listen == f"{POD_IP}:{port}"  # its own address: left out of the peers
+    assert replicas.peers_dns is not None
+    name, _, dns_port = replicas.peers_dns.rpartition(":")
+    (service,) = find(docs, "Service", name)
+    spec = service["spec"]
+    assert spec["clusterIP"] == "None" and spec["publishNotReadyAddresses"] is True
+    assert spec["selector"].items() <= _template(docs, ROUTER).labels.items()
+    assert [(p["port"], p["targetPort"]) for p in spec["ports"]] == [
+        (int(dns_port), "replica-sync")
+    ]
+    token = next(e for e in router.spec["env"] if e["name"] == "PDR_REPLICAS__TOKEN")
+    assert "secretKeyRef" in token["valueFrom"], "the replicas' token must come from a Secret"
+    assert replicas.id == "pod-0"  # the pod's name: unique among the replicas
+
+
+@pytest.mark.parametrize("directory", WITH_ROUTER, ids=_id)
 def test_router_may_watch_pods(directory: Path, renders: Renders) -> None:
     """The router's service account is bound to a Role granting pods get, list and watch."""
     docs = renders(directory)
