@@ -195,7 +195,11 @@ def _build_circuits(
 
 
 def _build_fleet(
-    settings: RouterSettings, tables: RankTables, pool: UpstreamPool, metrics: RouterMetrics
+    settings: RouterSettings,
+    tables: RankTables,
+    pool: UpstreamPool,
+    metrics: RouterMetrics,
+    circuits: Circuits,
 ) -> tuple[RegistryStore, FleetView, EngineLoadMonitor]:
     """The registry store (not bound yet) and the fleet's watchers (not started)."""
     token = settings.registry.store_token
@@ -208,7 +212,7 @@ def _build_fleet(
         registry=service,
         discovery=discovery,
         prober=prober,
-        replicas=replica_sync(settings, pool, metrics),
+        replicas=replica_sync(settings, pool, metrics, circuits),
     )
     return store, fleet, load_monitor
 
@@ -235,7 +239,8 @@ def _build_parts(settings: RouterSettings, tables: RankTables, board: LoadBoard 
     pool = _build_pool(settings.admission, adapter.needs_engine_ids, board)
     features = settings.features
     metrics = RouterMetrics(enabled=features.metrics)
-    store, fleet, load_monitor = _build_fleet(settings, tables, pool, metrics)
+    circuits = _build_circuits(settings, pool, metrics)
+    store, fleet, load_monitor = _build_fleet(settings, tables, pool, metrics, circuits)
     cache = settings.cache
     index = KVBlockIndex(cache.max_indexed_blocks, cache.prediction_ttl_s)
     tree = ApproxPrefixTree(cache.approx_tree_max_chars)
@@ -243,7 +248,6 @@ def _build_parts(settings: RouterSettings, tables: RankTables, board: LoadBoard 
     featurizer = Featurizer(open_token_source(cache), metrics.tokenize_seconds.observe)
     kv = KVCacheView(index=index, feed=KVEventFeed(lambda: pool.prefill, index, tree, cache))
     telemetry = _build_telemetry(settings, pool, metrics)
-    circuits = _build_circuits(settings, pool, metrics)
     fleet.prober.on_back = circuits.worker_back
     discovery = fleet.discovery
     metrics.registry.register(

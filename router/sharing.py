@@ -66,13 +66,15 @@ def host_bus(
 
 
 def replica_sync(
-    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics
+    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics, circuits: Circuits
 ) -> ReplicaSync | None:
     """This replica's end of the replicas' sync (None without ``--replica-listen``); the pool's
-    counts include the peers' from now on, and the metrics tell how the sync is."""
+    counts include the peers' from now on, the breakers follow theirs, and the metrics tell how
+    the sync is."""
     if settings.replicas.listen is None:
         return None
     sync = ReplicaSync(settings.replicas, pool.all)
     pool.count_fleet(sync)
+    share_breakers(circuits, sync, pool.get)
     metrics.registry.register(ReplicaSyncCollector(sync))
     return sync

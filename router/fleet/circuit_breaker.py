@@ -131,8 +131,8 @@ class CircuitBreaker:
             self._open(f"a request failed while half-open: {reason}")
 
     def adopt(self, opened: bool, open_s: float, reason: str) -> None:
-        """Another router process's verdict on the same target (``router --workers N``): open
-        for ``open_s`` (unless this one is open longer), or closed."""
+        """Another router process's or replica's verdict on the same target: open for
+        ``open_s`` (unless this one is open longer), or closed."""
         now = self._clock()
         if opened:
             if self._state is CircuitState.OPEN and self._retry_at >= now + open_s:

@@ -41,11 +41,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from router.fleet.shared_breakers import BreakerVerdict
 from router.load_board import LEGS, TOKENS
 from router.settings.replicas import ReplicaSettings, split_address
 from router.workers import Worker
 
-__all__ = ["LoadSnapshot", "PeerState", "ReplicaSync"]
+__all__ = ["LoadSnapshot", "PeerState", "ReplicaSync", "VerdictNote"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ FORGET_AFTER_STALE = 30  # x stale_s: a peer not heard that long is forgotten (s
 _FIELDS = {LEGS: 0, TOKENS: 1}  # the board fields a snapshot carries, and where
 
 
-class LoadSnapshot(msgspec.Struct, array_like=True):
+class LoadSnapshot(msgspec.Struct, array_like=True, tag="loads"):
     """One replica's routing state at ``sent`` (its ``time.time()``)."""
 
     replica: str
@@ -66,6 +67,17 @@ class LoadSnapshot(msgspec.Struct, array_like=True):
     units: int  # admission units in use
     # worker id -> [legs in flight per DP rank, pending prefill tokens per DP rank]
     workers: dict[str, tuple[list[int], list[int]]]
+
+
+class VerdictNote(msgspec.Struct, array_like=True, tag="verdict"):
+    """A breaker verdict of one replica, in the same sequence as its snapshots (a lost one is
+    counted in ``gaps``; the peer's own breaker still opens on its own failures)."""
+
+    replica: str
+    epoch: float
+    seq: int
+    sent: float
+    verdict: BreakerVerdict
 
 
 @dataclass
@@ -110,7 +122,8 @@ class ReplicaSync:
         self._epoch = time.time()
         self._seq = 0
         self._encode = msgspec.msgpack.Encoder().encode
-        self._decode = msgspec.msgpack.Decoder(LoadSnapshot).decode
+        self._decode = msgspec.msgpack.Decoder(LoadSnapshot | VerdictNote).decode
+        self._on_verdict: Callable[[BreakerVerdict], None] | None = None
         self._context = zmq.asyncio.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -210,7 +223,7 @@ class ReplicaSync:
 
     async def _publish_loop(self) -> None:
         while True:
-            self.publish()
+            self.publish_state()
             self.expire()
             await asyncio.sleep(self._settings.interval_s)
 
@@ -219,16 +232,26 @@ class ReplicaSync:
             frame = await self._sub.recv()
             self.receive(frame)
 
-    def publish(self) -> None:
+    def publish_state(self) -> None:
         """Send this replica's state now (a full send buffer drops it: the next repairs it)."""
         self._seq += 1
         workers = {
             w.id: (list(w.rank_inflight), list(w.rank_pending_tokens)) for w in self._workers()
         }
-        snapshot = LoadSnapshot(
-            self._settings.id, self._epoch, self._seq, time.time(), self.own_units(), workers
-        )
-        payload = self._encode(snapshot)
+        own = self._settings.id, self._epoch, self._seq, time.time()
+        self._send(LoadSnapshot(*own, self.own_units(), workers))
+
+    def publish(self, body: BreakerVerdict) -> None:
+        """Tell the peers a breaker verdict (``router.fleet.shared_breakers``)."""
+        self._seq += 1
+        self._send(VerdictNote(self._settings.id, self._epoch, self._seq, time.time(), body))
+
+    def on(self, kind: type[BreakerVerdict], handler: Callable[[BreakerVerdict], None]) -> None:
+        """Call ``handler`` with each peer's breaker verdict."""
+        self._on_verdict = handler
+
+    def _send(self, message: LoadSnapshot | VerdictNote) -> None:
+        payload = self._encode(message)
         try:
             self._pub.send(self.mac(self._key, payload) + payload, zmq.NOBLOCK)
             self.sent += 1
@@ -236,35 +259,46 @@ class ReplicaSync:
             pass
 
     def receive(self, frame: bytes) -> None:
-        """One peer's message: checked, counted, its state taken (``run``'s; tests call it)."""
+        """One peer's message: checked, counted, taken (``run``'s; tests call it)."""
         mac, payload = frame[:MAC_BYTES], frame[MAC_BYTES:]
         if not hmac.compare_digest(mac, self.mac(self._key, payload)):
             self.rejected += 1
             return
         try:
-            snapshot = self._decode(payload)
+            message = self._decode(payload)
         except msgspec.DecodeError as exc:
             self.rejected += 1
             logger.warning("a replica's message could not be read: %s", exc)
             return
-        if snapshot.replica == self._settings.id:
-            return  # our own (a peer list naming this replica)
-        peer = self.peers.get(snapshot.replica)
+        peer = self._in_sequence(message)
         if peer is None:
-            peer = self.peers[snapshot.replica] = PeerState(snapshot.replica)
-        if snapshot.epoch != peer.epoch:
+            return
+        self.received += 1
+        if isinstance(message, LoadSnapshot):
+            peer.units, peer.workers = message.units, message.workers
+            self._sum()
+        elif self._on_verdict is not None:
+            self._on_verdict(message.verdict)
+
+    def _in_sequence(self, message: LoadSnapshot | VerdictNote) -> PeerState | None:
+        """The sender's state, its sequence, gaps, restarts and lag noted; None for our own
+        message or old news."""
+        if message.replica == self._settings.id:
+            return None  # our own (a peer list naming this replica)
+        peer = self.peers.get(message.replica)
+        if peer is None:
+            peer = self.peers[message.replica] = PeerState(message.replica)
+        if message.epoch != peer.epoch:
             if peer.epoch:
                 peer.restarts += 1
-            peer.epoch, peer.seq = snapshot.epoch, snapshot.seq - 1
-        if snapshot.seq <= peer.seq:
-            return  # old news
-        peer.gaps += snapshot.seq - peer.seq - 1 if peer.received_at is not None else 0
-        peer.seq = snapshot.seq
+            peer.epoch, peer.seq = message.epoch, message.seq - 1
+        if message.seq <= peer.seq:
+            return None  # old news
+        peer.gaps += message.seq - peer.seq - 1 if peer.received_at is not None else 0
+        peer.seq = message.seq
         peer.received_at = time.monotonic()
-        peer.lag_s = max(time.time() - snapshot.sent, 0.0)
-        peer.units, peer.workers = snapshot.units, snapshot.workers
-        self.received += 1
-        self._sum()
+        peer.lag_s = max(time.time() - message.sent, 0.0)
+        return peer
 
     def expire(self) -> None:
         """Drop the counts of peers gone stale (called every interval), and forget a peer not

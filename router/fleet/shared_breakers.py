@@ -1,6 +1,7 @@
-"""Circuit breaker verdicts shared by the processes of ``router --workers N``: when a worker's
-or a pair's breaker opens or closes in one process, the others' follow (``Circuits.adopt``),
-over the host's bus (``router.sibling_bus``).
+"""Circuit breaker verdicts shared by the processes of ``router --workers N`` and by router
+replicas: when a worker's or a pair's breaker opens or closes in one, the others' follow
+(``Circuits.adopt``), over the host's bus (``router.sibling_bus``) or the replicas' sync
+(``router.fleet.replica_sync``).
 
 Bounded: a verdict reaches the siblings within a millisecond or so; until then they may send
 the target a request or two more. Each process still runs its own half-open trial once its
@@ -11,14 +12,14 @@ not 1) before every process has closed its breaker again.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 
 from router.fleet.circuit_breaker import Circuits
-from router.sibling_bus import SiblingBus
 from router.workers import Worker
 
-__all__ = ["BreakerVerdict", "share_breakers"]
+__all__ = ["BreakerVerdict", "VerdictChannel", "share_breakers"]
 
 
 class BreakerVerdict(msgspec.Struct, array_like=True, tag="breaker"):
@@ -28,8 +29,16 @@ class BreakerVerdict(msgspec.Struct, array_like=True, tag="breaker"):
     reason: str
 
 
+class VerdictChannel(Protocol):
+    """What carries verdicts (``SiblingBus``, ``ReplicaSync``)."""
+
+    def publish(self, body: BreakerVerdict) -> None: ...
+
+    def on(self, kind: type[BreakerVerdict], handler: Callable[[BreakerVerdict], None]) -> None: ...
+
+
 def share_breakers(
-    circuits: Circuits, bus: SiblingBus, lookup: Callable[[str], Worker | None]
+    circuits: Circuits, bus: VerdictChannel, lookup: Callable[[str], Worker | None]
 ) -> None:
     """Tell the siblings this process's verdicts and follow theirs."""
 

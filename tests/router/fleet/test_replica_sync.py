@@ -97,7 +97,7 @@ def test_the_published_snapshot_is_this_replicas_own_state(
         sent.append(data)
 
     monkeypatch.setattr(sync._pub, "send", send)
-    sync.publish()
+    sync.publish_state()
     snapshot = msgspec.msgpack.decode(sent[0][32:], type=LoadSnapshot)
     assert (snapshot.replica, snapshot.seq, snapshot.units) == ("me", 1, 3)
     assert snapshot.workers == {"decode:http://127.0.0.1:9": ([0], [0])}

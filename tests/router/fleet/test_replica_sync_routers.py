@@ -200,3 +200,18 @@ def test_replica_sync_settings_are_checked() -> None:
         except ValueError:
             continue
         raise AssertionError(f"accepted: {bad}")
+
+
+def test_a_breaker_opened_by_one_replica_keeps_the_other_away() -> None:
+    failing = FakeConfig(check_kv=False, fail_status=500)
+    with pair(config=failing) as (a, b, _):
+        assert [post(a.url) for _ in range(3)] == [500] * 3  # a's decode breaker opens
+
+        def b_follows() -> bool:
+            circuits = httpx.get(b.url + "/ready", timeout=5).json()["circuits"]
+            return any(c["scope"] == "worker" and c["state"] == "open" for c in circuits)
+
+        wait_until(b_follows, 10, "b's breaker follows a's")
+        answer = httpx.post(b.url + "/v1/completions", json=BODY, timeout=10)
+        assert answer.status_code == 503  # b sends the failing decode nothing of its own
+        assert "circuit breaker" in answer.json()["error"]["message"]
