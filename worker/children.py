@@ -45,7 +45,11 @@ class Children:
 
     def start(self, name: str, args: list[str], log: Path | None = None) -> None:
         """Start ``python -m ARGS`` as ``name``, its output to ``log`` (None: the console)."""
-        self.procs.append(self._spawn(Child(name, [sys.executable, "-m", *args], log)))
+        self.start_command(name, [sys.executable, "-m", *args], log)
+
+    def start_command(self, name: str, argv: list[str], log: Path | None = None) -> None:
+        """Start ``argv`` (a program of its own: HAProxy) as ``name``."""
+        self.procs.append(self._spawn(Child(name, argv, log)))
 
     def _spawn(self, child: Child) -> subprocess.Popen[bytes]:
         if child.log is None:

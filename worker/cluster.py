@@ -42,6 +42,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from worker.children import Children, supervise, terminating, wait_ready
+from worker.cluster_replicas import (
+    ReplicaLayout,
+    add_replica_args,
+    haproxy_argv,
+    haproxy_config,
+    sync_args,
+)
 
 __all__ = ["main"]
 
@@ -110,6 +117,7 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         metavar="N|auto",
         help="router processes serving the router port (the router's --workers)",
     )
+    add_replica_args(parser)
     parser.add_argument("--dp", type=int, default=1, help="DP ranks per prefill")
     parser.add_argument(
         "--engine",
@@ -195,33 +203,37 @@ class _Layout:
         self.prefills = [_free_run(1, taken) for _ in range(args.prefill)]
         self.namespaces = [_free_run(1, taken) for _ in range(args.prefill)]
         self.decodes = [_free_run(1, taken) for _ in range(args.decode)]
+        self.replicas: ReplicaLayout | None = None
+        if args.router_replicas > 1:
+            ports = [_free_run(1, taken) for _ in range(args.router_replicas)]
+            sync = [_free_run(1, taken) for _ in range(args.router_replicas)]
+            self.replicas = ReplicaLayout(ports, sync)
         self.events: list[tuple[int, int] | None] = [
             (_free_run(args.dp, taken), _free_run(args.dp, taken)) if args.kv_events else None
             for _ in self.prefills
         ]
 
 
-def _router_args(args: argparse.Namespace, layout: _Layout) -> list[str]:
-    out = [
-        "router",
-        "--engine",
-        args.engine,
-        "--host",
-        _HOST,
-        "--port",
-        str(args.port),
-        "--advertise-host",
-        _HOST,
-        "--workers",
-        args.router_workers,
-    ]
+def _router_args(
+    args: argparse.Namespace, layout: _Layout, port: int, replica: int = 0
+) -> list[str]:
+    """A router's command: replica 0 (or the only router) serves the prefills' bootstrap
+    namespaces; another replica is given each namespace's port as the prefill's bootstrap port
+    (the same ranks, registered with replica 0)."""
+    out = ["router", "--engine", args.engine, "--host", _HOST, "--port", str(port)]
+    out += ["--advertise-host", _HOST, "--workers", args.router_workers]
     for flag in ("policy", "prefill_policy", "decode_policy", "tokenizer"):
         if getattr(args, flag) is not None:
             out += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    if layout.replicas is not None:
+        out += sync_args(layout.replicas, replica, args.replica_sync)
     rows = zip(layout.prefills, layout.namespaces, layout.events, strict=True)
-    for i, (port, ns_port, events) in enumerate(rows):
-        out += ["--bootstrap-namespace", f"p{i}={ns_port}"]
-        out += ["--prefill", f"http://{_HOST}:{port}", f"ns:p{i}"]
+    for i, (prefill, ns_port, events) in enumerate(rows):
+        if replica == 0:
+            out += ["--bootstrap-namespace", f"p{i}={ns_port}"]
+            out += ["--prefill", f"http://{_HOST}:{prefill}", f"ns:p{i}"]
+        else:
+            out += ["--prefill", f"http://{_HOST}:{prefill}", str(ns_port)]
         if events is not None:
             out += [f"events=tcp://{_HOST}:{events[0]}", f"replay=tcp://{_HOST}:{events[1]}"]
     for port in layout.decodes:
@@ -271,9 +283,9 @@ def _log_dir(args: argparse.Namespace) -> Path:
 def _start(
     args: argparse.Namespace, layout: _Layout, children: Children, router: str, logs: Path
 ) -> None:
-    """The router, then (once it answers) the workers, each logging to its file in ``logs``."""
-    children.start("router", _router_args(args, layout))
-    wait_ready(f"{router}/health", children, args.ready_timeout)
+    """The router (or the replicas and HAProxy), then (once it answers) the workers, each
+    logging to its file in ``logs``."""
+    routers = _start_routers(args, layout, children, router, logs)
     rows = zip(layout.prefills, layout.namespaces, layout.events, strict=True)
     for index, (port, ns_port, events) in enumerate(rows):
         name = f"prefill-{index}"
@@ -283,7 +295,8 @@ def _start(
     for index, port in enumerate(layout.decodes):
         name = f"decode-{index}"
         children.start(name, _decode_args(args, port, index), logs / f"{name}.log")
-    wait_ready(f"{router}/ready", children, args.ready_timeout)
+    for url in routers:
+        wait_ready(f"{url}/ready", children, args.ready_timeout)
     dp = f", DP={args.dp}" if args.dp > 1 else ""
     print(f"pd-cluster ready: {router}  ({args.prefill}P{args.decode}D{dp}, {args.engine})")
     print(
@@ -293,10 +306,35 @@ def _start(
     print(f"  worker logs: {logs}", flush=True)
 
 
+def _start_routers(
+    args: argparse.Namespace, layout: _Layout, children: Children, router: str, logs: Path
+) -> list[str]:
+    """The router, or the replicas (replica 0 on the console, the others logging to
+    ``router-<i>.log``) and HAProxy in front of them; the URLs to wait for, ``router`` last."""
+    replicas = layout.replicas
+    if replicas is None:
+        children.start("router", _router_args(args, layout, args.port))
+        wait_ready(f"{router}/health", children, args.ready_timeout)
+        return [router]
+    urls = []
+    for index, port in enumerate(replicas.ports):
+        log = None if index == 0 else logs / f"router-{index}.log"
+        children.start(f"router-{index}", _router_args(args, layout, port, index), log)
+        urls.append(f"http://{_HOST}:{port}")
+    for url in urls:
+        wait_ready(f"{url}/health", children, args.ready_timeout)
+    config = logs / "haproxy.cfg"
+    config.write_text(haproxy_config(args.port, replicas.ports))
+    children.start_command("haproxy", haproxy_argv(config), logs / "haproxy.log")
+    return [*urls, router]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
-    if min(args.prefill, args.decode, args.dp) < 1:
-        raise SystemExit("pd-cluster: --prefill, --decode and --dp must be >= 1")
+    if min(args.prefill, args.decode, args.dp, args.router_replicas) < 1:
+        raise SystemExit("pd-cluster: --prefill, --decode, --dp and --router-replicas must be >= 1")
+    if args.router_replicas > 1 and args.replica_sync and args.router_workers != "1":
+        raise SystemExit("pd-cluster: the replicas' sync needs --router-workers 1")
     layout = _Layout(args)
     children = Children()
     logs = _log_dir(args)

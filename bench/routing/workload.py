@@ -179,6 +179,8 @@ class WorkloadConfig:
     json_path: Path | None = None
     router_workers: int = 1  # our router's processes (pd-cluster --router-workers)
     host_sharing: bool = True  # with several: they share load counts and KV predictions
+    router_replicas: int = 1  # our router's replicas behind HAProxy (pd-cluster --router-replicas)
+    replica_sync: bool = True  # with several: they share their routing state
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,8 @@ def cluster_argv(
     if spec.router == "ours":
         flags += ["--prefill-policy", spec.policy, "--decode-policy", spec.decode_policy]
         flags += ["--router-workers", str(cfg.router_workers)]
+        flags += ["--router-replicas", str(cfg.router_replicas)]
+        flags += [] if cfg.replica_sync else ["--no-replica-sync"]
         if spec.precise:
             flags += ["--tokenizer", str(setup.tokenizer_dir)]
     return pd_cluster_argv(
@@ -918,6 +922,18 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkloadConfig:
         action="store_false",
         help="its processes route on their own counts (to show what sharing prevents)",
     )
+    parser.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        help="our router's replicas behind HAProxy, sharing their routing state",
+    )
+    parser.add_argument(
+        "--no-replica-sync",
+        dest="replica_sync",
+        action="store_false",
+        help="the replicas route on their own counts (to show what the sync prevents)",
+    )
     args = parser.parse_args(argv)
     policies = tuple(p for p in args.policies.split(",") if p)
     traces = tuple(t for t in args.traces.split(",") if t)
@@ -939,6 +955,8 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkloadConfig:
         json_path=args.json,
         router_workers=args.router_workers,
         host_sharing=args.host_sharing,
+        router_replicas=args.router_replicas,
+        replica_sync=args.replica_sync,
     )
 
 

