@@ -32,6 +32,13 @@ class Benchmark:
 BENCHMARKS = (
     Benchmark("load.run", "the router vs a fake decode engine directly: req/s, latency, CPU/req"),
     Benchmark("load.peers", "router CPU/req vs vllm-router, sglang-router; ledger; old build"),
+    Benchmark(
+        "load.floor_app", "the floors: the router's server alone, a bare PD proxy (load.peers)"
+    ),
+    Benchmark("load.pipeline_cost", "the router's request path in process, µs/req; old build"),
+    Benchmark(
+        "load.pipeline_cost_child", "one build's in-process figure (load.pipeline_cost runs it)"
+    ),
     Benchmark("load.cluster_ttft", "end-to-end TTFT: pd-cluster 1P1D vs a co-located worker"),
     Benchmark("load.clients", "upstream HTTP client cost: httpx, httpx + lean pool, aiohttp"),
     Benchmark("load.loadgen", "the closed-loop HTTP/1.1 load generator (load.run drives it)"),

@@ -43,6 +43,7 @@ SNAPSHOT_KEYS = {
     "admission",
     "circuits",
     "processes",
+    "replicas",
 }
 WORKER_KEYS = {
     *("id", "url", "role", "healthy", "draining", "ejected", "inflight", "dp_size", "ranks"),

@@ -11,14 +11,17 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
+import pytest
 import zmq
 
 from router.fleet.replica_sync import LoadSnapshot, ReplicaSync
 from router.settings import ReplicaSettings
+from testkit.chromium import Chromium, chromium_available
 from testkit.fake_engine import FakeConfig, FakeEngine
 from testkit.polling import wait_until
 from testkit.servers import free_port, http_process, run_servers
@@ -215,3 +218,20 @@ def test_a_breaker_opened_by_one_replica_keeps_the_other_away() -> None:
         answer = httpx.post(b.url + "/v1/completions", json=BODY, timeout=10)
         assert answer.status_code == 503  # b sends the failing decode nothing of its own
         assert "circuit breaker" in answer.json()["error"]["message"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not chromium_available(), reason="needs Chromium (scripts/setup-test.sh)")
+async def test_the_status_page_lists_the_peers_and_says_when_one_is_cut_off(
+    tmp_path: Path,
+) -> None:
+    with pair() as (a, b, (_, processes)):
+        async with Chromium(tmp_path) as browser:
+            await browser.navigate(f"{b.url}/status")
+            row = "document.querySelector('tr[data-replica=\"a\"]')"
+            await browser.wait_for(f"{row} && {row}.innerText.includes('yes')", 30, "a heard")
+            assert not await browser.evaluate("document.getElementById('replicas-section').hidden")
+            processes["a"].kill()
+            await browser.wait_for(f"{row}.innerText.includes('stale')", 30, "a stale")
+            said = await browser.evaluate("document.getElementById('count-replicas').innerText")
+            assert said.startswith("degraded: 1 of 1 replica peer(s) not heard")
