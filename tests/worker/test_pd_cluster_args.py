@@ -39,7 +39,7 @@ def test_every_prefill_gets_free_kv_event_ports_per_dp_rank(tmp_path: Path) -> N
     ports += layout.prefills + layout.namespaces + layout.decodes
     assert len(set(ports)) == len(ports) and 18000 not in ports and all(map(_free, ports))
 
-    router = _router_args(args, layout)
+    router = _router_args(args, layout, args.port)
     (live, replay), url = events[1], f"http://127.0.0.1:{layout.prefills[1]}"
     i = router.index(url)
     assert router[i + 1 :][:3] == [
@@ -70,7 +70,21 @@ def test_kv_events_can_be_turned_off() -> None:
     args = _parse(["--no-kv-events", "--", "--pages", "8", "--bytes-per-token", "64"])
     layout = _Layout(args)
     assert layout.events == [None]
-    assert not any(a.startswith("events=") for a in _router_args(args, layout))
+    assert not any(a.startswith("events=") for a in _router_args(args, layout, args.port))
     prefill = _prefill_args(args, layout.prefills[0], layout.namespaces[0], None)
     assert "--kv-events-config" not in prefill
     assert build(worker_args(prefill[1:])).config.kv_events is None
+
+
+def test_a_second_replica_reaches_the_ranks_registered_with_the_first() -> None:
+    args = _parse(["--router-replicas", "2", "--port", "18000", "--", "--pages", "8"])
+    layout = _Layout(args)
+    assert layout.replicas is not None
+    first, second = (_router_args(args, layout, p, i) for i, p in enumerate(layout.replicas.ports))
+    url, ns_port = f"http://127.0.0.1:{layout.prefills[0]}", layout.namespaces[0]
+    assert first[first.index(url) + 1] == "ns:p0" and "--bootstrap-namespace" in first
+    assert second[second.index(url) + 1] == str(ns_port) and "--bootstrap-namespace" not in second
+    settings = router_settings(second[1:])  # the router accepts it all
+    assert settings.prefill[0].bootstrap_port == ns_port
+    assert settings.replicas.peers == [f"127.0.0.1:{layout.replicas.sync_ports[0]}"]
+    assert settings.server.port == layout.replicas.ports[1] != 18000
