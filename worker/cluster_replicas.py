@@ -64,13 +64,16 @@ def sync_args(layout: ReplicaLayout, index: int, enabled: bool) -> list[str]:
 
 
 def haproxy_config(port: int, router_ports: list[int]) -> str:
-    """Round robin over the replicas per connection (L4), each checked every second."""
+    """Round robin over the replicas per connection (L4), each checked every second; a
+    connection a dead replica refuses goes to another (``redispatch``), so only the requests
+    it was serving fail with it."""
     servers = "".join(
         f"  server r{i} 127.0.0.1:{p} check inter 1s\n" for i, p in enumerate(router_ports)
     )
     return (
         "global\n  maxconn 4096\n"
         "defaults\n  mode tcp\n  timeout connect 5s\n  timeout client 1h\n  timeout server 1h\n"
+        "  retries 3\n  option redispatch\n"
         f"frontend routers\n  bind 127.0.0.1:{port}\n  default_backend replicas\n"
         f"backend replicas\n  balance roundrobin\n{servers}"
     )

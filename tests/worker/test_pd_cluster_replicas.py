@@ -1,11 +1,15 @@
 """``pd-cluster --router-replicas 2``: two router replicas behind a real HAProxy (round robin per
-connection) on the cluster's port, each hearing the other; the sync off on request. HAProxy
+connection) on the cluster's port, each hearing the other; the sync off on request; one killed
+mid-traffic fails only what it was serving, and its new run rejoins. HAProxy
 comes from Debian (scripts/setup-test.sh installs it)."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -82,3 +86,75 @@ def test_the_replicas_follow_each_other_and_haproxy_round_robins() -> None:
     assert re.findall(r"server r(\d) 127\.0\.0\.1:(\d+)", config) == [
         ("0", "8101"), ("1", "8102"), ("2", "8103"),
     ]  # fmt: skip
+
+
+def _replica_pid(parent: int, replica: str) -> int:
+    return next(
+        pid
+        for pid in _children(parent)
+        if f"--replica-id\x00{replica}\x00".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )
+
+
+def _clients(url: str, seconds: float, results: list[tuple[float, int]]) -> list[threading.Thread]:
+    """Two clients sending one request after another, each on a new connection, for
+    ``seconds``: (time, status) each, status 0 for a transport error."""
+
+    def client() -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                status = _post(url, "/v1/completions", {"prompt": "hello"}, timeout=10).status_code
+            except httpx.HTTPError:
+                status = 0
+            results.append((time.monotonic(), status))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_a_replica_killed_mid_traffic_fails_only_its_own_requests_and_rejoins(
+    tmp_path: Path,
+) -> None:
+    port, logs = _closed_port(), tmp_path / "logs"
+    flags = ["--router-replicas", "2", "--restart-workers", "--log-dir", str(logs)]
+    proc = _start_pd_cluster(tmp_path, port, *flags)
+    children: list[int] = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(proc, tmp_path, url)
+        children = _children(proc.pid)
+        first, second = _replica_urls(logs)
+        wait_until(lambda: _hears(first) == ["r1"], 10, "r0 hears r1")
+        results: list[tuple[float, int]] = []
+        threads = _clients(url, 8.0, results)
+        wait_until(lambda: len(results) >= 10, 10, "traffic through both replicas")
+        os.killpg(_replica_pid(proc.pid, "r1"), signal.SIGKILL)
+        killed_at = time.monotonic()
+        for thread in threads:
+            thread.join(20)
+        failed = [at for at, status in results if status != 200]
+        assert len(failed) <= 2, results  # at most the one request each client had on r1
+        assert all(at - killed_at < 1.0 for at in failed)
+        assert sum(1 for at, status in results if status == 200 and at > killed_at + 1) > 10
+        # pd-cluster starts it again; r0 hears the new run within 5 s of its start
+        wait_until(lambda: _served_or_none(second) is not None, 20, "r1 restarted")
+        restarted_at = time.monotonic()
+        wait_until(lambda: _restarts(first) == 1 and _hears(first) == ["r1"], 5, "r1 rejoined")
+        assert time.monotonic() - restarted_at < 5
+    finally:
+        _stop(proc, children)
+
+
+def _served_or_none(url: str) -> float | None:
+    try:
+        return _served(url)
+    except httpx.HTTPError:
+        return None
+
+
+def _restarts(url: str) -> int:
+    replicas = httpx.get(f"{url}/status/data", timeout=5).json()["replicas"] or {}
+    return sum(int(peer["restarts"]) for peer in replicas.get("peers", []))
