@@ -212,7 +212,7 @@ def _build_fleet(
         registry=service,
         discovery=discovery,
         prober=prober,
-        replicas=replica_sync(settings, pool, metrics, circuits),
+        replicas=replica_sync(settings, pool, metrics, circuits, store),
     )
     return store, fleet, load_monitor
 

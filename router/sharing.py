@@ -8,7 +8,9 @@ import os
 import time
 from typing import Any
 
+from registry.backends import RegistryStore
 from router.fleet.circuit_breaker import Circuits
+from router.fleet.replica_peers import ReplicaPeers
 from router.fleet.replica_sync import ReplicaSync
 from router.fleet.shared_breakers import BreakerVerdict, share_breakers
 from router.kv_cache.index import KVBlockIndex
@@ -66,14 +68,19 @@ def host_bus(
 
 
 def replica_sync(
-    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics, circuits: Circuits
+    settings: RouterSettings,
+    pool: UpstreamPool,
+    metrics: RouterMetrics,
+    circuits: Circuits,
+    store: RegistryStore,
 ) -> ReplicaSync | None:
     """This replica's end of the replicas' sync (None without ``--replica-listen``); the pool's
     counts include the peers' from now on, the breakers follow theirs, and the metrics tell how
-    the sync is."""
+    the sync is; the peers are found by flag, DNS or the registry (``store``)."""
     if settings.replicas.listen is None:
         return None
     sync = ReplicaSync(settings.replicas, pool.all)
+    sync.finder = ReplicaPeers(settings.replicas, sync.set_peers, store, settings.registry.ttl_s)
     pool.count_fleet(sync)
     share_breakers(circuits, sync, pool.get)
     metrics.registry.register(ReplicaSyncCollector(sync))

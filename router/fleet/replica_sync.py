@@ -31,11 +31,10 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -55,6 +54,10 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a larger one is dropped by ZeroMQ
 SEND_HWM = 100  # snapshots queued for a slow peer before older ones are dropped
 FORGET_AFTER_STALE = 30  # x stale_s: a peer not heard that long is forgotten (scaled away)
 _FIELDS = {LEGS: 0, TOKENS: 1}  # the board fields a snapshot carries, and where
+
+
+class _Finder(Protocol):
+    async def run(self) -> None: ...
 
 
 class LoadSnapshot(msgspec.Struct, array_like=True, tag="loads"):
@@ -118,6 +121,8 @@ class ReplicaSync:
         self._workers = workers
         # this replica's admission units in use (the admission gate's, once it exists)
         self.own_units: Callable[[], int] = lambda: 0
+        # what finds the peers beyond the static list (router.fleet.replica_peers), if anything
+        self.finder: _Finder | None = None
         self._key = settings.token.get_secret_value().encode()
         self._epoch = time.time()
         self._seq = 0
@@ -195,31 +200,16 @@ class ReplicaSync:
     # --- the loops --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Publish, follow (and with ``peers_dns`` find the peers) until cancelled."""
+        """Publish and follow (and find the peers: ``finder``) until cancelled."""
         loops = [asyncio.create_task(self._publish_loop())]
-        if self._settings.peers_dns is not None:
-            loops.append(asyncio.create_task(self._resolve_loop(self._settings.peers_dns)))
+        if self.finder is not None:
+            loops.append(asyncio.create_task(self.finder.run()))
         try:
             await self._receive_loop()
         finally:
             for loop in loops:
                 loop.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
-
-    async def _resolve_loop(self, name: str) -> None:
-        """Every ``dns_interval_s``: the peers are the addresses ``name`` resolves to (a
-        Kubernetes headless Service lists every replica's pod), with the static ones."""
-        host, port = split_address(name)
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            except OSError as exc:
-                logger.warning("replica peers: %s does not resolve: %s", host, exc)
-            else:
-                resolved = {_address(str(info[4][0]), port) for info in found}
-                self.set_peers({*self._settings.peers, *resolved})
-            await asyncio.sleep(self._settings.dns_interval_s)
 
     async def _publish_loop(self) -> None:
         while True:

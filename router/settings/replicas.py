@@ -60,8 +60,14 @@ class ReplicaSettings(BaseModel):
     """a peer silent this long no longer counts (its last counts are dropped) and this replica
     reports itself degraded (`/ready` details, the status page) until it hears it again"""
 
+    peers_registry: bool = Field(
+        default=False, json_schema_extra=cli("--replica-peers-registry", switch=True)
+    )
+    """find the peers through the router's shared registry (`--registry etcd://...` or a
+    `registry serve`): each replica registers its `--replica-listen` address there under a lease
+    (`registry.ttl_s`) and follows every address registered"""
     dns_interval_s: PositiveFloat = Field(default=2.0, json_schema_extra=TUNING)
-    """how often `--replica-peers-dns` is looked up again"""
+    """how often `--replica-peers-dns` and the registry are looked at again"""
 
     @field_validator("listen", "peers_dns")
     @classmethod
@@ -80,10 +86,10 @@ class ReplicaSettings(BaseModel):
     @model_validator(mode="after")
     def _check_sync(self) -> ReplicaSettings:
         if self.listen is None:
-            if self.peers or self.peers_dns:
+            if self.peers or self.peers_dns or self.peers_registry:
                 raise ValueError(
-                    "--replica-peer and --replica-peers-dns need --replica-listen (this "
-                    "replica's own address)"
+                    "--replica-peer, --replica-peers-dns and --replica-peers-registry need "
+                    "--replica-listen (this replica's own address)"
                 )
             return self
         token = self.token.get_secret_value() if self.token is not None else ""

@@ -116,4 +116,9 @@ class RouterSettings(BaseSettings):
                 "--replica-listen needs --workers 1 for now: one process per replica publishes "
                 "its routing state (run one replica per core instead)"
             )
+        if self.replicas.peers_registry and self.registry.url.startswith("memory://"):
+            raise ValueError(
+                "--replica-peers-registry needs a registry the replicas share (--registry "
+                "etcd://... or http://...), not the router's own memory://"
+            )
         return self

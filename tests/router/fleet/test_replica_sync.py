@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 import pytest
 from pydantic import SecretStr
 
+from registry.backends import MemoryStore
+from router.fleet.replica_peers import REPLICAS_PREFIX, ReplicaPeers
 from router.fleet.replica_sync import LoadSnapshot, ReplicaSync
 from router.load_board import DISPATCHED, LEGS, TOKENS
 from router.settings import ReplicaSettings
@@ -115,6 +117,7 @@ async def test_peers_by_dns_are_every_address_the_name_resolves_to_but_our_own()
         dns_interval_s=0.01,
     )
     sync = ReplicaSync(settings, list)
+    sync.finder = ReplicaPeers(settings, sync.set_peers)
     task = asyncio.create_task(sync.run())
     try:
         await asyncio.sleep(0.1)
@@ -128,3 +131,37 @@ async def test_peers_by_dns_are_every_address_the_name_resolves_to_but_our_own()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         sync.close()
+
+
+async def test_peers_in_the_registry_register_follow_and_leave() -> None:
+    store = MemoryStore()  # (the store a registry serves; replicas share it through etcd)
+    settings = [
+        ReplicaSettings(
+            listen=f"127.0.0.1:{free_port()}",
+            id=name,
+            token=SecretStr(TOKEN),
+            peers_registry=True,
+            dns_interval_s=0.01,
+        )
+        for name in ("a", "b")
+    ]
+    followed: dict[str, list[set[str]]] = {"a": [], "b": []}
+
+    def follower(name: str) -> Callable[[Iterable[str]], None]:
+        return lambda found: followed[name].append(set(found))
+
+    finders = [ReplicaPeers(s, follower(s.id), store, ttl_s=5) for s in settings]
+    tasks = [asyncio.create_task(f.run()) for f in finders]
+    try:
+        addresses = {s.listen for s in settings}
+        await asyncio.sleep(0.1)
+        assert followed["a"][-1] == addresses == followed["b"][-1]  # (own left out by the sync)
+        assert set(await store.list(REPLICAS_PREFIX)) == {"replicas/a", "replicas/b"}
+        tasks[1].cancel()  # b stops: its key goes, and a follows b no more
+        await asyncio.gather(tasks[1], return_exceptions=True)
+        await asyncio.sleep(0.1)
+        assert followed["a"][-1] == {settings[0].listen}
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

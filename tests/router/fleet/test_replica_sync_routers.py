@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -20,8 +21,10 @@ import pytest
 import zmq
 
 from router.fleet.replica_sync import LoadSnapshot, ReplicaSync
+from router.server.cli import parse_args
 from router.settings import ReplicaSettings
 from testkit.chromium import Chromium, chromium_available
+from testkit.etcd_server import EtcdServer
 from testkit.fake_engine import FakeConfig, FakeEngine
 from testkit.polling import wait_until
 from testkit.servers import free_port, http_process, run_servers
@@ -33,7 +36,7 @@ SLOW = FakeConfig(tokens=20, token_delay=0.1, check_kv=False)  # 1.2 s per 12-to
 
 
 class Replica:
-    def __init__(self, name: str, sync_port: int, peers: list[int], extra: tuple[str, ...]):
+    def __init__(self, name: str, sync_port: int, peers: list[int], extra: tuple[str, ...]) -> None:
         self.name, self.sync_port, self.peers, self.extra = name, sync_port, peers, extra
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -203,6 +206,10 @@ def test_replica_sync_settings_are_checked() -> None:
         except ValueError:
             continue
         raise AssertionError(f"accepted: {bad}")
+    own = ["--replica-listen", "127.0.0.1:1", "--replica-token", TOKEN, "--replica-peers-registry"]
+    with pytest.raises(SystemExit):  # the router's own memory:// registry is nobody else's
+        parse_args(own)
+    assert parse_args([*own, "--registry", "etcd://127.0.0.1:2379"]).replicas.peers_registry
 
 
 def test_a_breaker_opened_by_one_replica_keeps_the_other_away() -> None:
@@ -235,3 +242,21 @@ async def test_the_status_page_lists_the_peers_and_says_when_one_is_cut_off(
             await browser.wait_for(f"{row}.innerText.includes('stale')", 30, "a stale")
             said = await browser.evaluate("document.getElementById('count-replicas').innerText")
             assert said.startswith("degraded: 1 of 1 replica peer(s) not heard")
+
+
+@pytest.mark.etcd
+def test_replicas_find_each_other_through_the_shared_registry(etcd: EtcdServer) -> None:
+    """No peer named on either command line: each registers its address in etcd and follows
+    every address registered; one that stops takes its key with it."""
+    registry = ("--registry", f"{etcd.url}/pdr-test/{uuid.uuid4().hex}", "--replica-peers-registry")
+    a = Replica("a", free_port(), [], registry)
+    b = Replica("b", free_port(), [], registry)
+    with engines(SLOW) as ports, started(b, ports):
+        with started(a, ports):
+            wait_until(lambda: hears(a.url, "b") and hears(b.url, "a"), 20, "found via etcd")
+
+        def b_follows_nobody() -> bool:
+            return bool(status(b.url)["replicas"]["peer_addresses"] == [])
+
+        wait_until(b_follows_nobody, 20, "a's key gone with it")
+        assert httpx.get(b.url + "/ready", timeout=5).json()["replicas"]["degraded"] is None
