@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.fleet.replica_sync import LoadSnapshot, ReplicaSync
 from router.server.cli import parse_args
@@ -84,6 +85,19 @@ def hears(url: str, peer: str) -> bool:
     return any(p["replica"] == peer and p["fresh"] for p in replicas.get("peers", []))
 
 
+def sync_metrics(url: str) -> dict[str, float]:
+    """``pdr_replica_peers`` by state and ``pdr_replica_degraded`` from ``/metrics``."""
+    found: dict[str, float] = {}
+    text = httpx.get(url + "/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pdr_replica_peers":
+                found[sample.labels["state"]] = sample.value
+            elif sample.name == "pdr_replica_degraded":
+                found["degraded"] = sample.value
+    return found
+
+
 def stream_in_background(url: str, done: list[int]) -> threading.Thread:
     def read() -> None:
         try:
@@ -142,6 +156,7 @@ def test_a_replica_cut_off_routes_alone_says_degraded_and_reconverges() -> None:
         done: list[int] = []
         stream_in_background(a.url, done)
         wait_until(lambda: decode_inflight(b.url) == 1, 10, "b sees a's decode leg")
+        assert sync_metrics(b.url) == {"fresh": 1.0, "stale": 0.0, "degraded": 0.0}
         processes["a"].kill()  # a dies with a leg in flight
         cut_at = time.monotonic()
         wait_until(lambda: decode_inflight(b.url) == 0, 10, "b drops a's counts")
@@ -149,6 +164,7 @@ def test_a_replica_cut_off_routes_alone_says_degraded_and_reconverges() -> None:
         ready = httpx.get(b.url + "/ready", timeout=5)
         assert ready.status_code == 200  # it routes on its own state
         assert "not heard" in ready.json()["replicas"]["degraded"]
+        assert sync_metrics(b.url) == {"fresh": 0.0, "stale": 1.0, "degraded": 1.0}
         assert post(b.url) == 200
         with started(a, ports):  # a again, a new run: b hears it and is whole again
             wait_until(lambda: hears(b.url, "a"), 10, "b hears a again")
