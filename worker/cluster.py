@@ -38,6 +38,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from worker.cluster_replicas import (
     add_replica_args,
     haproxy_argv,
     haproxy_config,
+    servers_up,
     sync_args,
 )
 
@@ -297,6 +299,8 @@ def _start(
         children.start(name, _decode_args(args, port, index), logs / f"{name}.log")
     for url in routers:
         wait_ready(f"{url}/ready", children, args.ready_timeout)
+    if layout.replicas is not None:  # ready: every replica behind the balancer
+        _wait_balanced(logs / "haproxy.sock", layout.replicas.count, children, args.ready_timeout)
     dp = f", DP={args.dp}" if args.dp > 1 else ""
     print(f"pd-cluster ready: {router}  ({args.prefill}P{args.decode}D{dp}, {args.engine})")
     print(
@@ -304,6 +308,17 @@ def _start(
         '-d \'{"model": "sim-model", "prompt": "Hello", "max_tokens": 16}\''
     )
     print(f"  worker logs: {logs}", flush=True)
+
+
+def _wait_balanced(socket_path: Path, count: int, children: Children, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while servers_up(socket_path) < count:
+        dead = children.dead()
+        if dead is not None:
+            raise SystemExit(f"pd-cluster: {children.exited(dead)}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"pd-cluster: HAProxy did not see {count} replicas ready in time")
+        time.sleep(0.1)
 
 
 def _start_routers(
@@ -324,7 +339,7 @@ def _start_routers(
     for url in urls:
         wait_ready(f"{url}/health", children, args.ready_timeout)
     config = logs / "haproxy.cfg"
-    config.write_text(haproxy_config(args.port, replicas.ports))
+    config.write_text(haproxy_config(args.port, replicas.ports, logs / "haproxy.sock"))
     children.start_command("haproxy", haproxy_argv(config), logs / "haproxy.log")
     return [*urls, router]
 

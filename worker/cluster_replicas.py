@@ -13,10 +13,18 @@ from __future__ import annotations
 import argparse
 import secrets
 import shutil
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ReplicaLayout", "add_replica_args", "haproxy_argv", "haproxy_config", "sync_args"]
+__all__ = [
+    "ReplicaLayout",
+    "add_replica_args",
+    "haproxy_argv",
+    "haproxy_config",
+    "servers_up",
+    "sync_args",
+]
 
 HAPROXY = "haproxy"
 
@@ -63,19 +71,48 @@ def sync_args(layout: ReplicaLayout, index: int, enabled: bool) -> list[str]:
     return out
 
 
-def haproxy_config(port: int, router_ports: list[int]) -> str:
-    """Round robin over the replicas per connection (L4), each checked every second; a
-    connection a dead replica refuses goes to another (``redispatch``), so only the requests
-    it was serving fail with it."""
+def haproxy_config(port: int, router_ports: list[int], stats_socket: Path) -> str:
+    """Round robin over the replicas per connection (L4), each checked every second with its
+    ``/ready`` (a replica that starts again gets connections only once it can route, as a
+    Kubernetes readiness probe does it); a connection a dead replica refuses goes to another
+    (``redispatch``), so only the requests it was serving fail with it."""
     servers = "".join(
-        f"  server r{i} 127.0.0.1:{p} check inter 1s\n" for i, p in enumerate(router_ports)
+        f"  server r{i} 127.0.0.1:{p} check inter 500ms rise 1 fall 2\n"
+        for i, p in enumerate(router_ports)
     )
     return (
-        "global\n  maxconn 4096\n"
+        f"global\n  maxconn 4096\n  stats socket {stats_socket} mode 600 level user\n"
         "defaults\n  mode tcp\n  timeout connect 5s\n  timeout client 1h\n  timeout server 1h\n"
         "  retries 3\n  option redispatch\n"
         f"frontend routers\n  bind 127.0.0.1:{port}\n  default_backend replicas\n"
-        f"backend replicas\n  balance roundrobin\n{servers}"
+        "backend replicas\n  balance roundrobin\n"
+        "  option httpchk GET /ready\n  http-check expect status 200\n"
+        f"{servers}"
+    )
+
+
+def servers_up(stats_socket: Path) -> int:
+    """How many replicas HAProxy sends connections to now (its stats socket's ``show stat``);
+    0 when it does not answer yet."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(2)
+            sock.connect(str(stats_socket))
+            sock.sendall(b"show stat\n")
+            data = b"".join(iter(lambda: sock.recv(65536), b""))
+    except OSError:
+        return 0
+    lines = data.decode(errors="replace").splitlines()
+    if not lines or not lines[0].startswith("# "):
+        return 0
+    header = lines[0][2:].split(",")
+    rows = [dict(zip(header, line.split(","), strict=False)) for line in lines[1:] if line]
+    return sum(
+        1
+        for row in rows
+        if row.get("pxname") == "replicas"
+        and row.get("svname", "").startswith("r")
+        and row.get("status") == "UP"
     )
 
 

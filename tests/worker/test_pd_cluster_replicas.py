@@ -81,7 +81,7 @@ def test_the_replicas_follow_each_other_and_haproxy_round_robins() -> None:
         "--replica-peer", "127.0.0.1:9101", "--replica-peer", "127.0.0.1:9103",
     ]  # fmt: skip
     assert sync_args(layout, 1, False) == []
-    config = haproxy_config(8000, layout.ports)
+    config = haproxy_config(8000, layout.ports, Path("/run/haproxy.sock"))
     assert "bind 127.0.0.1:8000" in config and "balance roundrobin" in config
     assert re.findall(r"server r(\d) 127\.0\.0\.1:(\d+)", config) == [
         ("0", "8101"), ("1", "8102"), ("2", "8103"),
