@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from registry.backends import RegistryStore
 from registry.errors import RegistryError
 from router.settings.replicas import ReplicaSettings, split_address
+from router.workers import format_host
 
 __all__ = ["REPLICAS_PREFIX", "ReplicaPeers"]
 
@@ -47,25 +48,25 @@ class ReplicaPeers:
         self._ttl_s = ttl_s
         self._found: dict[str, set[str]] = {}  # source -> the addresses it found last
         self._failing: dict[str, bool] = {}
-        follow(settings.peers)
 
     async def run(self) -> None:
         """Look at every source until cancelled (the registry key deleted on the way out)."""
         loops = []
+        interval = self._settings.dns_interval_s
         if self._settings.peers_dns is not None:
-            loops.append(self._every_interval("dns", self._resolve))
+            loops.append(self._every_interval("dns", self._resolve, interval))
         if self._settings.peers_registry and self._store is not None:
-            loops.append(self._every_interval("registry", self._registered))
+            lease = min(interval, self._ttl_s / 3)  # (the key is kept alive in the same step)
+            loops.append(self._every_interval("registry", self._registered, lease))
         try:
             await asyncio.gather(*loops)
         finally:
             if self._settings.peers_registry and self._store is not None:
                 await self._unregister(self._store)
 
-    async def _every_interval(self, source: str, find: Callable[[], Awaitable[set[str]]]) -> None:
-        interval = self._settings.dns_interval_s
-        if source == "registry":
-            interval = min(interval, self._ttl_s / 3)
+    async def _every_interval(
+        self, source: str, find: Callable[[], Awaitable[set[str]]], interval_s: float
+    ) -> None:
         while True:
             try:
                 found = await find()
@@ -76,7 +77,7 @@ class ReplicaPeers:
             else:
                 self._failing[source] = False
                 self._take(source, found)
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval_s)
 
     def _take(self, source: str, found: set[str]) -> None:
         if self._found.get(source) == found:
@@ -89,7 +90,7 @@ class ReplicaPeers:
         assert self._settings.peers_dns is not None
         host, port = split_address(self._settings.peers_dns)
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        return {_address(str(info[4][0]), port) for info in infos}
+        return {f"{format_host(str(info[4][0]))}:{port}" for info in infos}
 
     async def _registered(self) -> set[str]:
         """This replica's key kept alive; every replica's address registered."""
@@ -114,7 +115,3 @@ class ReplicaPeers:
         with contextlib.suppress(RegistryError, OSError, TimeoutError):
             async with asyncio.timeout(_DELETE_TIMEOUT_S):
                 await store.delete(REPLICAS_PREFIX + self._settings.id)
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

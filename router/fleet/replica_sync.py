@@ -43,7 +43,7 @@ import zmq.asyncio
 from router.fleet.shared_breakers import BreakerVerdict
 from router.load_board import LEGS, TOKENS
 from router.settings.replicas import ReplicaSettings, split_address
-from router.workers import Worker
+from router.workers import Worker, format_host
 
 __all__ = ["LoadSnapshot", "PeerState", "ReplicaSync", "VerdictNote"]
 
@@ -340,8 +340,4 @@ def _add(into: list[int], values: list[int]) -> None:
 
 def _endpoint(address: str) -> str:
     host, port = split_address(address)
-    return f"tcp://{_address(host, port)}"
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"tcp://{format_host(host)}:{port}"
