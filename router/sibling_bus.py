@@ -23,9 +23,9 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from router.process_role import ProcessRole
+from router.zmq_inbox import read_forever
 
 __all__ = ["SiblingBus", "bus_endpoint"]
 
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SEND_HWM = 10_000  # messages a slow sibling may lag behind before they are dropped (gaps)
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a larger one is dropped by ZeroMQ
+DRAIN_INTERVAL_S = 0.05  # the socket read this often too, wake-up or not (router.zmq_inbox)
 
 
 class _Envelope(msgspec.Struct, array_like=True):
@@ -51,7 +52,7 @@ class SiblingBus:
 
     def __init__(self, role: ProcessRole, kinds: tuple[type[msgspec.Struct], ...]) -> None:
         self._role = role
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -90,15 +91,16 @@ class SiblingBus:
 
     async def run(self) -> None:
         """Hand the siblings' messages to their handlers until cancelled."""
-        while True:
-            frame = await self._sub.recv()
-            try:
-                envelope = self._envelope(frame)
-                body = self._body(envelope.body)
-            except msgspec.DecodeError as exc:
-                logger.warning("a sibling's message could not be read: %s", exc)
-                continue
-            self.deliver(envelope.sender, envelope.seq, envelope.sent, body)
+        await read_forever(self._sub, self._take, DRAIN_INTERVAL_S)
+
+    def _take(self, frame: bytes) -> None:
+        try:
+            envelope = self._envelope(frame)
+            body = self._body(envelope.body)
+        except msgspec.DecodeError as exc:
+            logger.warning("a sibling's message could not be read: %s", exc)
+            return
+        self.deliver(envelope.sender, envelope.seq, envelope.sent, body)
 
     def deliver(self, sender: int, seq: int, sent: float, body: msgspec.Struct) -> None:
         """Count and hand over one message (``run``'s; tests call it directly)."""

@@ -38,12 +38,12 @@ from typing import Any, Protocol
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from router.fleet.shared_breakers import BreakerVerdict
 from router.load_board import LEGS, TOKENS
 from router.settings.replicas import ReplicaSettings, split_address
 from router.workers import Worker, format_host
+from router.zmq_inbox import read_forever
 
 __all__ = ["LoadSnapshot", "PeerState", "ReplicaSync", "VerdictNote"]
 
@@ -129,7 +129,7 @@ class ReplicaSync:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(LoadSnapshot | VerdictNote).decode
         self._on_verdict: Callable[[BreakerVerdict], None] | None = None
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -205,7 +205,7 @@ class ReplicaSync:
         if self.finder is not None:
             loops.append(asyncio.create_task(self.finder.run()))
         try:
-            await self._receive_loop()
+            await read_forever(self._sub, self.receive, self._settings.interval_s)
         finally:
             for loop in loops:
                 loop.cancel()
@@ -216,11 +216,6 @@ class ReplicaSync:
             self.publish_state()
             self.expire()
             await asyncio.sleep(self._settings.interval_s)
-
-    async def _receive_loop(self) -> None:
-        while True:
-            frame = await self._sub.recv()
-            self.receive(frame)
 
     def publish_state(self) -> None:
         """Send this replica's state now (a full send buffer drops it: the next repairs it)."""

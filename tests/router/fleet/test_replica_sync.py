@@ -17,6 +17,7 @@ from router.fleet.replica_sync import LoadSnapshot, ReplicaSync
 from router.load_board import DISPATCHED, LEGS, TOKENS
 from router.settings import ReplicaSettings
 from router.workers import Role, Worker
+from testkit.polling import await_until
 from testkit.servers import free_port
 
 TOKEN = "replica-test-token-0123"
@@ -165,3 +166,37 @@ async def test_peers_in_the_registry_register_follow_and_leave() -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _pair_settings() -> tuple[ReplicaSettings, ReplicaSettings]:
+    ports = free_port(), free_port()
+    a, b = (f"127.0.0.1:{port}" for port in ports)
+    made = (
+        ReplicaSettings(listen=a, peers=[b], id="a", token=SecretStr(TOKEN), interval_s=0.02),
+        ReplicaSettings(listen=b, peers=[a], id="b", token=SecretStr(TOKEN), interval_s=0.02),
+    )
+    return made
+
+
+async def test_two_replicas_hear_each_other_even_when_the_socket_wakes_nobody(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The SUB socket's descriptor is edge-triggered: a wake-up lost (here: every one) must not
+    leave the peer's snapshots unread; each replica still hears the other within intervals."""
+    worker = Worker(Role.DECODE, "http://127.0.0.1:9")
+    worker.rank_inflight[0] = 2
+    syncs = [ReplicaSync(settings, lambda: [worker]) for settings in _pair_settings()]
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(loop, "add_reader", lambda *_: None)
+    monkeypatch.setattr(loop, "remove_reader", lambda *_: True)
+    tasks = [asyncio.create_task(sync.run()) for sync in syncs]
+    try:
+        heard = lambda: all(sync.count(worker.id, 0, LEGS) == 2 for sync in syncs)  # noqa: E731
+        await await_until(heard, 10, "each replica hears the other")
+        assert [sync.stats()["degraded"] for sync in syncs] == [None, None]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sync in syncs:
+            sync.close()

@@ -124,7 +124,11 @@ def pair(*extra: str, config: FakeConfig = SLOW) -> Iterator[tuple[Replica, Repl
     b = Replica("b", sync_b, [sync_a], extra)
     with engines(config) as ports, ExitStack() as stack:
         processes = {r.name: stack.enter_context(started(r, ports)) for r in (a, b)}
-        wait_until(lambda: hears(a.url, "b") and hears(b.url, "a"), 10, "the replicas hear")
+        try:
+            wait_until(lambda: hears(a.url, "b") and hears(b.url, "a"), 10, "the replicas hear")
+        except AssertionError as exc:  # what each says of its peer, to tell why
+            said = {r.name: status(r.url).get("replicas") for r in (a, b)}
+            raise AssertionError(f"{exc}: {said}") from None
         yield a, b, (ports, processes)
 
 
