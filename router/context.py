@@ -44,7 +44,7 @@ from router.scheduling.tokenizers import open_token_source
 from router.server.bootstrap_listeners import bootstrap_servers, pool_owner_hosts
 from router.server.lifecycle import RouterLifecycle
 from router.settings import AdmissionSettings, RouterSettings
-from router.sharing import host_bus, replica_sync, sibling_view
+from router.sharing import host_bus, replica_sync, share_verdicts, sibling_view
 from router.upstream.base import UpstreamPool
 
 if TYPE_CHECKING:
@@ -199,9 +199,10 @@ def _build_fleet(
     tables: RankTables,
     pool: UpstreamPool,
     metrics: RouterMetrics,
-    circuits: Circuits,
+    role: ProcessRole | None,
 ) -> tuple[RegistryStore, FleetView, EngineLoadMonitor]:
-    """The registry store (not bound yet) and the fleet's watchers (not started)."""
+    """The registry store (not bound yet) and the fleet's watchers (not started); ``role``:
+    this process's place among ``router --workers N``'s (None: on its own)."""
     token = settings.registry.store_token
     store = open_store(settings.registry.url, token=token.get_secret_value() if token else None)
     service = RegistryService(store)
@@ -212,7 +213,7 @@ def _build_fleet(
         registry=service,
         discovery=discovery,
         prober=prober,
-        replicas=replica_sync(settings, pool, metrics, circuits, store),
+        replicas=replica_sync(settings, pool, metrics, store, role),
     )
     return store, fleet, load_monitor
 
@@ -233,14 +234,19 @@ def _build_telemetry(
     )
 
 
-def _build_parts(settings: RouterSettings, tables: RankTables, board: LoadBoard | None) -> _Parts:
+def _build_parts(
+    settings: RouterSettings,
+    tables: RankTables,
+    board: LoadBoard | None,
+    role: ProcessRole | None = None,
+) -> _Parts:
     """Build every part; nothing starts, nothing is sent."""
     adapter = build_adapter(settings.engine)
     pool = _build_pool(settings.admission, adapter.needs_engine_ids, board)
     features = settings.features
     metrics = RouterMetrics(enabled=features.metrics)
     circuits = _build_circuits(settings, pool, metrics)
-    store, fleet, load_monitor = _build_fleet(settings, tables, pool, metrics, circuits)
+    store, fleet, load_monitor = _build_fleet(settings, tables, pool, metrics, role)
     cache = settings.cache
     index = KVBlockIndex(cache.max_indexed_blocks, cache.prediction_ttl_s)
     tree = ApproxPrefixTree(cache.approx_tree_max_chars)
@@ -321,7 +327,7 @@ def _app_context(
         peers=None if replicas is None else replicas.units,
     )
     if replicas is not None:
-        replicas.own_units = lambda: admission.units
+        replicas.own_units = admission.host_units
     return AppContext(
         settings=settings,
         lifecycle=lifecycle,
@@ -349,11 +355,12 @@ async def open_context(
         if sharing is None
         else LoadBoard(board_path(sharing.run_dir), sharing.count, sharing.index)
     )
-    parts = _build_parts(settings, tables, board)
+    parts = _build_parts(settings, tables, board, role)
     bus = None
     if sharing is not None:
-        bus = host_bus(sharing, settings, parts.pipeline.circuits, parts.pool, parts.kv.index)
+        bus = host_bus(sharing, settings, parts.kv.index)
     fleet = parts.fleet
+    share_verdicts(parts.pipeline.circuits, parts.pool, bus, fleet.replicas)
     tables.bind(parts.store)
     pod_watcher = None
     try:
@@ -372,7 +379,7 @@ async def open_context(
         listeners = bootstrap_servers(
             tables, settings, pool_owner_hosts(parts.pool), reuse_port=role is not None
         )
-        siblings = sibling_view(role, lifecycle, parts.telemetry.metrics, bus)
+        siblings = sibling_view(role, lifecycle, parts.telemetry.metrics, bus, fleet.replicas)
         answering = siblings.serving() if siblings is not None else contextlib.nullcontext()
         async with listeners, background, answering:
             if role is not None:  # its socket listens once this returns: when it can route

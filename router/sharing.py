@@ -24,7 +24,7 @@ from router.settings import RouterSettings
 from router.sibling_bus import SiblingBus
 from router.upstream.base import UpstreamPool
 
-__all__ = ["host_bus", "replica_sync", "sibling_view"]
+__all__ = ["host_bus", "replica_sync", "share_verdicts", "sibling_view"]
 
 
 def sibling_view(
@@ -32,6 +32,7 @@ def sibling_view(
     lifecycle: RouterLifecycle,
     metrics: RouterMetrics,
     bus: SiblingBus | None,
+    replicas: ReplicaSync | None = None,
 ) -> Siblings | None:
     """This process's part of the host's merged views (None: a router on its own)."""
     if role is None:
@@ -47,21 +48,17 @@ def sibling_view(
             "requests_served": lifecycle.served,
             "joined": lifecycle.joined,  # it listens on the client port
             "bus": None if bus is None else bus.stats(),
+            # --replica-listen: whether this process hears the peers, and publishes the host's
+            "replicas": None if replicas is None else replicas.summary(),
         }
 
     return Siblings(role, metrics.render, describe)
 
 
-def host_bus(
-    role: ProcessRole,
-    settings: RouterSettings,
-    circuits: Circuits,
-    pool: UpstreamPool,
-    index: KVBlockIndex,
-) -> SiblingBus:
-    """The host's bus: breaker verdicts, and predictions when they are shared."""
+def host_bus(role: ProcessRole, settings: RouterSettings, index: KVBlockIndex) -> SiblingBus:
+    """The host's bus: breaker verdicts (``share_breakers``), and predictions when they are
+    shared."""
     bus = SiblingBus(role, (Prediction, BreakerVerdict))
-    share_breakers(circuits, bus, pool.get)
     if settings.cache.share_predictions:
         SharedPredictions(index, bus)
     return bus
@@ -71,17 +68,29 @@ def replica_sync(
     settings: RouterSettings,
     pool: UpstreamPool,
     metrics: RouterMetrics,
-    circuits: Circuits,
     store: RegistryStore,
+    role: ProcessRole | None,
 ) -> ReplicaSync | None:
     """This replica's end of the replicas' sync (None without ``--replica-listen``); the pool's
-    counts include the peers' from now on, the breakers follow theirs, and the metrics tell how
-    the sync is; the peers are found by flag, DNS or the registry (``store``)."""
+    counts include the peers' from now on, and the metrics tell how the sync is; the peers are
+    found by flag, DNS or the registry (``store``). With ``router --workers N`` every process
+    follows the peers and process 0 alone publishes the host's state (and registers it)."""
     if settings.replicas.listen is None:
         return None
-    sync = ReplicaSync(settings.replicas, pool.all)
-    sync.finder = ReplicaPeers(settings.replicas, sync.set_peers, store, settings.registry.ttl_s)
+    publishes = role is None or role.index == 0
+    sync = ReplicaSync(settings.replicas, pool.all, publishes=publishes)
+    sync.finder = ReplicaPeers(
+        settings.replicas, sync.set_peers, store, settings.registry.ttl_s, register=publishes
+    )
     pool.count_fleet(sync)
-    share_breakers(circuits, sync, pool.get)
     metrics.registry.register(ReplicaSyncCollector(sync))
     return sync
+
+
+def share_verdicts(
+    circuits: Circuits, pool: UpstreamPool, host: SiblingBus | None, fleet: ReplicaSync | None
+) -> None:
+    """The breakers follow the siblings' and the replica peers' verdicts and tell them theirs
+    (``router.fleet.shared_breakers``)."""
+    if host is not None or fleet is not None:
+        share_breakers(circuits, pool.get, host=host, fleet=fleet)

@@ -348,8 +348,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
     if min(args.prefill, args.decode, args.dp, args.router_replicas) < 1:
         raise SystemExit("pd-cluster: --prefill, --decode, --dp and --router-replicas must be >= 1")
-    if args.router_replicas > 1 and args.replica_sync and args.router_workers != "1":
-        raise SystemExit("pd-cluster: the replicas' sync needs --router-workers 1")
     layout = _Layout(args)
     children = Children()
     logs = _log_dir(args)

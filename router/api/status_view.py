@@ -30,8 +30,9 @@
                     "pending_prefill_tokens", "kv_blocks"}]}        # the last two: prefill only
     P = {"index", "pid", "started" (time.time()), "requests_inflight", "requests_served",
          "joined",                          # it listens on the client port (it can route)
-         "bus": {"sent", "received", "dropped", "gaps", "lag_s"} | null}  # router.sibling_bus
-    R = {"replica", "listen", "peer_addresses", "sent", "received", "rejected",
+         "bus": {"sent", "received", "dropped", "gaps", "lag_s"} | null,  # router.sibling_bus
+         "replicas": {"publishes", "fresh", "degraded"} | null}  # this process's sync
+    R = {"replica", "listen", "publishes", "peer_addresses", "sent", "received", "rejected",
          "degraded": "1 of 1 replica peer(s) not heard within 1s" | null,
          "peers": [{"replica", "fresh", "age_s", "lag_s", "seq", "gaps", "restarts"}]}
     C = {"scope": "worker", "role", "worker"} | {"scope": "pair", "prefill", "decode"},

@@ -41,8 +41,12 @@ class ReplicaPeers:
         follow: Callable[[Iterable[str]], None],
         store: RegistryStore | None = None,
         ttl_s: float = 10.0,
+        *,
+        register: bool = True,
     ) -> None:
         self._settings = settings
+        # whether this process keeps the replica's key (router --workers N: process 0 alone)
+        self._register = register
         self._follow = follow
         self._store = store
         self._ttl_s = ttl_s
@@ -61,7 +65,7 @@ class ReplicaPeers:
         try:
             await asyncio.gather(*loops)
         finally:
-            if self._settings.peers_registry and self._store is not None:
+            if self._settings.peers_registry and self._store is not None and self._register:
                 await self._unregister(self._store)
 
     async def _every_interval(
@@ -93,11 +97,12 @@ class ReplicaPeers:
         return {f"{format_host(str(info[4][0]))}:{port}" for info in infos}
 
     async def _registered(self) -> set[str]:
-        """This replica's key kept alive; every replica's address registered."""
+        """This replica's key kept alive (by the process that registers); every replica's
+        address registered."""
         store, settings = self._store, self._settings
         assert store is not None and settings.listen is not None
         key = REPLICAS_PREFIX + settings.id
-        if not await store.refresh(key):
+        if self._register and not await store.refresh(key):
             value = json.dumps({"address": settings.listen}).encode()
             await store.put(key, value, ttl=self._ttl_s)
         found = set()

@@ -113,13 +113,23 @@ class PeerState:
 
 
 class ReplicaSync:
-    """This replica's end of the sync: publishes its state, follows its peers'."""
+    """This replica's end of the sync: publishes its state, follows its peers'. With ``router
+    --workers N`` each process follows the peers and process 0 alone (``publishes``) binds the
+    replica's address and publishes the host's counts (every process's, from the load board)."""
 
-    def __init__(self, settings: ReplicaSettings, workers: Callable[[], Iterable[Worker]]) -> None:
+    def __init__(
+        self,
+        settings: ReplicaSettings,
+        workers: Callable[[], Iterable[Worker]],
+        *,
+        publishes: bool = True,
+    ) -> None:
         assert settings.listen is not None and settings.token is not None
         self._settings = settings
         self._workers = workers
-        # this replica's admission units in use (the admission gate's, once it exists)
+        self.publishes = publishes
+        # this replica's admission units in use (the admission gate's, the host's with
+        # --workers N, once it exists)
         self.own_units: Callable[[], int] = lambda: 0
         # what finds the peers beyond the static list (router.fleet.replica_peers), if anything
         self.finder: _Finder | None = None
@@ -134,7 +144,8 @@ class ReplicaSync:
         self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.IPV6, 1)
-        self._pub.bind(_endpoint(settings.listen))
+        if publishes:
+            self._pub.bind(_endpoint(settings.listen))
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -166,24 +177,36 @@ class ReplicaSync:
     def degraded(self) -> str | None:
         """Why this replica routes on less than every peer's state (None: it does not): a
         configured peer not heard within ``stale_s``."""
-        now, stale_s = time.monotonic(), self._settings.stale_s
-        fresh = sum(1 for peer in self.peers.values() if peer.fresh(now, stale_s))
-        expected = len(self._addresses)
+        fresh, expected = self._fresh_count(), len(self._addresses)
         if fresh >= expected:
             return None
+        stale_s = self._settings.stale_s
         return f"{expected - fresh} of {expected} replica peer(s) not heard within {stale_s:g}s"
+
+    def _fresh_count(self) -> int:
+        now, stale_s = time.monotonic(), self._settings.stale_s
+        return sum(1 for peer in self.peers.values() if peer.fresh(now, stale_s))
 
     def stats(self) -> dict[str, Any]:
         now, stale_s = time.monotonic(), self._settings.stale_s
         return {
             "replica": self._settings.id,
             "listen": self._settings.listen,
+            "publishes": self.publishes,  # router --workers N: process 0 alone
             "sent": self.sent,
             "received": self.received,
             "rejected": self.rejected,
             "peer_addresses": sorted(self._addresses),
             "degraded": self.degraded(),
             "peers": [peer.view(now, stale_s) for peer in self.peers.values()],
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Whether this process publishes, the peers it hears now, and why it is degraded."""
+        return {
+            "publishes": self.publishes,
+            "fresh": self._fresh_count(),
+            "degraded": self.degraded(),
         }
 
     def set_peers(self, addresses: Iterable[str]) -> None:
@@ -219,10 +242,10 @@ class ReplicaSync:
 
     def publish_state(self) -> None:
         """Send this replica's state now (a full send buffer drops it: the next repairs it)."""
+        if not self.publishes:
+            return
         self._seq += 1
-        workers = {
-            w.id: (list(w.rank_inflight), list(w.rank_pending_tokens)) for w in self._workers()
-        }
+        workers = {w.id: _host_counts(w) for w in self._workers()}
         own = self._settings.id, self._epoch, self._seq, time.time()
         self._send(LoadSnapshot(*own, self.own_units(), workers))
 
@@ -236,6 +259,8 @@ class ReplicaSync:
         self._on_verdict = handler
 
     def _send(self, message: LoadSnapshot | VerdictNote) -> None:
+        if not self.publishes:
+            return
         payload = self._encode(message)
         try:
             self._pub.send(self.mac(self._key, payload) + payload, zmq.NOBLOCK)
@@ -324,6 +349,24 @@ class ReplicaSync:
                 _add(mine[0], legs)
                 _add(mine[1], tokens)
         self._totals, self._peer_units = totals, units
+
+
+def _host_counts(worker: Worker) -> tuple[list[int], list[int]]:
+    """A worker's legs and pending tokens per rank on this host (every process's with ``router
+    --workers N``: the load board's), the peers' left out."""
+    legs = _on_host(worker, LEGS, worker.rank_inflight)
+    return legs, _on_host(worker, TOKENS, worker.rank_pending_tokens)
+
+
+def _on_host(worker: Worker, board_field: int, own: list[int]) -> list[int]:
+    board = worker.host_load
+    if board is None:
+        return list(own)
+    counts = []
+    for rank, mine in enumerate(own):
+        host = board.count(rank, board_field)
+        counts.append(mine if host is None else host)  # (a rank not on the board: ours alone)
+    return counts
 
 
 def _add(into: list[int], values: list[int]) -> None:

@@ -38,12 +38,22 @@ class VerdictChannel(Protocol):
 
 
 def share_breakers(
-    circuits: Circuits, bus: VerdictChannel, lookup: Callable[[str], Worker | None]
+    circuits: Circuits,
+    lookup: Callable[[str], Worker | None],
+    *,
+    host: VerdictChannel | None = None,
+    fleet: VerdictChannel | None = None,
 ) -> None:
-    """Tell the siblings this process's verdicts and follow theirs."""
+    """Tell this process's verdicts to its siblings (``host``: the bus of ``router --workers
+    N``) and to the replica peers (``fleet``: the replicas' sync), and follow theirs. A sibling's
+    verdict goes on to the peers (only process 0 publishes for the host: the others' ``fleet``
+    sends nothing); a peer's reaches every process of the host by itself."""
 
     def tell(key: tuple[str, ...], opened: bool, open_s: float, reason: str) -> None:
-        bus.publish(BreakerVerdict(list(key), opened, open_s, reason))
+        verdict = BreakerVerdict(list(key), opened, open_s, reason)
+        for channel in (host, fleet):
+            if channel is not None:
+                channel.publish(verdict)
 
     def follow(verdict: BreakerVerdict) -> None:
         workers = [lookup(worker_id) for worker_id in verdict.ids]
@@ -51,5 +61,13 @@ def share_breakers(
         if len(known) == len(workers) and 1 <= len(known) <= 2:
             circuits.adopt(known, verdict.opened, verdict.open_s, verdict.reason)
 
+    def follow_sibling(verdict: BreakerVerdict) -> None:
+        follow(verdict)
+        if fleet is not None:
+            fleet.publish(verdict)
+
     circuits.on_verdict = tell
-    bus.on(BreakerVerdict, follow)
+    if host is not None:
+        host.on(BreakerVerdict, follow_sibling)
+    if fleet is not None:
+        fleet.on(BreakerVerdict, follow)

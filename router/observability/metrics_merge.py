@@ -87,6 +87,14 @@ GAUGE_POLICIES: Mapping[str, Policy] = MappingProxyType(
             "pdr_engine_kv_cache_usage_ratio",
             "pdr_kv_index_blocks",
         ),
+        # the replicas' sync: every process follows the peers; the worst view is the one to see
+        **_group(
+            "max",
+            "pdr_replica_peers",
+            "pdr_replica_degraded",
+            "pdr_replica_state_age_seconds",
+            "pdr_replica_sync_lag_seconds",
+        ),
         # one limit of the host, identical in every process
         **_group("max", "process_max_fds"),
         # the router started when its first process did

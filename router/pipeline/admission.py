@@ -148,9 +148,13 @@ class AdmissionGate:
         if self._waiters:
             self._wake()
 
+    def host_units(self) -> int:
+        """Units in use on this host: this process's, or with ``--workers N`` every one's (what
+        the replicas' sync publishes)."""
+        return self.units if self._board is None else self._board.total(ADMISSION, _UNITS)
+
     def _used(self) -> int:
-        """Units in use: this process's, or with ``--workers N`` the host's; with replica
-        peers, theirs too."""
+        """Units in use: the host's; with replica peers, theirs too."""
         used = self.units if self._board is None else self._board.total(ADMISSION, _UNITS)
         return used if self.peers is None else used + self.peers()
 

@@ -111,10 +111,11 @@ class RouterSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_replicas(self) -> RouterSettings:
-        if self.replicas.listen is not None and self.server.workers != "1":
+        several = self.server.workers != "1"
+        if self.replicas.listen is not None and several and not self.features.host_sharing:
             raise ValueError(
-                "--replica-listen needs --workers 1 for now: one process per replica publishes "
-                "its routing state (run one replica per core instead)"
+                "--replica-listen with --workers N needs the processes' sharing on (features."
+                "host_sharing): process 0 publishes the host's counts, read from the load board"
             )
         if self.replicas.peers_registry and self.registry.url.startswith("memory://"):
             raise ValueError(

@@ -113,6 +113,12 @@ def stream_in_background(url: str, done: list[int]) -> threading.Thread:
     return thread
 
 
+def breaker_open(url: str) -> bool:
+    """A worker's breaker is open in the replica (the process that answers)."""
+    circuits = httpx.get(url + "/ready", timeout=5).json()["circuits"]
+    return any(c["scope"] == "worker" and c["state"] == "open" for c in circuits)
+
+
 def post(url: str) -> int:
     return httpx.post(url + "/v1/completions", json=BODY, timeout=10).status_code
 
@@ -214,7 +220,7 @@ def test_a_message_without_the_token_changes_nothing() -> None:
         forger.close()
 
 
-def test_replica_sync_settings_are_checked() -> None:
+def test_replica_sync_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in (
         {"listen": "127.0.0.1:1"},  # no token
         {"listen": "127.0.0.1:1", "token": "short"},
@@ -230,6 +236,11 @@ def test_replica_sync_settings_are_checked() -> None:
     with pytest.raises(SystemExit):  # the router's own memory:// registry is nobody else's
         parse_args(own)
     assert parse_args([*own, "--registry", "etcd://127.0.0.1:2379"]).replicas.peers_registry
+    several = ["--replica-listen", "127.0.0.1:1", "--replica-token", TOKEN, "--workers", "2"]
+    assert parse_args(several).server.workers == "2"
+    monkeypatch.setenv("PDR_FEATURES__HOST_SHARING", "false")  # process 0 reads the host's board
+    with pytest.raises(SystemExit):
+        parse_args(several)
 
 
 def test_a_breaker_opened_by_one_replica_keeps_the_other_away() -> None:
@@ -237,14 +248,50 @@ def test_a_breaker_opened_by_one_replica_keeps_the_other_away() -> None:
     with pair(config=failing) as (a, b, _):
         assert [post(a.url) for _ in range(3)] == [500] * 3  # a's decode breaker opens
 
-        def b_follows() -> bool:
-            circuits = httpx.get(b.url + "/ready", timeout=5).json()["circuits"]
-            return any(c["scope"] == "worker" and c["state"] == "open" for c in circuits)
-
-        wait_until(b_follows, 10, "b's breaker follows a's")
+        wait_until(lambda: breaker_open(b.url), 10, "b's breaker follows a's")
         answer = httpx.post(b.url + "/v1/completions", json=BODY, timeout=10)
         assert answer.status_code == 503  # b sends the failing decode nothing of its own
         assert "circuit breaker" in answer.json()["error"]["message"]
+
+
+def every_process_hears(url: str, processes: int) -> bool:
+    """Each of the replica's ``--workers`` processes listens and hears its one peer."""
+    found = status(url).get("processes") or []
+    heard = [p for p in found if p["joined"] and (p["replicas"] or {}).get("fresh") == 1]
+    return len(heard) == processes
+
+
+def test_replicas_of_several_processes_route_as_one() -> None:
+    """Each replica runs ``--workers 2``: whichever of a's processes takes a stream, every one
+    of b's counts its leg toward the cap; a breaker opened in any of a's processes keeps every
+    one of b's away."""
+    with pair("--workers", "2", "--max-inflight-per-decode", "1") as (a, b, _):
+        wait_until(lambda: all(every_process_hears(r.url, 2) for r in (a, b)), 20, "all hear")
+        published = [p["replicas"]["publishes"] for p in status(a.url)["processes"]]
+        assert sorted(published) == [False, True]  # process 0 publishes for the host
+        for _ in range(2):  # a stream on one of a's processes, then (likely) on the other
+            done: list[int] = []
+            thread = stream_in_background(a.url, done)
+            wait_until(lambda: decode_inflight(b.url) == 1, 10, "b sees a's decode leg")
+            assert [post(b.url) for _ in range(6)] == [429] * 6  # new connections: both processes
+            thread.join(30)
+            assert done == [200]
+            wait_until(lambda: decode_inflight(b.url) == 0, 10, "b sees a's leg end")
+        assert post(b.url) == 200
+
+
+def test_a_breaker_opened_in_any_process_of_a_replica_keeps_the_peer_away() -> None:
+    failing = FakeConfig(check_kv=False, fail_status=500)
+    with pair("--workers", "2", config=failing) as (a, b, _):
+        wait_until(lambda: all(every_process_hears(r.url, 2) for r in (a, b)), 20, "all hear")
+
+        # a's processes share the verdict; one of them opens first
+        wait_until(lambda: post(a.url) == 503 and breaker_open(a.url), 20, "a's breaker opens")
+        # (b sends nothing meanwhile: its breakers can only be a's)
+        wait_until(lambda: breaker_open(b.url), 10, "b's breaker follows a's")
+        answers = [httpx.post(b.url + "/v1/completions", json=BODY, timeout=10) for _ in range(6)]
+        assert [answer.status_code for answer in answers] == [503] * 6  # every process of b
+        assert all("circuit breaker" in answer.json()["error"]["message"] for answer in answers)
 
 
 @pytest.mark.timeout(120)

@@ -1,9 +1,11 @@
 """Breaker verdicts shared by the processes of ``router --workers N`` over the host's bus (real
-ZeroMQ over ipc; two processes' breakers and buses on one event loop)."""
+ZeroMQ over ipc; two processes' breakers and buses on one event loop), and passed on between
+the host's bus and the replicas' sync."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 from router.fleet.circuit_breaker import BreakerPolicy, Circuits, CircuitState
@@ -54,7 +56,7 @@ async def test_a_breaker_opened_in_one_process_opens_in_the_others(tmp_path: Pat
     buses = [SiblingBus(r, (BreakerVerdict,)) for r in roles]
     circuits = [Circuits(POLICY, POLICY) for _ in roles]
     for c, bus in zip(circuits, buses, strict=True):
-        share_breakers(c, bus, POOL.get)
+        share_breakers(c, POOL.get, host=bus)
     tasks = [asyncio.create_task(bus.run()) for bus in buses]
     try:
         await joined(circuits[0], circuits[1], WARM[:100])
@@ -83,3 +85,39 @@ async def test_a_breaker_opened_in_one_process_opens_in_the_others(tmp_path: Pat
         await asyncio.gather(*tasks, return_exceptions=True)
         for bus in buses:
             bus.close()
+
+
+class Channel:
+    """A verdict channel in memory: what was published, and the handler to deliver to."""
+
+    def __init__(self) -> None:
+        self.published: list[BreakerVerdict] = []
+        self.handler: Callable[[BreakerVerdict], None] | None = None
+
+    def publish(self, body: BreakerVerdict) -> None:
+        self.published.append(body)
+
+    def on(self, kind: type[BreakerVerdict], handler: Callable[[BreakerVerdict], None]) -> None:
+        self.handler = handler
+
+    def deliver(self, verdict: BreakerVerdict) -> None:
+        assert self.handler is not None
+        self.handler(verdict)
+
+
+def test_verdicts_pass_between_the_hosts_processes_and_the_replicas() -> None:
+    """Process 0 of a replica with --workers N: its own verdict goes to its siblings and to the
+    peers; a sibling's goes on to the peers (only process 0 publishes for the host); a peer's
+    is followed and not sent to the siblings (each process hears the peers itself)."""
+    host, fleet, circuits = Channel(), Channel(), Circuits(POLICY, POLICY)
+    share_breakers(circuits, POOL.get, host=host, fleet=fleet)
+    for _ in range(POLICY.failure_threshold):
+        circuits.worker_failure(DECODE, "connect refused")
+    assert [v.ids for v in host.published] == [[DECODE.id]] == [v.ids for v in fleet.published]
+    sibling = BreakerVerdict([PREFILL.id], True, 1.0, "refused (in a sibling)")
+    host.deliver(sibling)
+    assert fleet.published[-1] == sibling and state(circuits, PREFILL) is CircuitState.OPEN
+    peer = BreakerVerdict([PREFILL.id, DECODE.id], True, 1.0, "kv lost (in a peer)")
+    fleet.deliver(peer)
+    assert not circuits.pair_allows(PREFILL, DECODE)
+    assert len(host.published) == 1 and len(fleet.published) == 2
