@@ -85,6 +85,13 @@ def hears(url: str, peer: str) -> bool:
     return any(p["replica"] == peer and p["fresh"] for p in replicas.get("peers", []))
 
 
+def every_process_hears(url: str, processes: int) -> bool:
+    """Each of the replica's ``--workers`` processes listens and hears its one peer."""
+    found = status(url).get("processes") or []
+    heard = [p for p in found if p["joined"] and (p["replicas"] or {}).get("fresh") == 1]
+    return processes == 1 or len(heard) == processes
+
+
 def sync_metrics(url: str) -> dict[str, float]:
     """``pdr_replica_peers`` by state and ``pdr_replica_degraded`` from ``/metrics``."""
     found: dict[str, float] = {}
@@ -150,15 +157,22 @@ def test_a_replica_counts_its_peers_legs_toward_the_worker_caps() -> None:
         assert post(b.url) == 200
 
 
-def test_the_admission_budget_is_the_fleets() -> None:
-    with pair("--max-concurrent-requests", "1", "--max-queued-requests", "0") as (a, b, _):
-        done: list[int] = []
-        thread = stream_in_background(a.url, done)
-        wait_until(lambda: decode_inflight(b.url) == 1, 10, "b sees a's request")
-        assert [post(b.url) for _ in range(4)] == [429] * 4
-        thread.join(30)
-        assert done == [200]
-        wait_until(lambda: post(b.url) == 200, 10, "b admits once a's request ended")
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_admission_budget_is_the_fleets(processes: int) -> None:
+    """With ``--workers 2`` a's units are its host's (whichever process holds the request)."""
+    limits = ("--max-concurrent-requests", "1", "--max-queued-requests", "0")
+    with pair(*limits, "--workers", str(processes)) as (a, b, _):
+        wait_until(lambda: all(every_process_hears(r.url, processes) for r in (a, b)), 20, "hear")
+        for _ in range(2 * processes - 1):  # with 2: requests on either of a's processes (3:
+            # both, most likely), each once a no longer counts b's last (its units, as its legs)
+            wait_until(lambda: decode_inflight(a.url) == 0, 10, "a sees b's request end")
+            done: list[int] = []
+            thread = stream_in_background(a.url, done)
+            wait_until(lambda: decode_inflight(b.url) == 1, 10, "b sees a's request")
+            assert [post(b.url) for _ in range(4)] == [429] * 4
+            thread.join(30)
+            assert done == [200]
+            wait_until(lambda: post(b.url) == 200, 10, "b admits once a's request ended")
 
 
 def test_a_replica_cut_off_routes_alone_says_degraded_and_reconverges() -> None:
@@ -254,13 +268,6 @@ def test_a_breaker_opened_by_one_replica_keeps_the_other_away() -> None:
         assert "circuit breaker" in answer.json()["error"]["message"]
 
 
-def every_process_hears(url: str, processes: int) -> bool:
-    """Each of the replica's ``--workers`` processes listens and hears its one peer."""
-    found = status(url).get("processes") or []
-    heard = [p for p in found if p["joined"] and (p["replicas"] or {}).get("fresh") == 1]
-    return len(heard) == processes
-
-
 def test_replicas_of_several_processes_route_as_one() -> None:
     """Each replica runs ``--workers 2``: whichever of a's processes takes a stream, every one
     of b's counts its leg toward the cap; a breaker opened in any of a's processes keeps every
@@ -269,7 +276,7 @@ def test_replicas_of_several_processes_route_as_one() -> None:
         wait_until(lambda: all(every_process_hears(r.url, 2) for r in (a, b)), 20, "all hear")
         published = [p["replicas"]["publishes"] for p in status(a.url)["processes"]]
         assert sorted(published) == [False, True]  # process 0 publishes for the host
-        for _ in range(2):  # a stream on one of a's processes, then (likely) on the other
+        for _ in range(3):  # streams on either of a's processes (3: both, most likely)
             done: list[int] = []
             thread = stream_in_background(a.url, done)
             wait_until(lambda: decode_inflight(b.url) == 1, 10, "b sees a's decode leg")
