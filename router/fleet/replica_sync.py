@@ -19,7 +19,9 @@ Not best effort, and bounded:
   from two replicas: at most what one replica admits in ``interval_s``.
 - A peer silent for ``stale_s`` (dead, cut off) no longer counts: its last counts are dropped
   rather than held forever, this replica keeps routing on its own state and says it is
-  degraded (``/ready`` details, the status page) until it hears the peer again.
+  degraded (``/ready`` details, the status page) until it hears the peer again. A connection
+  cut without a reset (a partition) is found by heartbeats and dialled again
+  (``_bound_connections``): the peer is heard again within a few ``stale_s`` of the link healing.
 - Every message carries an HMAC-SHA256 under ``--replica-token``; one without a valid one is
   dropped and counted (``rejected``): nobody without the token changes routing.
 """
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 MAC_BYTES = 32  # HMAC-SHA256
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a larger one is dropped by ZeroMQ
 SEND_HWM = 100  # snapshots queued for a slow peer before older ones are dropped
+HEARTBEAT_TIMEOUTS = 2  # x stale_s: a silent connection, a dial or a handshake given up after
 FORGET_AFTER_STALE = 30  # x stale_s: a peer not heard that long is forgotten (scaled away)
 _FIELDS = {LEGS: 0, TOKENS: 1}  # the board fields a snapshot carries, and where
 
@@ -144,12 +147,14 @@ class ReplicaSync:
         self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.IPV6, 1)
+        _bound_connections(self._pub, settings.stale_s)
         if publishes:
             self._pub.bind(_endpoint(settings.listen))
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.IPV6, 1)
+        _bound_connections(self._sub, settings.stale_s)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._addresses: set[str] = set()  # the peers' addresses followed now
         self.set_peers(settings.peers)
@@ -349,6 +354,18 @@ class ReplicaSync:
                 _add(mine[0], legs)
                 _add(mine[1], tokens)
         self._totals, self._peer_units = totals, units
+
+
+def _bound_connections(socket: zmq.Socket[bytes], stale_s: float) -> None:
+    """A connection that stops carrying anything (a partition drops packets, no reset comes) is
+    found by ZMTP heartbeats within ``HEARTBEAT_TIMEOUTS`` x ``stale_s`` and closed (a SUB dials
+    again); a dial or a handshake that hangs gives up as soon: a healed link carries the peer's
+    state again within a few ``stale_s``, not a TCP retransmission timeout (minutes) later."""
+    limit_ms = int(HEARTBEAT_TIMEOUTS * stale_s * 1000)
+    socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(stale_s * 1000 / 2)))
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, limit_ms)
+    socket.setsockopt(zmq.CONNECT_TIMEOUT, limit_ms)
+    socket.setsockopt(zmq.HANDSHAKE_IVL, limit_ms)
 
 
 def _host_counts(worker: Worker) -> tuple[list[int], list[int]]:

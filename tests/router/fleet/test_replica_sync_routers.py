@@ -29,6 +29,7 @@ from testkit.etcd_server import EtcdServer
 from testkit.fake_engine import FakeConfig, FakeEngine
 from testkit.polling import wait_until
 from testkit.servers import free_port, http_process, run_servers
+from testkit.tcp_proxy import partition_proxy
 
 TOKEN = "replica-test-token-0123"
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
@@ -195,6 +196,28 @@ def test_a_replica_cut_off_routes_alone_says_degraded_and_reconverges() -> None:
             replicas = httpx.get(b.url + "/ready", timeout=5).json()["replicas"]
             assert replicas["degraded"] is None
             assert replicas["peers"][0]["restarts"] == 1
+
+
+def test_a_replica_cut_off_by_a_partition_hears_its_peer_again_once_it_heals() -> None:
+    """b hears a through a link that a partition cuts without a reset (the bytes stop, the
+    connection stays open): b says it is degraded, and once the link heals b hears a again on
+    a new connection (heartbeats find the dead one) although a never restarted."""
+    sync_a, sync_b = free_port(), free_port()
+    with partition_proxy(sync_a) as link:
+        a = Replica("a", sync_a, [sync_b], ())
+        b = Replica("b", sync_b, [link.port], ())
+        with engines(SLOW) as ports, started(a, ports), started(b, ports):
+            wait_until(lambda: hears(a.url, "b") and hears(b.url, "a"), 10, "the replicas hear")
+            link.cut()
+            wait_until(lambda: not hears(b.url, "a"), 10, "b stops hearing a")
+            assert (
+                "not heard" in httpx.get(b.url + "/ready", timeout=5).json()["replicas"]["degraded"]
+            )
+            link.heal()
+            wait_until(lambda: hears(b.url, "a"), 15, "b hears a again")
+            (peer,) = status(b.url)["replicas"]["peers"]
+            assert peer["restarts"] == 0 and peer["gaps"] > 0  # the same run of a, some missed
+            assert status(b.url)["replicas"]["degraded"] is None
 
 
 def _forger(port: int) -> zmq.Socket[bytes]:
