@@ -21,7 +21,7 @@ from registry.models import redact_url
 from router.app import create_app
 from router.observability.logs import configure_logging
 from router.process_role import ProcessRole
-from router.server.cli import parse_args
+from router.server.cli import parse_args, show_settings
 from router.server.connection_caps import (
     auto_max_connections,
     default_per_source,
@@ -131,12 +131,15 @@ def _client_socket(settings: RouterSettings, role: ProcessRole) -> socket.socket
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given[:2] == ["config", "show"]:  # the effective settings, secrets redacted
+        sys.stdout.write(show_settings(parse_args(given[2:])))
+        return
     role = ProcessRole.take_from(os.environ)
-    settings = parse_args(argv)
+    settings = parse_args(given)
     configure_logging(settings.logging.level)
     count = process_count(settings.server.workers)
     if role is None and count > 1:
-        given = sys.argv[1:] if argv is None else list(argv)
         raise SystemExit(Supervisor(settings, count, given).run())
     if role is not None:
         die_with_parent(role.supervisor_pid)

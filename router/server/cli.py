@@ -6,20 +6,27 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
+import yaml
 from pydantic import ValidationError
+from pydantic_settings import EnvSettingsSource
 
+from registry.models import redact_url
 from router.server.settings_spec import Section, Setting, sections
 from router.settings import RouterSettings
+from router.settings.config_file import ConfigFileError, load_config_file, merged
 
-__all__ = ["build_parser", "parse_args"]
+__all__ = ["build_parser", "parse_args", "show_settings"]
 
 _EPILOG = (
     "Every setting can also come from the environment: PDR_ and its path, sections joined by "
-    "__ (PDR_SERVER__PORT=8001); lists and mappings as JSON. Flags override the environment. "
-    "The whole reference: docs/configuration.md."
+    "__ (PDR_SERVER__PORT=8001); lists and mappings as JSON; and from a file (--config). Flags "
+    "override the environment, which overrides the file. `router config show [FLAGS]` prints "
+    "the effective settings. The whole reference: docs/configuration.md."
 )
+_CONFIG_DEST = "config_file"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -112,6 +119,14 @@ def _build(found: list[Section]) -> _Parser:
     parser = _Parser(
         prog="router", description="OpenAI-compatible prefill/decode router", epilog=_EPILOG
     )
+    parser.add_argument(
+        "--config",
+        dest=_CONFIG_DEST,
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="every setting from a YAML or TOML file (the tree `router config show` prints); "
+        "the environment and the flags override it; an unknown key is an error",
+    )
     for section in found:
         group = parser.add_argument_group(section.name or "top level", section.doc)
         for setting in section.settings:
@@ -160,16 +175,52 @@ def _flag_for(loc: Sequence[Any], found: list[Section]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RouterSettings:
-    """Settings from env (``PDR_*``) overridden by ``argv``; exits 2 with one line on error."""
+    """Settings from a file (``--config``), overridden by the env (``PDR_*``), overridden by
+    ``argv``; exits 2 with one line on error."""
     found = sections()
     parser = _build(found)
     args = parser.parse_args(argv)
+    config = vars(args).pop(_CONFIG_DEST, None)
+    flags = _overrides(parser, args, found)
+    from_file: dict[str, Any] = {}
     try:
-        return RouterSettings(**_overrides(parser, args, found))
+        if config is not None:
+            from_file = load_config_file(Path(config), RouterSettings)
+        env = EnvSettingsSource(RouterSettings)() if from_file else {}
+        return RouterSettings(**merged(merged(from_file, env), flags))
+    except ConfigFileError as exc:
+        parser.error(f"argument --config: {exc}")
     except ValidationError as exc:
         first = exc.errors()[0]
         message = first["msg"].removeprefix("Value error, ")
-        parser.error(f"argument {_flag_for(first['loc'], found)}: {message}")
+        loc = first["loc"]
+        if _given_at(from_file, loc) and not _given_at(merged(env, flags), loc):
+            where = ".".join(str(part) for part in loc)
+            parser.error(f"argument --config: {config}: setting {where}: {message}")
+        parser.error(f"argument {_flag_for(loc, found)}: {message}")
+
+
+def _given_at(tree: Any, loc: Sequence[Any]) -> bool:
+    """Whether a settings tree (nested mappings and lists) has a value at ``loc``."""
+    for part in loc:
+        if isinstance(tree, list) and isinstance(part, int) and part < len(tree):
+            tree = tree[part]
+            continue
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
+
+
+def show_settings(settings: RouterSettings) -> str:
+    """The effective settings as YAML, in the shape ``--config`` reads; secrets shown as
+    ``**********`` (and a URL's password as ``***``)."""
+    tree = settings.model_dump(mode="json")
+    for role in ("prefill", "decode"):
+        for worker in tree[role]:
+            worker["url"] = redact_url(worker["url"])
+    tree["registry"]["url"] = redact_url(tree["registry"]["url"])
+    return str(yaml.safe_dump(tree, sort_keys=False, allow_unicode=True))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,7 +21,37 @@ Each setting is read from the environment: `PDR_`, then its path with sections j
 (`PDR_SERVER__PORT=8001`, `PDR_ENGINE=sglang`); lists and mappings take JSON
 (`PDR_DECODE='[{"url": "http://d1:8200"}]'`). A flag, where there is one, overrides the
 environment. A bad value stops `router` with exit status 2 and one line naming the flag (or the
-variable)."""
+variable).
+
+## A settings file (`--config`)
+
+`router --config FILE` reads every setting from a YAML (`.yaml`, `.yml`) or TOML (`.toml`)
+file: the same tree, sections as mappings, the workers as lists of mappings. The environment
+overrides the file and the flags override both (a list given by a flag, `--decode`, replaces the
+file's). A key the tree does not have stops `router` with one line naming its path and the
+nearest name (`unknown setting 'server.prot' (did you mean 'server.port'?)`), so a typo never
+passes silently; a bad value names the file and the setting. At most 1 MiB; YAML is read with
+the safe loader. With `--workers N` every process reads the same file.
+
+```yaml
+engine: vllm-mooncake
+prefill:
+  - url: http://p1:8100
+    bootstrap_port: 8998
+decode:
+  - url: http://d1:8200
+server:
+  port: 8000
+  workers: auto
+policy:
+  policy: cache_aware
+cache:
+  tokenizer: /models/llama/
+```
+
+`router config show [--config FILE] [FLAGS]` prints the effective settings (defaults, file,
+environment and flags merged) as YAML in the shape `--config` reads, tokens shown as
+`**********` and a URL's password as `***`."""
 
 
 def _cell(text: str) -> str:
