@@ -19,6 +19,7 @@ from router.api import completions_doc, health, status
 from router.api.deps import get_context
 from router.api.explain import explain_routes
 from router.api.openai import HOT_ROUTES, handle_completion
+from router.api.passthrough import PASSTHROUGH_ROUTES, handle_passthrough
 from router.context import open_context
 from router.errors import InvalidRequest, RouterError, error_body
 from router.process_role import ProcessRole
@@ -39,9 +40,13 @@ class PDRouterApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            endpoint = HOT_ROUTES.get(scope["path"])
+            path = scope["path"]
+            endpoint = HOT_ROUTES.get(path)
             if endpoint is not None:
                 await handle_completion(scope["state"]["ctx"], endpoint, scope, receive, send)
+                return
+            if path in PASSTHROUGH_ROUTES:
+                await handle_passthrough(scope["state"]["ctx"], path, scope, receive, send)
                 return
         await self.api(scope, receive, send)
 

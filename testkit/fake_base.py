@@ -53,6 +53,7 @@ class FakeConfig:
     """Runtime knobs; tests may change them while the engine serves."""
 
     model: str = "fake-model"
+    serves_embeddings: bool = False  # /v1/embeddings (a generation model does not: 404)
     tokens: int = 16  # output tokens per choice, capped by max_tokens / max_completion_tokens
     token_delay: float = 0.0  # seconds between SSE events
     fail_status: int | None = None  # completions answer this status (an OpenAI error JSON)

@@ -54,6 +54,7 @@ from testkit.fake_base import (
     Routes,
     request_shape,
 )
+from testkit.fake_passthrough import passthrough_routes
 from testkit.fake_protocols import build_handler
 from testkit.fake_wire import (
     CHAT_PATH,
@@ -125,6 +126,7 @@ class FakeEngine:
         self.records: list[Received] = []
         self.inflight = 0
         self.health_checks = 0  # GET /health requests received
+        self.passthrough_calls: list[str] = []  # /tokenize, /detokenize, /v1/embeddings
         self.dead = False  # kill() was called
         # Called by kill(): each stops some of this engine's servers (see fake_cluster.serve_engine)
         self.killers: list[Callable[[], None]] = []
@@ -136,6 +138,7 @@ class FakeEngine:
             "/health": {"GET": self._health},
             "/v1/models": {"GET": self._models},
             **self.handler.routes(),
+            **passthrough_routes(protocol, lambda: self.config, self.passthrough_calls),
         }
         self.app = AsgiApp(self._serve_http, self.aclose)
         bootstrap = self.handler.bootstrap_routes()

@@ -36,7 +36,14 @@ from router.schemas import (
 )
 from router.types import CLIENT_GONE, WHOLE_RESPONSE, Receive, Scope, Send
 
-__all__ = ["HOT_ROUTES", "handle_completion"]
+__all__ = [
+    "HOT_ROUTES",
+    "client_gone",
+    "handle_completion",
+    "read_headers",
+    "responder_for",
+    "upstream_headers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +60,11 @@ async def handle_completion(
     """Serve one completion request; never raises (errors are rendered to the client)."""
     started = time.monotonic()
     settings = ctx.settings
-    request_id, authorization, content_length, trace_context, bad_id = _read_headers(
+    request_id, authorization, content_length, trace_context, bad_id = read_headers(
         scope, settings.server.max_request_id_bytes, settings.features.trace_headers
     )
     token = REQUEST_ID.set(request_id)
-    responder = _responder(scope, send, request_id)
+    responder = responder_for(scope, send, request_id)
     receipt = RoutingReceipt()
     span = _request_span(ctx, endpoint, trace_context)
     stream = False
@@ -67,8 +74,8 @@ async def handle_completion(
     try:
         request = await _read_request(ctx, scope, receive, endpoint, content_length, share, bad_id)
         stream = request.stream
-        headers = _upstream_headers(request_id, authorization, trace_context)
-        disconnected = _client_gone(scope, receive)
+        headers = upstream_headers(request_id, authorization, trace_context)
+        disconnected = client_gone(scope, receive)
         await _admit_and_route(ctx, request, headers, responder, disconnected, receipt, span)
         status = responder.status or 500
     except ClientDisconnected:
@@ -130,20 +137,20 @@ async def _admit_and_route(
         disconnected.cancel()
 
 
-def _responder(scope: Scope, send: Send, request_id: str) -> Responder:
+def responder_for(scope: Scope, send: Send, request_id: str) -> Responder:
     """The request's responder; whole answers go as one message where the server takes it."""
     whole_message = WHOLE_RESPONSE in scope.get("extensions", ())
     return Responder(send, [(b"x-request-id", request_id.encode())], whole_message=whole_message)
 
 
-def _client_gone(scope: Scope, receive: Receive) -> asyncio.Future[Any]:
+def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[Any]:
     """Resolved when the client leaves: our server's future (``CLIENT_GONE``), else a task
     waiting in ``receive()`` (whose next message, once the body is read, is the disconnect)."""
     gone: asyncio.Future[Any] | None = scope.get(CLIENT_GONE)
     return gone if gone is not None else asyncio.ensure_future(receive())
 
 
-def _upstream_headers(
+def upstream_headers(
     request_id: str, authorization: str | None, trace_context: dict[str, str]
 ) -> dict[str, str]:
     """What both legs get from the client: its request id, authorization and W3C trace
@@ -197,7 +204,7 @@ async def _read_request(
     return parse_request(endpoint, raw, RequestLimits.from_settings(server))
 
 
-def _read_headers(
+def read_headers(
     scope: Scope, max_id_bytes: int, trace_headers: bool
 ) -> tuple[str, str | None, int | None, dict[str, str], InvalidRequest | None]:
     """The request id, authorization, content length, W3C trace context headers, and the 400

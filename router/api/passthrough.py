@@ -1,0 +1,145 @@
+"""``POST /tokenize``, ``/detokenize`` and ``/v1/embeddings``: what a client expects of an engine
+and that needs no PD, passed through to one worker as a raw ASGI handler.
+
+Which worker: the least busy usable prefill (healthy, not draining, its breaker closed), else a
+decode. Every worker serves the same model and tokenizer; a prefill's work is short and
+compute-bound, so a tokenization or an embedding (a forward pass with nothing to decode) there
+stretches no stream's inter-token latency, as it would on a decode. The engine's answer (status,
+body) goes back unchanged: an engine that does not serve the route says so (a generation model
+has no embeddings: vLLM answers 404 or 400).
+
+The same bounds as the completion routes: POST only (405), the body limit and budget (413,
+429), a JSON object (400), an admission unit while it runs (429), the worker caps, the answer
+limit (``--max-answer-bytes``), the client's Authorization and X-Request-Id forwarded; the
+requests are counted in ``pdr_requests_total`` under their path; errors are OpenAI-style JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from router.api.openai import client_gone, read_headers, responder_for, upstream_headers
+from router.api.request_body import BodyShare, read_body
+from router.context import AppContext
+from router.errors import (
+    InvalidRequest,
+    MethodNotAllowed,
+    NoWorkerAvailable,
+    Overloaded,
+    RouterError,
+)
+from router.interrupt import ClientDisconnected
+from router.observability.logs import REQUEST_ID
+from router.observability.receipt import RoutingReceipt
+from router.pipeline.responder import Responder
+from router.types import Receive, Scope, Send
+from router.workers import Worker
+
+__all__ = ["PASSTHROUGH_ROUTES", "handle_passthrough"]
+
+logger = logging.getLogger(__name__)
+
+PASSTHROUGH_ROUTES = frozenset(
+    {"/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/v1/embeddings"}
+)
+_CLIENT_GONE = 499
+
+
+async def handle_passthrough(
+    ctx: AppContext, path: str, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """Serve one pass-through request; never raises (errors are rendered to the client)."""
+    started = time.monotonic()
+    settings = ctx.settings
+    request_id, authorization, content_length, trace_context, bad_id = read_headers(
+        scope, settings.server.max_request_id_bytes, settings.features.trace_headers
+    )
+    token = REQUEST_ID.set(request_id)
+    responder = responder_for(scope, send, request_id)
+    share = BodyShare(ctx.admission.body_memory)
+    status = 0
+    try:
+        if scope["method"] != "POST":
+            raise MethodNotAllowed(f"method {scope['method']} is not allowed on {path}")
+        if bad_id is not None:
+            raise bad_id
+        limit = settings.server.max_body_bytes
+        body = bytes(await read_body(receive, limit, content_length, share))
+        _check_object(body, path)
+        headers = upstream_headers(request_id, authorization, trace_context)
+        await _admitted(ctx, path, body, headers, responder, client_gone(scope, receive))
+        status = responder.status or 500
+    except ClientDisconnected:
+        status = _CLIENT_GONE
+    except RouterError as exc:
+        status = exc.status
+        if isinstance(exc, Overloaded):
+            metrics = ctx.telemetry.metrics
+            metrics.count(metrics.admission_rejected, exc.reason)
+        await responder.fail(exc)
+    except Exception:  # noqa: BLE001 - log it, answer 500, keep serving
+        status = 500
+        logger.exception("unexpected error while passing a request through")
+        await responder.fail(RouterError("internal router error (logged)"))
+    finally:
+        share.release()
+        ctx.telemetry.accounting.finish(
+            path, False, status, started, responder.started_at, RoutingReceipt()
+        )
+        REQUEST_ID.reset(token)
+
+
+def _check_object(body: bytes, path: str) -> None:
+    try:
+        parsed = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the body of {path} is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidRequest(f"the body of {path} must be a JSON object")
+
+
+def pick_worker(ctx: AppContext) -> Worker:
+    """The least busy usable prefill whose breaker is closed, else such a decode."""
+    circuits, pool = ctx.pipeline.circuits, ctx.pool
+    for candidates in (pool.usable_prefill(), pool.usable_decode()):
+        allowed = [w for w in candidates if circuits.worker_allows(w)]
+        if allowed:
+            return min(allowed, key=lambda worker: worker.host_inflight())
+    raise NoWorkerAvailable("no healthy worker to pass the request to")
+
+
+async def _admitted(
+    ctx: AppContext,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    responder: Responder,
+    disconnected: asyncio.Future[Any],
+) -> None:
+    """``_forward`` holding an admission unit (429 when overloaded)."""
+    try:
+        await ctx.admission.acquire(disconnected, 1)
+        try:
+            await _forward(ctx, path, body, headers, responder)
+        finally:
+            ctx.admission.release(1)
+    finally:
+        disconnected.cancel()
+
+
+async def _forward(
+    ctx: AppContext, path: str, body: bytes, headers: dict[str, str], responder: Responder
+) -> None:
+    worker = pick_worker(ctx)
+    with worker.load():
+        answer = await ctx.pool.client(worker).open(path, body, headers, whole=True)
+        try:
+            data = await answer.read()  # bounded: --max-answer-bytes
+        finally:
+            await answer.aclose()
+    await responder.whole(answer.status, answer.content_type or b"application/json", data)
