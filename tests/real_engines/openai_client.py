@@ -117,3 +117,20 @@ def call(
             read_json(response, answer)
     answer.elapsed_s = time.monotonic() - started
     return answer
+
+
+def check_tokenize_passes_through(
+    router_url: str, engine_url: str, prompt: str, text_field: str
+) -> None:
+    """The router's ``/tokenize`` and ``/detokenize`` answers equal the co-located engine's
+    (the text: vLLM's ``prompt``, SGLang's ``text``)."""
+    body = {"prompt": prompt}
+    through = httpx.post(router_url + "/tokenize", json=body, timeout=30)
+    direct = httpx.post(engine_url + "/tokenize", json=body, timeout=30)
+    assert through.status_code == 200 == direct.status_code, through.text
+    assert through.json() == direct.json() and through.json()["count"] > 0
+    tokens = {"tokens": through.json()["tokens"]}
+    back = httpx.post(router_url + "/detokenize", json=tokens, timeout=30)
+    assert back.status_code == 200, back.text
+    assert back.json() == httpx.post(engine_url + "/detokenize", json=tokens, timeout=30).json()
+    assert prompt.strip()[:20] in back.json()[text_field]

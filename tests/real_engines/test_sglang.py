@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.real_engines.openai_client import check_tokenize_passes_through
 from tests.real_engines.sglang_engines import (
     Engine,
     Role,
@@ -253,6 +254,12 @@ def test_batched_prompt_list(cluster: Cluster, stream: bool) -> None:
     assert got.status == 200, got.body
     assert sorted(got.texts) == list(range(len(PROMPTS)))
     assert got.outcome == expected.outcome
+
+
+@timeout(60)
+def test_tokenize_and_detokenize_pass_through(cluster: Cluster) -> None:
+    """``/tokenize`` and ``/detokenize`` through the router answer as the engine does."""
+    check_tokenize_passes_through(cluster.router.url, cluster.colocated.url, PROMPTS[0], "text")
 
 
 # --- 2. the decode used the transferred KV ---------------------------------------------------

@@ -25,7 +25,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.real_engines.openai_client import Answer, call, endpoint_path, request_body
+from tests.real_engines.openai_client import (
+    Answer,
+    call,
+    check_tokenize_passes_through,
+    endpoint_path,
+    request_body,
+)
 from tests.real_engines.vllm_engines import (
     Engine,
     Role,
@@ -465,6 +471,13 @@ class TestMooncake:
     @timeout(60)
     def test_engines_idle_after_requests(self, mooncake: Cluster) -> None:
         wait_idle(*mooncake.engines)
+
+    @timeout(60)
+    def test_tokenize_and_detokenize_pass_through(
+        self, mooncake: Cluster, colocated: Engine
+    ) -> None:
+        """``/tokenize`` and ``/detokenize`` through the router answer as the engine does."""
+        check_tokenize_passes_through(mooncake.router.url, colocated.url, PROMPTS[0], "prompt")
 
     @timeout(60)
     @pytest.mark.parametrize("endpoint", ENDPOINTS)
