@@ -3,8 +3,9 @@
 token_strs}`` and ``{prompt}``; SGLang 0.5.23 ``http_server.py``, also at ``/v1/tokenize`` and
 ``/v1/detokenize``: ``{tokens, count, max_model_len}`` and ``{text}``), and ``/v1/embeddings``
 (OpenAI's list of embeddings), which a generation model does not serve: a 404 as FastAPI's
-(``{"detail": "Not Found"}``) unless ``FakeConfig.serves_embeddings``. The fake tokenizer: one
-token per character (its code point)."""
+(``{"detail": "Not Found"}``) unless ``FakeConfig.serves_embeddings``. With ``fail_status`` set
+every route answers it with a plain-text body. The fake tokenizer: one token per character (its
+code point)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ def passthrough_routes(protocol: str, config: Callable[[], FakeConfig], calls: l
     def counted(path: str, fn: Callable[[dict[str, Any]], Reply]) -> RouteFn:
         async def route(request: RouteRequest) -> Reply:
             calls.append(path)
+            failing = config().fail_status
+            if failing is not None:  # the engine fails every request (FastAPI's plain 500 body)
+                return Reply(failing, b"Internal Server Error")
             return fn(request.json())
 
         return route
@@ -42,7 +46,12 @@ def passthrough_routes(protocol: str, config: Callable[[], FakeConfig], calls: l
         return Reply(200, {**answer, "token_strs": strs})
 
     def detokenize(body: dict[str, Any]) -> Reply:
-        text = "".join(chr(token) for token in body.get("tokens", []))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and 0 <= t < 0x110000 for t in tokens
+        ):
+            return Reply(400, {"error": {"message": "tokens must be token ids", "code": 400}})
+        text = "".join(chr(token) for token in tokens)
         return Reply(200, {"text": text} if sglang else {"prompt": text})
 
     def embeddings(body: dict[str, Any]) -> Reply:

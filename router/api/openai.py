@@ -37,6 +37,7 @@ from router.schemas import (
 from router.types import CLIENT_GONE, WHOLE_RESPONSE, Receive, Scope, Send
 
 __all__ = [
+    "CLIENT_GONE_STATUS",
     "HOT_ROUTES",
     "client_gone",
     "handle_completion",
@@ -51,7 +52,7 @@ HOT_ROUTES = {endpoint.value: endpoint for endpoint in Endpoint}
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 _REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # printable ASCII: it goes into headers and logs
 _MAX_TRACE_HEADER = 512  # W3C: tracestate may be cut beyond 512 chars; longer ones are dropped
-_CLIENT_GONE = 499  # nginx's "client closed request": the status counted for a client that left
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": counted for a client that left
 
 
 async def handle_completion(
@@ -79,7 +80,7 @@ async def handle_completion(
         await _admit_and_route(ctx, request, headers, responder, disconnected, receipt, span)
         status = responder.status or 500
     except ClientDisconnected:
-        status = _CLIENT_GONE
+        status = CLIENT_GONE_STATUS
         logger.info("client disconnected; upstream requests cancelled")
     except asyncio.CancelledError:
         if not ctx.lifecycle.stopping or task is None:

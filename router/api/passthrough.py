@@ -23,7 +23,13 @@ from typing import Any
 
 import msgspec
 
-from router.api.openai import client_gone, read_headers, responder_for, upstream_headers
+from router.api.openai import (
+    CLIENT_GONE_STATUS,
+    client_gone,
+    read_headers,
+    responder_for,
+    upstream_headers,
+)
 from router.api.request_body import BodyShare, read_body
 from router.context import AppContext
 from router.errors import (
@@ -32,11 +38,13 @@ from router.errors import (
     NoWorkerAvailable,
     Overloaded,
     RouterError,
+    UpstreamStatusError,
 )
 from router.interrupt import ClientDisconnected
 from router.observability.logs import REQUEST_ID
 from router.observability.receipt import RoutingReceipt
 from router.pipeline.responder import Responder
+from router.pipeline.verdicts import error_detail
 from router.types import Receive, Scope, Send
 from router.workers import Worker
 
@@ -47,7 +55,6 @@ logger = logging.getLogger(__name__)
 PASSTHROUGH_ROUTES = frozenset(
     {"/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/v1/embeddings"}
 )
-_CLIENT_GONE = 499
 
 
 async def handle_passthrough(
@@ -75,7 +82,7 @@ async def handle_passthrough(
         await _admitted(ctx, path, body, headers, responder, client_gone(scope, receive))
         status = responder.status or 500
     except ClientDisconnected:
-        status = _CLIENT_GONE
+        status = CLIENT_GONE_STATUS
     except RouterError as exc:
         status = exc.status
         if isinstance(exc, Overloaded):
@@ -142,4 +149,17 @@ async def _forward(
             data = await answer.read()  # bounded: --max-answer-bytes
         finally:
             await answer.aclose()
+    if answer.status >= 500 or (answer.status >= 400 and not _openai_error(data)):
+        # a failed engine is a 502 (429/503: full, as the engine said); a 4xx in another shape
+        # (FastAPI's {"detail": ...} for a route it does not serve) in OpenAI's, its message kept
+        role, url = worker.role.value, worker.public_url
+        raise UpstreamStatusError(answer.status, error_detail(data), role=role, url=url)
     await responder.whole(answer.status, answer.content_type or b"application/json", data)
+
+
+def _openai_error(data: bytes) -> bool:
+    try:
+        parsed = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)

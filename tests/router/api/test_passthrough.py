@@ -49,7 +49,8 @@ def test_embeddings_where_the_engine_serves_them_and_its_404_where_not(
     cluster = make_cluster("vllm-mooncake")
     body = {"model": "fake-model", "input": ["one", "three"]}
     answer = post(cluster.router_url, "/v1/embeddings", body)
-    assert answer.status_code == 404  # a generation model serves none: the engine said so
+    assert answer.status_code == 404  # a generation model serves none: the engine said so,
+    assert "Not Found" in answer.json()["error"]["message"]  # in FastAPI's shape, now OpenAI's
     cluster.prefills[0].config.serves_embeddings = True
     answer = post(cluster.router_url, "/v1/embeddings", body)
     assert answer.status_code == 200
@@ -103,3 +104,13 @@ def test_admission_limits_them_too(make_cluster: FakeClusterFactory) -> None:
         for _ in streaming.iter_lines():
             pass
     assert post(url, "/tokenize", {"prompt": "a"}).status_code == 200
+
+
+def test_a_failing_engine_is_a_502_in_openai_shape(make_cluster: FakeClusterFactory) -> None:
+    cluster = make_cluster("vllm-mooncake")
+    cluster.prefills[0].config.fail_status = 500
+    answer = post(cluster.router_url, "/tokenize", {"prompt": "a"})
+    assert answer.status_code == 502
+    assert "answered HTTP 500: Internal Server Error" in answer.json()["error"]["message"]
+    cluster.prefills[0].config.fail_status = 503  # full: the client may come back
+    assert post(cluster.router_url, "/tokenize", {"prompt": "a"}).status_code == 503
