@@ -76,6 +76,7 @@ async def test_kv_transfer_rows_are_well_formed() -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_cluster_ttft_runs_both_targets() -> None:
     pytest.importorskip("mooncake.engine")
     argv = [

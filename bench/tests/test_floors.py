@@ -83,6 +83,7 @@ def test_floor_builds_run_the_floor_app_from_this_checkout() -> None:
     assert env["PYTHONPATH"] == str(REPO_ROOT)
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_the_floors_proxy_and_answer_every_cell_through_real_fakes(tmp_path: Path) -> None:
     """Fakes, our router and both floors, every process real: each floor answers every request
     of both engines' streaming and whole cells (the load generator counts a bad answer as an

@@ -306,6 +306,7 @@ def test_a_router_that_does_not_start_is_a_failed_run(
     assert report["rows"][0]["runs"] == 0 and report["rows"][0]["failed"] == 1
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_one_quick_run_at_n2_in_both_socket_modes(tmp_path: Path) -> None:
     """A supervisor and its two serving processes per mode, every process real."""
     out = tmp_path / "workers.json"

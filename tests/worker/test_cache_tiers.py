@@ -255,6 +255,7 @@ async def _ttft_from_l2(layerwise: bool) -> tuple[int, float]:
     return cached(answer), seconds
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 async def test_layerwise_loading_overlaps_the_load_with_the_forward_pass() -> None:
     cached_on, layerwise = await _ttft_from_l2(True)
     cached_off, whole = await _ttft_from_l2(False)

@@ -398,6 +398,7 @@ DECODE_STEP_S = 0.25  # MAX_TOKENS tokens stream for ~1.75 s
 
 @pytest.mark.parametrize("decode_s_per_token", [DECODE_STEP_S])
 @pytest.mark.parametrize("engine", ["sglang", "vllm-mooncake"])
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_decode_killed_mid_stream(cluster: KillCluster, engine: str) -> None:
     """The client has tokens already when the decode dies: its stream ends at once with a final
     SSE error event (the router can no longer answer with a status), and what it got before is

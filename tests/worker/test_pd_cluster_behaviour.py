@@ -405,6 +405,7 @@ def _assert_quiet_start(console: str) -> None:
 
 
 @pytest.mark.parametrize(("engine", "dp"), [("sglang", 1), ("vllm-mooncake", 2)])
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_pd_cluster_process_smoke(tmp_path: Path, engine: str, dp: int) -> None:
     port = _closed_port()
     proc = _start_pd_cluster(
@@ -437,6 +438,7 @@ def test_pd_cluster_process_smoke(tmp_path: Path, engine: str, dp: int) -> None:
         _stop(proc, children)
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_a_dying_worker_says_where_its_log_is(tmp_path: Path) -> None:
     port = _closed_port()
     proc = _start_pd_cluster(tmp_path, port, "--log-dir", str(tmp_path / "logs"))

@@ -45,6 +45,7 @@ def _hears(url: str) -> list[str]:
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "no-sync"])
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_two_replicas_behind_haproxy_serve_the_cluster_port(tmp_path: Path, sync: bool) -> None:
     port, logs = _closed_port(), tmp_path / "logs"
     flags = ["--router-replicas", "2", "--log-dir", str(logs)]
@@ -115,6 +116,7 @@ def _clients(url: str, seconds: float, results: list[tuple[float, int]]) -> list
     return threads
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_a_replica_killed_mid_traffic_fails_only_its_own_requests_and_rejoins(
     tmp_path: Path,
 ) -> None:

@@ -63,6 +63,7 @@ def test_a_burst_larger_than_the_pools_is_served_in_full(small_cluster: PDCluste
     small_cluster.wait_idle(timeout=10.0)
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_a_disconnect_storm_gives_every_page_back(small_cluster: PDCluster) -> None:
     for side in small_cluster.prefills:
         side.engine.delay_s = 2.5  # each KV write outlasts the receiver's old 2 s drain wait

@@ -258,18 +258,29 @@ async def test_leaving_draining_dying_or_restarting_workers_are_purged() -> None
                     lambda w=worker: index.block_count((w.id, 0)) == 3,  # type: ignore[misc]
                     f"{worker.id} indexed",
                 )
+            cleared: list[str] = []  # the workers purged (the restarted one's follow is
+            clear_worker = index.clear_worker  # restarted at once and may replay its old
+            # stream into the index before a poll could see it empty)
+
+            def spy(worker_id: str) -> None:
+                cleared.append(worker_id)
+                clear_worker(worker_id)
+
+            index.clear_worker = spy  # type: ignore[method-assign]
             pool.remove(workers[0])
             workers[1].draining = True
             workers[2].healthy = False
             workers[3].epoch += 1  # re-registered: a restart
-            for worker in workers:
+            await await_until(lambda: "p3" in cleared, TIMEOUT, "p3 purged")
+            for worker in workers[:3]:
                 await await_until(
                     lambda w=worker: index.block_count((w.id, 0)) == 0,  # type: ignore[misc]
                     TIMEOUT,
                     f"{worker.id} purged",
                 )
-            for worker in workers[:3]:
+            for worker in workers:
                 assert tree.size((worker.id, 0)) == 0
+            for worker in workers[:3]:
                 assert feed.stats((worker.id, 0)) is None  # no longer followed
             # the restarted one is followed again: its new stream refills the index
             await publish_until(

@@ -15,7 +15,9 @@ from router.server.cli import parse_args
 from router.settings import EngineProtocol
 from router.settings.config_file import MAX_CONFIG_BYTES
 from testkit.fake_engine import FakeConfig, FakeEngine
+from testkit.polling import wait_until
 from testkit.servers import free_port, http_process, run_servers
+from tests.router.server.test_workers import joined
 
 YAML = """\
 engine: sglang
@@ -140,12 +142,11 @@ def test_a_router_of_two_processes_runs_from_a_file(tmp_path: Path) -> None:
         argv = [sys.executable, "-m", "router", "--config", write(tmp_path, "r.yaml", text)]
         url = f"http://127.0.0.1:{port}"
         with http_process(argv, url, path="/ready", timeout=30):
+            wait_until(lambda: joined(url) == 2, 20, "both processes on the port")
             body = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
             for _ in range(6):
                 with httpx.Client(base_url=url, timeout=10) as client:  # a connection each
                     assert client.post("/v1/completions", json=body).status_code == 200
-            processes = httpx.get(url + "/status/data", timeout=5).json()["processes"]
-            assert len(processes) == 2
 
 
 def test_the_documented_example_is_a_valid_file(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from testkit.fake_engine import FakeConfig
 from testkit.polling import wait_until
@@ -45,6 +46,7 @@ def test_the_per_worker_cap_counts_every_process() -> None:
         assert fresh(url, "POST", "/v1/completions", json=BODY).status_code == 200
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_the_concurrency_cap_counts_every_process_and_a_release_anywhere_admits() -> None:
     argv = ("--max-concurrent-requests", "1", "--max-queued-requests", "0")
     with supervised(*argv, config=SLOW) as (url, _):
