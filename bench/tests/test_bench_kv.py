@@ -47,6 +47,7 @@ def test_shuffled_runs_permute_the_pages_in_runs() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 async def test_kv_transfer_rows_are_well_formed() -> None:
     pytest.importorskip("mooncake.engine")
     report = await run_bench(TINY)

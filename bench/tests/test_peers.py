@@ -388,6 +388,7 @@ def test_a_router_that_died_is_a_failed_run_and_a_dead_fake_stops_the_bench() ->
 # --- one real run ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_our_router_against_itself_as_the_compare_build(tmp_path: Path) -> None:
     """Fakes, our router and HEAD's router as the compare build, every process real."""
     out = tmp_path / "peers.json"

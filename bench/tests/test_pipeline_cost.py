@@ -48,6 +48,7 @@ def test_bad_options_are_refused(argv: str) -> None:
         pipeline_cost.config_from_args(argv.split())
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_this_checkout_against_itself_measures_every_request_answered(tmp_path: Path) -> None:
     """Fakes, and two children (this checkout, and HEAD archived as the compare build), each
     serving both modes; a child whose requests were not all answered 200 fails the bench."""

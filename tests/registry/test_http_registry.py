@@ -43,6 +43,7 @@ def _registry_app(**settings: Any) -> FastAPI:
 # --- the registry server goes away ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 async def test_watch_raises_when_the_registry_stops_and_store_recovers() -> None:
     port = free_port()
     store = HttpStore(f"http://127.0.0.1:{port}")

@@ -404,6 +404,7 @@ async def test_mooncake_pages_round_trip_between_two_clients(
     await writer.aclose()
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 async def test_mooncake_key_prefixes_keep_stores_apart(mooncake_master: MooncakeMaster) -> None:
     rank0 = _mooncake_store(mooncake_master, key_prefix="m/rank0/")
     rank1 = _mooncake_store(mooncake_master, key_prefix="m/rank1/")
@@ -414,6 +415,7 @@ async def test_mooncake_key_prefixes_keep_stores_apart(mooncake_master: Mooncake
     await rank0.aclose()
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 async def test_mooncake_over_the_http_metadata_server_detects_corrupt_values(
     mooncake_master: MooncakeMaster,
 ) -> None:

@@ -62,6 +62,7 @@ def _registry_ok(client: httpx.Client) -> bool:
 
 
 @pytest.mark.etcd
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_namespace_prefills_keep_serving_through_an_etcd_outage(
     cluster: str, etcd: EtcdServer
 ) -> None:

@@ -291,6 +291,7 @@ def test_a_breaker_opened_by_one_replica_keeps_the_other_away() -> None:
         assert "circuit breaker" in answer.json()["error"]["message"]
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_replicas_of_several_processes_route_as_one() -> None:
     """Each replica runs ``--workers 2``: whichever of a's processes takes a stream, every one
     of b's counts its leg toward the cap; a breaker opened in any of a's processes keeps every
@@ -310,6 +311,7 @@ def test_replicas_of_several_processes_route_as_one() -> None:
         assert post(b.url) == 200
 
 
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
 def test_a_breaker_opened_in_any_process_of_a_replica_keeps_the_peer_away() -> None:
     failing = FakeConfig(check_kv=False, fail_status=500)
     with pair("--workers", "2", config=failing) as (a, b, _):
