@@ -13,7 +13,7 @@ from fastapi import APIRouter
 
 from registry.error_schema import ERROR_JSON, error_doc
 
-__all__ = ["ERROR_RESPONSES", "error_response", "router"]
+__all__ = ["ERROR_RESPONSES", "error_response", "json_body", "router"]
 
 
 error_response = error_doc  # an OpenAPI response of OpenAI-style error JSON
@@ -90,7 +90,8 @@ _CHAT_BODY = {
 }
 
 
-def _body(schema: dict[str, Any]) -> dict[str, Any]:
+def json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """``openapi_extra`` for a required JSON request body of ``schema``."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
@@ -105,7 +106,7 @@ def _never() -> NoReturn:
     "/v1/completions",
     responses=_COMPLETION_RESPONSES,
     response_model=None,
-    openapi_extra=_body(_COMPLETION_BODY),
+    openapi_extra=json_body(_COMPLETION_BODY),
 )
 async def completions() -> None:
     """OpenAI completions, split across a prefill and a decode worker."""
@@ -116,7 +117,7 @@ async def completions() -> None:
     "/v1/chat/completions",
     responses=_COMPLETION_RESPONSES,
     response_model=None,
-    openapi_extra=_body(_CHAT_BODY),
+    openapi_extra=json_body(_CHAT_BODY),
 )
 async def chat_completions() -> None:
     """OpenAI chat completions, split across a prefill and a decode worker."""

@@ -4,9 +4,10 @@ and that needs no PD, passed through to one worker as a raw ASGI handler.
 Which worker: the least busy usable prefill (healthy, not draining, its breaker closed), else a
 decode. Every worker serves the same model and tokenizer; a prefill's work is short and
 compute-bound, so a tokenization or an embedding (a forward pass with nothing to decode) there
-stretches no stream's inter-token latency, as it would on a decode. The engine's answer (status,
-body) goes back unchanged: an engine that does not serve the route says so (a generation model
-has no embeddings: vLLM answers 404 or 400).
+stretches no stream's inter-token latency, as it would on a decode. The engine's answer goes back
+unchanged, or its error in OpenAI's shape: a 4xx in another shape (FastAPI's ``{"detail": ...}``
+for a route it does not serve: a generation model has no embeddings) with its message kept, a
+5xx as a 502 (429 and 503: the engine is full, as it said).
 
 The same bounds as the completion routes: POST only (405), the body limit and budget (413,
 429), a JSON object (400), an admission unit while it runs (429), the worker caps, the answer
@@ -110,7 +111,7 @@ def _check_object(body: bytes, path: str) -> None:
         raise InvalidRequest(f"the body of {path} must be a JSON object")
 
 
-def pick_worker(ctx: AppContext) -> Worker:
+def _pick_worker(ctx: AppContext) -> Worker:
     """The least busy usable prefill whose breaker is closed, else such a decode."""
     circuits, pool = ctx.pipeline.circuits, ctx.pool
     for candidates in (pool.usable_prefill(), pool.usable_decode()):
@@ -142,7 +143,7 @@ async def _admitted(
 async def _forward(
     ctx: AppContext, path: str, body: bytes, headers: dict[str, str], responder: Responder
 ) -> None:
-    worker = pick_worker(ctx)
+    worker = _pick_worker(ctx)
     with worker.load():
         answer = await ctx.pool.client(worker).open(path, body, headers, whole=True)
         try:

@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from fastapi import APIRouter
 
 from registry.error_schema import ERROR_JSON, error_doc
+from router.api.completions_doc import json_body
 
 __all__ = ["router"]
 
@@ -32,8 +33,7 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def _body(properties: dict[str, Any]) -> dict[str, Any]:
-    schema = {"type": "object", "properties": properties}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+    return json_body({"type": "object", "properties": properties})
 
 
 _TOKENIZE = _body({"model": {"type": "string"}, "prompt": {"type": "string"}})

@@ -182,7 +182,10 @@ class ReplicaSync:
     def degraded(self) -> str | None:
         """Why this replica routes on less than every peer's state (None: it does not): a
         configured peer not heard within ``stale_s``."""
-        fresh, expected = self._fresh_count(), len(self._addresses)
+        return self._degraded(self._fresh_count())
+
+    def _degraded(self, fresh: int) -> str | None:
+        expected = len(self._addresses)
         if fresh >= expected:
             return None
         stale_s = self._settings.stale_s
@@ -208,11 +211,8 @@ class ReplicaSync:
 
     def summary(self) -> dict[str, Any]:
         """Whether this process publishes, the peers it hears now, and why it is degraded."""
-        return {
-            "publishes": self.publishes,
-            "fresh": self._fresh_count(),
-            "degraded": self.degraded(),
-        }
+        fresh = self._fresh_count()
+        return {"publishes": self.publishes, "fresh": fresh, "degraded": self._degraded(fresh)}
 
     def set_peers(self, addresses: Iterable[str]) -> None:
         """Follow these peers (``HOST:PORT``), and no others; this replica's own address is
