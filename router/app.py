@@ -15,7 +15,7 @@ from registry.admin import LiveView, admin_routes
 from registry.engine_api import RankTables
 from registry.http_allow import error_headers
 from registry.service import RegistryService
-from router.api import completions_doc, health, passthrough_doc, status
+from router.api import completions_doc, conversations_doc, health, passthrough_doc, status
 from router.api.deps import get_context
 from router.api.explain import explain_routes
 from router.api.openai import HOT_ROUTES, handle_completion
@@ -133,6 +133,7 @@ def create_app(settings: RouterSettings, role: ProcessRole | None = None) -> PDR
     api.include_router(explain_routes(settings.registry))
     api.include_router(status.router)
     api.include_router(completions_doc.router)
+    api.include_router(conversations_doc.router)
     api.include_router(passthrough_doc.router)
     _document_400s(api)
     # The engines' bootstrap APIs are served on listeners of their own, never on this port

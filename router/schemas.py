@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LAZY_BODY_BYTES",
+    "CONVERSATIONS",
     "Endpoint",
     "ParsedRequest",
     "RequestLimits",
@@ -39,6 +40,12 @@ __all__ = [
 class Endpoint(StrEnum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    RESPONSES = "/v1/responses"  # OpenAI Responses, stateless (docs/concepts/responses_messages.md)
+    MESSAGES = "/v1/messages"  # Anthropic Messages
+
+
+# the endpoints whose body holds one conversation and asks for one sequence (no n, no batch)
+CONVERSATIONS = frozenset({Endpoint.RESPONSES, Endpoint.MESSAGES})
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,7 +90,10 @@ _DEFAULT_LIMITS = RequestLimits()
 LAZY_BODY_BYTES = 1 << 20  # bodies above this keep large fields the router never reads raw
 _RAW_FIELD_BYTES = 64 << 10  # the size from which such a field stays raw
 # the top-level fields the router (envelope, features, tokenizers, adapters) reads
-_READ_FIELDS = frozenset({"model", "stream", "n", "prompt", "messages", "stream_options"})
+_READ_FIELDS = frozenset(
+    {"model", "stream", "n", "prompt", "messages", "stream_options"}
+    | {"input", "instructions", "system", "max_tokens", "previous_response_id", "background"}
+)
 _UTF8_SLICE = 1 << 20  # invalid UTF-8 in a raw field is found slice by slice
 
 
@@ -104,6 +114,9 @@ def parse_request(
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
     stream = _check_stream(body.get("stream", False))
+    if endpoint in CONVERSATIONS:
+        _check_conversation(endpoint, body)
+        return ParsedRequest(endpoint=endpoint, body=body, stream=stream, batch=None, n=1)
     n = _check_n(body.get("n", 1), limits.max_n)
     if endpoint is Endpoint.CHAT:
         _check_messages(body.get("messages"))
@@ -230,6 +243,38 @@ def _check_messages(value: Any) -> None:
         )
     if not all(isinstance(message, dict) for message in value):
         raise InvalidRequest("each entry of 'messages' must be an object", param="messages")
+
+
+def _check_conversation(endpoint: Endpoint, body: dict[str, Any]) -> None:
+    """A Responses body: an ``input`` and no server-side state (the engine that would hold a
+    stored conversation is one of several, chosen per request). A Messages body: ``messages``
+    and the ``max_tokens`` Anthropic's API requires."""
+    if endpoint is Endpoint.MESSAGES:
+        _check_messages(body.get("messages"))
+        limit = body.get("max_tokens")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidRequest(
+                "'max_tokens' is required and must be a positive integer", param="max_tokens"
+            )
+        return
+    given = body.get("input")
+    if not (isinstance(given, str) and given) and not (isinstance(given, list) and given):
+        raise InvalidRequest(
+            "'input' is required: a non-empty string or a non-empty list of items", param="input"
+        )
+    if body.get("previous_response_id") is not None:
+        raise InvalidRequest(
+            "'previous_response_id' is not supported through the PD router: responses are not "
+            "stored (each request may reach another engine); send the whole conversation in "
+            "'input'",
+            param="previous_response_id",
+        )
+    if body.get("background") is True:
+        raise InvalidRequest(
+            "'background' responses are not supported through the PD router: they need a "
+            "stored response on one engine",
+            param="background",
+        )
 
 
 def _prompt_batch(prompt: Any, max_batch: int) -> int | None:

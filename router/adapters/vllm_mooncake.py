@@ -65,7 +65,7 @@ class VllmMooncakeAdapter:
             "transfer_id": transfer_id,
         }
         return LegPlan(
-            prefill_body=vllm_prefill_body(request.body, prefill_params),
+            prefill_body=vllm_prefill_body(request, prefill_params),
             decode_body=decode_body,
             prefill_headers={"x-data-parallel-rank": str(rank)},
             transfer_ref=f"transfer_id={transfer_id}",

@@ -50,7 +50,7 @@ class VllmNixlAdapter:
         check_single_sequence(request, self.name)
 
     def plan(self, request: ParsedRequest, prefill: Worker, rank: int, decode: Worker) -> LegPlan:
-        body = vllm_prefill_body(request.body, dict(_PREFILL_PARAMS))
+        body = vllm_prefill_body(request, dict(_PREFILL_PARAMS))
         # a DP prefill computes on the rank the router chose (cache_aware: where its prefix is)
         headers = {"x-data-parallel-rank": str(rank)} if prefill.dp_size > 1 else {}
         return LegPlan(prefill_body=body, decode_body=None, prefill_headers=headers)

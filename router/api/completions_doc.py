@@ -13,7 +13,7 @@ from fastapi import APIRouter
 
 from registry.error_schema import ERROR_JSON, error_doc
 
-__all__ = ["ERROR_RESPONSES", "error_response", "json_body", "router"]
+__all__ = ["COMPLETION_RESPONSES", "ERROR_RESPONSES", "error_response", "json_body", "router"]
 
 
 error_response = error_doc  # an OpenAPI response of OpenAI-style error JSON
@@ -22,7 +22,7 @@ error_response = error_doc  # an OpenAPI response of OpenAI-style error JSON
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: error_response("Invalid request (OpenAI-style error JSON)"),
 }
-_COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
+COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The decode's answer: JSON, or an SSE stream when `stream` is true (a "
         'failure after the stream started arrives as a final `data: {"error": ...}` event)',
@@ -104,7 +104,7 @@ def _never() -> NoReturn:
 
 @router.post(
     "/v1/completions",
-    responses=_COMPLETION_RESPONSES,
+    responses=COMPLETION_RESPONSES,
     response_model=None,
     openapi_extra=json_body(_COMPLETION_BODY),
 )
@@ -115,7 +115,7 @@ async def completions() -> None:
 
 @router.post(
     "/v1/chat/completions",
-    responses=_COMPLETION_RESPONSES,
+    responses=COMPLETION_RESPONSES,
     response_model=None,
     openapi_extra=json_body(_CHAT_BODY),
 )

@@ -53,8 +53,7 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
             data = msgspec.json.decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
-        chat = isinstance(data, dict) and "messages" in data
-        endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
+        endpoint = _endpoint_of(data)
         parsed = parse_request(endpoint, raw, RequestLimits.from_settings(ctx.settings.server))
         chooser = ctx.pipeline.chooser
         features = await chooser.features(parsed)
@@ -66,3 +65,15 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
         return JSONResponse(answer)
 
     return routes
+
+
+def _endpoint_of(body: object) -> Endpoint:
+    """The completion endpoint a body is for, by its fields: ``input`` (Responses),
+    ``messages`` (chat; a Messages body routes alike), else completions."""
+    if not isinstance(body, dict):
+        return Endpoint.COMPLETIONS
+    if "input" in body:
+        return Endpoint.RESPONSES
+    if "messages" in body:
+        return Endpoint.CHAT
+    return Endpoint.COMPLETIONS

@@ -1,6 +1,7 @@
-"""The hot path: ``POST /v1/completions`` and ``/v1/chat/completions`` as a raw ASGI handler.
+"""The hot path: ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and
+``/v1/messages`` as a raw ASGI handler.
 
-FastAPI's routing and validation cost more CPU than the whole proxy step, so these two routes
+FastAPI's routing and validation cost more CPU than the whole proxy step, so these routes
 bypass it; everything else (health, models, admin) goes through FastAPI.
 """
 

@@ -16,7 +16,10 @@ sources):
   ``kv_transfer_params`` itself).
 
 The router never asks for usage it was not asked for: a stream carries it only when the client
-set ``stream_options.include_usage``, so streams without it are not checked.
+set ``stream_options.include_usage``, so streams without it are not checked. ``/v1/responses``
+answers carry ``usage`` always (a stream in its last event, ``response.completed``);
+``/v1/messages`` whole answers too, but a Messages stream splits it (input tokens in its first
+event, output tokens in its last), so such streams are not checked.
 """
 
 from __future__ import annotations
@@ -91,9 +94,15 @@ class PromptUsage:
 def _from_object(data: Any) -> PromptUsage | None:
     if not isinstance(data, dict):
         return None
+    if data.get("type") == "response.completed":  # a Responses stream's last event
+        data = data.get("response")
+        if not isinstance(data, dict):
+            return None
     usage = data.get("usage")
     if not isinstance(usage, dict):
         return None
+    if "input_tokens" in usage:
+        return _from_conversation_usage(usage)
     prompt = usage.get("prompt_tokens")
     if not isinstance(prompt, int):
         return None
@@ -104,6 +113,30 @@ def _from_object(data: Any) -> PromptUsage | None:
     if cached is None and isinstance(meta, dict):
         cached = meta.get("cached_tokens")
     created = details.get("created_cache_tokens")
+    return PromptUsage(
+        prompt,
+        cached if isinstance(cached, int) else None,
+        created if isinstance(created, int) else None,
+    )
+
+
+def _from_conversation_usage(usage: dict[str, Any]) -> PromptUsage | None:
+    """Responses ``usage``: ``input_tokens`` (the whole prompt) with
+    ``input_tokens_details.{cached_tokens, cache_write_tokens}``; Anthropic Messages: the
+    uncached, uncreated rest in ``input_tokens`` beside ``cache_read_input_tokens`` and
+    ``cache_creation_input_tokens`` (vLLM 0.32 fills both from the chat usage's
+    ``cached_tokens`` and ``created_cache_tokens``)."""
+    given = usage.get("input_tokens")
+    if not isinstance(given, int):
+        return None
+    details = usage.get("input_tokens_details")
+    if isinstance(details, dict):
+        cached, created = details.get("cached_tokens"), details.get("cache_write_tokens")
+        prompt = given
+    else:
+        cached = usage.get("cache_read_input_tokens")
+        created = usage.get("cache_creation_input_tokens")
+        prompt = given + sum(value for value in (cached, created) if isinstance(value, int))
     return PromptUsage(
         prompt,
         cached if isinstance(cached, int) else None,

@@ -185,7 +185,7 @@ class PDAttempt(Attempt):
         if request.stream:
             await responder.whole(200, b"text/event-stream", prefill_answer_events(request, answer))
         else:
-            await responder.whole(200, _JSON, prefill_answer_body(answer))
+            await responder.whole(200, _JSON, prefill_answer_body(request, answer))
 
     async def _prefill(self, body: bytes, headers: dict[str, str]) -> bytes:
         """The prefill leg: its whole answer (the KV's whereabouts), or its error."""

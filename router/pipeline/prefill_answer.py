@@ -4,6 +4,8 @@ A vLLM prefill whose token is a stop token answers ``finish_reason: "stop"`` and
 no decode can continue it, and the generation is complete. The client gets that answer: as is
 (without the engine-internal ``kv_transfer_params``) for a plain request, or as the one-event
 stream a co-located engine would have sent (plus the usage event when asked, then ``[DONE]``).
+``/v1/responses`` and ``/v1/messages`` streams are the events their engines send for a
+one-token answer (``router.pipeline.conversation_events``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from router.pipeline.conversation_events import message_events, response_events
 from router.schemas import Endpoint, ParsedRequest
 
 __all__ = ["prefill_answer_body", "prefill_answer_events"]
@@ -19,13 +22,27 @@ __all__ = ["prefill_answer_body", "prefill_answer_events"]
 _encode = msgspec.json.Encoder().encode
 
 
-def prefill_answer_body(answer: dict[str, Any]) -> bytes:
-    """The non-streaming answer: the prefill's, without its KV hand-off parameters."""
-    return _encode({key: value for key, value in answer.items() if key != "kv_transfer_params"})
+def prefill_answer_body(request: ParsedRequest, answer: dict[str, Any]) -> bytes:
+    """The non-streaming answer: the prefill's, without its KV hand-off parameters (and, for
+    a response, with the client's own ``max_output_tokens`` and ``store``)."""
+    return _encode(client_answer(request, answer))
+
+
+def client_answer(request: ParsedRequest, answer: dict[str, Any]) -> dict[str, Any]:
+    """The prefill's answer as the client's: the prefill leg's own settings taken out."""
+    own = {key: value for key, value in answer.items() if key != "kv_transfer_params"}
+    if request.endpoint is Endpoint.RESPONSES:
+        own["max_output_tokens"] = request.body.get("max_output_tokens")
+        own["store"] = request.body.get("store", True)
+    return own
 
 
 def prefill_answer_events(request: ParsedRequest, answer: dict[str, Any]) -> bytes:
     """The streaming answer: one event per choice, the usage event if asked, ``[DONE]``."""
+    if request.endpoint is Endpoint.RESPONSES:
+        return response_events(client_answer(request, answer))
+    if request.endpoint is Endpoint.MESSAGES:
+        return message_events(client_answer(request, answer))
     chat = request.endpoint is Endpoint.CHAT
     head = {
         "id": answer.get("id"),

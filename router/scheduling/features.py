@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from router.conversations import conversation_messages
 from router.kv_cache.index import chain_keys
 from router.scheduling.tokenizers import (
     INLINE_ENCODE_CHARS,
@@ -69,8 +70,13 @@ class RequestFeatures:
 
 def request_text(request: ParsedRequest) -> str | None:
     """The text approximate routing matches on: each chat message as ``role: content`` on its
-    own line, or the completions prompt. None for batched or token-id prompts."""
+    own line (a Responses or Messages conversation as its chat messages,
+    ``router.conversations``), or the completions prompt. None for batched or token-id
+    prompts."""
     body = request.body
+    conversation = conversation_messages(request)
+    if conversation is not None:
+        return "".join(f"{message['role']}: {message['content']}\n" for message in conversation)
     if request.endpoint is Endpoint.CHAT:
         return "".join(
             f"{message.get('role', '')}: {message_text(message.get('content'))}\n"

@@ -37,6 +37,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from registry.models import redact_url
+from router.conversations import conversation_messages
 from router.scheduling.prompt_pieces import CHUNK_CHARS, PromptSplitter
 from router.scheduling.segment_cache import INLINE_ENCODE_CHARS, CachedEncoder
 from router.schemas import Endpoint, ParsedRequest
@@ -55,8 +56,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 RENDER_TIMEOUT_S = 5.0
+_CHAT_RENDER = "/v1/chat/completions/render"  # also for a Responses or Messages conversation
 _RENDER_PATHS = {
-    Endpoint.CHAT: "/v1/chat/completions/render",
+    Endpoint.CHAT: _CHAT_RENDER,
     Endpoint.COMPLETIONS: "/v1/completions/render",
 }
 
@@ -98,6 +100,15 @@ def token_id_prompt(request: ParsedRequest) -> list[int] | None:
     ):
         return [int(token) for token in prompt]
     return None
+
+
+def _chat_body(request: ParsedRequest) -> dict[str, Any]:
+    """The body as the chat request its engine makes of it: a Responses or Messages
+    conversation as its chat messages (``router.conversations``), other bodies as they are."""
+    conversation = conversation_messages(request)
+    if conversation is None:
+        return request.body
+    return {"model": request.body.get("model"), "messages": conversation}
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -180,8 +191,8 @@ class LocalTokenizer(CachedEncoder):
         ids = token_id_prompt(request)
         if ids is not None or request.batch is not None:
             return ids
-        if request.endpoint is Endpoint.CHAT:
-            text = self.render_chat(request.body)
+        if request.endpoint is not Endpoint.COMPLETIONS:
+            text = self.render_chat(_chat_body(request))
             if text is None:
                 return None
             return await self.aencode(text, add_special_tokens=False)
@@ -232,10 +243,10 @@ class RenderTokenizer:
         ids = token_id_prompt(request)
         if ids is not None or request.batch is not None:
             return ids
-        url = self._url + _RENDER_PATHS[request.endpoint]
+        url = self._url + _RENDER_PATHS.get(request.endpoint, _CHAT_RENDER)
         try:
             # msgspec: a large body's unread fields are msgspec.Raw slices (router.schemas)
-            content = msgspec.json.encode(request.body)
+            content = msgspec.json.encode(_chat_body(request))
             response = await self._client.post(url, content=content, headers=_JSON_HEADERS)
             response.raise_for_status()
             return _render_ids(response.json())

@@ -1,9 +1,9 @@
 """Hypothesis against the request parser (``router.schemas.parse_request``) and the router.
 
-Bodies are OpenAI completion and chat bodies, valid or nearly so (random extra fields, wrong types,
-huge and tiny numbers, unicode, brackets and escapes inside strings, nesting around and far beyond
-the depth limit, n and batch around their bounds), and raw bytes made from them (truncated, with
-invalid UTF-8, not an object). Properties:
+Bodies are OpenAI completion, chat and Responses bodies and Anthropic Messages bodies, valid or
+nearly so (random extra fields, wrong types, huge and tiny numbers, unicode, brackets and escapes
+inside strings, nesting around and far beyond the depth limit, n and batch around their bounds),
+and raw bytes made from them (truncated, with invalid UTF-8, not an object). Properties:
 
 * the parser returns a ``ParsedRequest`` or raises ``InvalidRequest`` (400), nothing else, and it
   accepts exactly the bodies ``_expected_valid`` (the rules, written out again here) accepts;
@@ -92,14 +92,34 @@ _MESSAGES = (
 )
 
 
+_INPUTS = (  # /v1/responses
+    _TRICKY | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _TRICKY})),
+    st.sampled_from(["", []]) | JSON_VALUES,
+)
+_STATE = (  # Responses fields that ask for a stored response: absent or off is valid
+    st.none() | st.just(False),
+    st.just(True) | _TRICKY,
+)
+_PROMPT_FIELDS = {
+    Endpoint.COMPLETIONS: [("prompt", _PROMPTS)],
+    Endpoint.CHAT: [("messages", _MESSAGES)],
+    Endpoint.MESSAGES: [("messages", _MESSAGES)],
+    Endpoint.RESPONSES: [
+        ("input", _INPUTS),
+        ("previous_response_id", (st.none(), _TRICKY)),
+        ("background", _STATE),
+    ],
+}
+
+
 @st.composite
 def bodies(draw: st.DrawFn, endpoint: Endpoint) -> dict[str, Any]:
-    """A completion (or chat) body: random extra fields, then each envelope field right (mostly),
-    wrong, or absent."""
+    """A completion (chat, Responses, Messages) body: random extra fields, then each envelope
+    field right (mostly), wrong, or absent."""
     body: dict[str, Any] = draw(st.dictionaries(_TRICKY, JSON_VALUES, max_size=3))
-    prompt = ("prompt", _PROMPTS) if endpoint is Endpoint.COMPLETIONS else ("messages", _MESSAGES)
-    for key, (valid, wrong) in [*_FIELDS.items(), prompt]:
-        right = 12 if key == prompt[0] else 17  # out of 20; the prompt goes wrong most often
+    prompt = _PROMPT_FIELDS[endpoint]
+    for key, (valid, wrong) in [*_FIELDS.items(), *prompt]:
+        right = 12 if key == prompt[0][0] else 17  # out of 20; the prompt goes wrong most often
         choice = draw(st.integers(0, 19))
         if choice < right:
             body[key] = draw(valid)
@@ -193,6 +213,8 @@ def _expected_valid(endpoint: Endpoint, body: Any, limits: RequestLimits) -> boo
     model, stream, n = body.get("model"), body.get("stream"), body.get("n")
     if not (isinstance(model, str) and model) or not (stream is None or isinstance(stream, bool)):
         return False
+    if endpoint in (Endpoint.RESPONSES, Endpoint.MESSAGES):
+        return _conversation_valid(endpoint, body)  # one sequence: n is not theirs
     if n is None:
         n = 1
     if not _is_int(n) or not 1 <= n <= limits.max_n:
@@ -203,6 +225,16 @@ def _expected_valid(endpoint: Endpoint, body: Any, limits: RequestLimits) -> boo
         return bool(ok) and n <= limits.max_sequences
     batch = _batch(body.get("prompt"), limits)
     return batch is not False and (batch or 1) * n <= limits.max_sequences
+
+
+def _conversation_valid(endpoint: Endpoint, body: dict[str, Any]) -> bool:
+    if endpoint is Endpoint.MESSAGES:
+        messages, limit = body.get("messages"), body.get("max_tokens")
+        ok = isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)
+        return bool(ok) and _is_int(limit) and limit >= 1
+    given = body.get("input")
+    stateless = body.get("previous_response_id") is None and body.get("background") is not True
+    return bool(isinstance(given, str | list) and given) and stateless
 
 
 def _decoded(raw: bytes) -> tuple[bool, Any]:
@@ -231,7 +263,9 @@ def _check_parsed(parsed: ParsedRequest, endpoint: Endpoint, limits: RequestLimi
     assert parsed.endpoint is endpoint
     assert isinstance(body["model"], str) and body["model"]
     assert parsed.stream is (body.get("stream") is True)
-    assert parsed.n == (body.get("n") or 1) and 1 <= parsed.n <= limits.max_n
+    conversation = endpoint in (Endpoint.RESPONSES, Endpoint.MESSAGES)
+    assert parsed.n == (1 if conversation else body.get("n") or 1)
+    assert 1 <= parsed.n <= limits.max_n
     assert parsed.batch is None or 1 <= parsed.batch <= limits.max_batch
     assert parsed.sample_count <= limits.max_sequences
     # what the adapters forward: the body re-encoded, which parses to the same request
