@@ -261,10 +261,10 @@ class RouteChooser:
             return PrefillChoice(pinned, held.rank, policy.name)
         features = features or RequestFeatures()
         chosen = policy.choose_prefill(prefills, features)
-        if chosen.worker is pinned:
+        if chosen.worker is pinned and chosen.rank == held.rank:
             return chosen
-        own = policy.choose_prefill([pinned], features)
         assert self.sessions is not None
+        own = self.sessions.as_judged(policy, prefills, features, pinned, held.rank)
         return self.sessions.weigh(held, chosen, own, features.prompt_tokens)
 
     def _avoid_open_pair(

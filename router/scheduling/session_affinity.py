@@ -30,7 +30,9 @@ from typing import Any
 from router.errors import NoWorkerAvailable
 from router.fleet.circuit_breaker import Circuits
 from router.observability.metrics import RouterMetrics
-from router.scheduling.policies import PrefillChoice
+from router.scheduling.features import RequestFeatures
+from router.scheduling.policies import Policy, PrefillChoice
+from router.scheduling.policies.base import LOAD
 from router.scheduling.session_pins import Pin, SessionAsk, SessionPins
 from router.settings import SessionSettings
 from router.upstream.base import UpstreamPool
@@ -162,6 +164,29 @@ class SessionAffinity:
             for place in range(max(candidate.dp_size, 1))
         )
         return worker.load_score(rank) > bound * (least + 1)
+
+    def as_judged(
+        self,
+        policy: Policy,
+        prefills: list[Worker],
+        features: RequestFeatures,
+        pinned: Worker,
+        rank: int,
+    ) -> PrefillChoice:
+        """The pinned prefill rank as the policy judges it among all the candidates (one
+        judgement for all: judged alone, a rank might be matched another way): its predicted
+        cached prompt tokens, from the policy's ``scores``."""
+        mode, rows = policy.scores(prefills, features)
+        cached = next(
+            (
+                row["predicted_cached_tokens"] or 0
+                for row in rows
+                if row["worker"] == pinned.public_url and row["dp_rank"] == rank
+            ),
+            0,
+        )
+        how = mode if mode is not None and cached > 0 else LOAD
+        return PrefillChoice(pinned, rank, how, cached, mode or LOAD, predicted=True)
 
     def weigh(
         self, held: Held, chosen: PrefillChoice, pinned: PrefillChoice, prompt_tokens: int | None
