@@ -111,7 +111,12 @@ class RouteChooser:
         """Choose (timed), decide whether to skip the prefill leg, and count the outcome;
         ``session``: the request's session, pinned (again) to the route chosen."""
         started = time.perf_counter()
-        route, held = self._select(failed, features, session)
+        try:
+            route, held = self._select(failed, features, session)
+        except PinUnavailable as exc:
+            if self.sessions is not None:
+                self.sessions.refused(exc)
+            raise
         if session is not None and held is not None and self.sessions is not None:
             prompt = None if features is None else features.prompt_tokens
             self.sessions.record(session, held, (route.prefill, route.rank, route.decode), prompt)
@@ -188,7 +193,7 @@ class RouteChooser:
             decodes = [w for w in decodes if w.id not in failed] or decodes
         held = None
         if session is not None and self.sessions is not None:
-            held = self._hold(session, prefills, decodes, failed)
+            held = self.sessions.hold(session, prefills, decodes, failed)
         pinned_decode = None if held is None else held.decode
         decode = pinned_decode or self._decode_policy.choose(decodes)
         if self._may_skip and self.saturated(prefills):
@@ -202,17 +207,6 @@ class RouteChooser:
         if self._may_skip and self._few_uncached(route, features):
             return Route(None, 0, decode, route.choice, "few_uncached_tokens"), held
         return route, held
-
-    def _hold(
-        self, session: SessionAsk, prefills: list[Worker], decodes: list[Worker], failed: set[str]
-    ) -> Held:
-        """The session's pin as found now; a hard pin's refusal is counted."""
-        assert self.sessions is not None
-        try:
-            return self.sessions.hold(session, prefills, decodes, failed)
-        except PinUnavailable as exc:
-            self.sessions.refused(exc)
-            raise
 
     def _closed(self, healthy: list[Worker], role: str) -> list[Worker]:
         """The healthy workers whose breaker lets a request through; raises NoWorkerAvailable

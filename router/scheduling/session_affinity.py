@@ -220,7 +220,9 @@ class SessionAffinity:
         self.pins.pin(ask.key, prefill_id, rank, decode.id, tokens)
         if pin is None:
             outcome, why = NEW, ""
-        elif (pin.prefill, pin.rank, pin.decode) == (prefill_id, rank, decode.id):
+        elif decode.id == pin.decode and (
+            pin.prefill is None or (pin.prefill, pin.rank) == (prefill_id, rank)
+        ):  # a pin without a prefill (its requests skipped the leg) gains one: still a hit
             outcome, why = HIT, ""
         else:
             outcome, why = REPINNED, held.why or "policy"

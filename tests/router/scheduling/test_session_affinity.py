@@ -154,6 +154,9 @@ def test_a_hard_pin_refuses_rather_than_moving_the_session() -> None:
         fleet.route()
     assert refused.value.status == 503 and "pinned (hard)" in refused.value.message
     assert fleet.counted("refused", "draining") == 1
+    explained = fleet.chooser.explain(None, SESSION)
+    assert explained["choice"] is None and "pinned (hard)" in explained["error"]
+    assert fleet.counted("refused", "draining") == 1  # explaining counts nothing
     worker.draining = False
     worker.rank_inflight[0] = 50  # load never moves a hard pin
     assert where(fleet.route()) == (prefill, decode)
