@@ -243,8 +243,7 @@ def _build_parts(
     """Build every part; nothing starts, nothing is sent."""
     adapter = build_adapter(settings.engine)
     pool = _build_pool(settings.admission, adapter.needs_engine_ids, board)
-    features = settings.features
-    metrics = RouterMetrics(enabled=features.metrics)
+    metrics = RouterMetrics(enabled=settings.features.metrics)
     circuits = _build_circuits(settings, pool, metrics)
     store, fleet, load_monitor = _build_fleet(settings, tables, pool, metrics, role)
     cache = settings.cache
@@ -275,7 +274,8 @@ def _build_parts(
         pairs=telemetry.pairs,
         observability=settings.observability,
         circuits=circuits,
-        receipts=features.receipts,
+        receipts=settings.features.receipts,
+        session_settings=settings.session,
     )
     outlier = OutlierDetector(
         pool,

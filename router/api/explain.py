@@ -4,8 +4,10 @@ Takes a completion body (``messages``: chat, else completions), computes its pro
 a request would (tokenizing it when the policy needs token ids) and returns the candidates with
 what the policies weigh (load, prefill tokens pending, predicted cached tokens, cost; with
 precise ``cache_aware`` also the matched blocks per cache tier, ``cached_blocks_by_tier``, and
-their tier-weighted worth, ``credited_blocks``) and the route the router would choose now. Admin
-auth, like the rest of ``/admin``.
+their tier-weighted worth, ``credited_blocks``) and the route the router would choose now. With
+session affinity on, also the pin table's size and bounds and, when the request names its
+session (``X-Session-Id``, ``--session-header``), that session's pin (explain neither pins nor
+refreshes it). Admin auth, like the rest of ``/admin``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from registry.admin import ADMIN_RESPONSES, authorizer, read_bounded_body
 from registry.settings import RegistrySettings
 from router.api.completions_doc import error_response
 from router.api.deps import get_context
+from router.api.openai import read_headers
 from router.errors import InvalidRequest
 from router.schemas import Endpoint, RequestLimits, parse_request
 
@@ -55,12 +58,21 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
         endpoint = _endpoint_of(data)
         parsed = parse_request(endpoint, raw, RequestLimits.from_settings(ctx.settings.server))
+        sessions = ctx.pipeline.sessions
+        session = None
+        if sessions is not None:
+            *_, bad_header, session = read_headers(
+                request.scope, ctx.settings.server.max_request_id_bytes, False,
+                sessions.header_name, sessions.max_key_bytes,
+            )  # fmt: skip
+            if bad_header is not None:
+                raise bad_header
         chooser = ctx.pipeline.chooser
         features = await chooser.features(parsed)
         answer: dict[str, Any] = {
             "endpoint": endpoint.value,
             "engine": ctx.settings.engine.value,
-            **chooser.explain(features),
+            **chooser.explain(features, session),
         }
         return JSONResponse(answer)
 

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from router.api.request_body import BodyShare, parse_in_turn, read_body
@@ -28,6 +29,7 @@ from router.observability.logs import REQUEST_ID
 from router.observability.receipt import RoutingReceipt
 from router.observability.tracing import TraceSpan
 from router.pipeline.responder import Responder
+from router.scheduling.session_pins import SessionAsk
 from router.schemas import (
     LAZY_BODY_BYTES,
     Endpoint,
@@ -53,6 +55,8 @@ HOT_ROUTES = {endpoint.value: endpoint for endpoint in Endpoint}
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 _REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # printable ASCII: it goes into headers and logs
 _MAX_TRACE_HEADER = 512  # W3C: tracestate may be cut beyond 512 chars; longer ones are dropped
+_SESSION_AFFINITY = b"x-session-affinity"  # a request's own choice: soft or hard
+_AFFINITIES = {b"soft": False, b"hard": True}
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": counted for a client that left
 
 
@@ -61,9 +65,8 @@ async def handle_completion(
 ) -> None:
     """Serve one completion request; never raises (errors are rendered to the client)."""
     started = time.monotonic()
-    settings = ctx.settings
-    request_id, authorization, content_length, trace_context, bad_id = read_headers(
-        scope, settings.server.max_request_id_bytes, settings.features.trace_headers
+    request_id, authorization, content_length, trace_context, bad_header, session = (
+        _completion_headers(ctx, scope)
     )
     token = REQUEST_ID.set(request_id)
     responder = responder_for(scope, send, request_id)
@@ -74,11 +77,14 @@ async def handle_completion(
     task = ctx.lifecycle.track()
     share = BodyShare(ctx.admission.body_memory)
     try:
-        request = await _read_request(ctx, scope, receive, endpoint, content_length, share, bad_id)
+        request = await _read_request(
+            ctx, scope, receive, endpoint, content_length, share, bad_header
+        )
         stream = request.stream
         headers = upstream_headers(request_id, authorization, trace_context)
         disconnected = client_gone(scope, receive)
-        await _admit_and_route(ctx, request, headers, responder, disconnected, receipt, span)
+        routing = _Routing(responder, disconnected, receipt, span, session)
+        await _admit_and_route(ctx, request, headers, routing)
         status = responder.status or 500
     except ClientDisconnected:
         status = CLIENT_GONE_STATUS
@@ -113,28 +119,42 @@ async def handle_completion(
         REQUEST_ID.reset(token)
 
 
+@dataclass(frozen=True, slots=True)
+class _Routing:
+    """What routing one request needs besides its body and upstream headers. ``disconnected``:
+    the client leaving, queued or served (cancelled at the end); ``session``: the session the
+    request names."""
+
+    responder: Responder
+    disconnected: asyncio.Future[Any]
+    receipt: RoutingReceipt
+    span: TraceSpan | None
+    session: SessionAsk | None
+
+
 async def _admit_and_route(
-    ctx: AppContext,
-    request: ParsedRequest,
-    headers: dict[str, str],
-    responder: Responder,
-    disconnected: asyncio.Future[Any],
-    receipt: RoutingReceipt,
-    span: TraceSpan | None,
+    ctx: AppContext, request: ParsedRequest, headers: dict[str, str], routing: _Routing
 ) -> None:
     """Wait for admission, a unit per sequence (429 when overloaded), then route; the units
-    are held until the response ended (a stream's last byte), whatever happens.
-    ``disconnected``: the client leaving, queued or served (cancelled at the end)."""
+    are held until the response ended (a stream's last byte), whatever happens."""
     sequences = request.sample_count
+    disconnected = routing.disconnected
     try:
-        if not ctx.settings.features.admission:  # the CPU ledger's "admission off"
-            await ctx.pipeline.handle(request, headers, responder, disconnected, receipt, span)
-            return
-        await ctx.admission.acquire(disconnected, sequences)
+        if ctx.settings.features.admission:  # off: the CPU ledger's "admission off"
+            await ctx.admission.acquire(disconnected, sequences)
         try:
-            await ctx.pipeline.handle(request, headers, responder, disconnected, receipt, span)
+            await ctx.pipeline.handle(
+                request,
+                headers,
+                routing.responder,
+                disconnected,
+                routing.receipt,
+                routing.span,
+                routing.session,
+            )
         finally:
-            ctx.admission.release(sequences)
+            if ctx.settings.features.admission:
+                ctx.admission.release(sequences)
     finally:
         disconnected.cancel()
 
@@ -190,14 +210,14 @@ async def _read_request(
     endpoint: Endpoint,
     content_length: int | None,
     share: BodyShare,
-    bad_id: InvalidRequest | None,
+    bad_header: InvalidRequest | None,
 ) -> ParsedRequest:
     """The parsed request; its body counts in the body memory budget through ``share`` (by its
     Content-Length, if any, before a byte is read)."""
     if scope["method"] != "POST":
         raise MethodNotAllowed(f"method {scope['method']} is not allowed on {endpoint.value}")
-    if bad_id is not None:
-        raise bad_id
+    if bad_header is not None:
+        raise bad_header
     server = ctx.settings.server
     raw = await read_body(receive, server.max_body_bytes, content_length, share)
     if len(raw) > LAZY_BODY_BYTES:
@@ -206,14 +226,33 @@ async def _read_request(
     return parse_request(endpoint, raw, RequestLimits.from_settings(server))
 
 
+def _completion_headers(
+    ctx: AppContext, scope: Scope
+) -> tuple[str, str | None, int | None, dict[str, str], InvalidRequest | None, SessionAsk | None]:
+    """``read_headers`` with the router's settings (the session header, when affinity is on)."""
+    settings, sessions = ctx.settings, ctx.pipeline.sessions
+    return read_headers(
+        scope,
+        settings.server.max_request_id_bytes,
+        settings.features.trace_headers,
+        sessions.header_name if sessions is not None else b"",
+        sessions.max_key_bytes if sessions is not None else 0,
+    )
+
+
 def read_headers(
-    scope: Scope, max_id_bytes: int, trace_headers: bool
-) -> tuple[str, str | None, int | None, dict[str, str], InvalidRequest | None]:
-    """The request id, authorization, content length, W3C trace context headers, and the 400
-    owed for a bad X-Request-Id (the request then gets a generated id: a bad one is never
-    echoed, forwarded or logged)."""
+    scope: Scope,
+    max_id_bytes: int,
+    trace_headers: bool,
+    session_header: bytes = b"",
+    max_session_key_bytes: int = 0,
+) -> tuple[str, str | None, int | None, dict[str, str], InvalidRequest | None, SessionAsk | None]:
+    """The request id, authorization, content length, W3C trace context headers, the 400 owed
+    for a bad X-Request-Id (the request then gets a generated id: a bad one is never echoed,
+    forwarded or logged) or session key, and the session the request names
+    (``session_header``: the lower-case header name; empty: none is read)."""
     raw_id = b""
-    authorization = length = None
+    authorization = length = raw_session = None
     trace_context: dict[str, str] = {}
     for name, value in scope["headers"]:
         if name == b"x-request-id":
@@ -222,12 +261,38 @@ def read_headers(
             authorization = value.decode("latin-1")
         elif name == b"content-length":
             length = value
+        elif name == session_header:
+            raw_session = value
         elif trace_headers and name in _TRACE_HEADERS and len(value) <= _MAX_TRACE_HEADER:
             trace_context[name.decode()] = value.decode("latin-1")
     content_length = int(length) if length is not None and length.isdigit() else None
-    bad_id = _check_request_id(raw_id, max_id_bytes)
-    request_id = raw_id.decode("ascii") if raw_id and bad_id is None else os.urandom(16).hex()
-    return request_id, authorization, content_length, trace_context, bad_id
+    bad = _check_request_id(raw_id, max_id_bytes)
+    request_id = raw_id.decode("ascii") if raw_id and bad is None else os.urandom(16).hex()
+    session = None
+    if raw_session:  # only a request naming its session pays for the rest
+        session, bad_session = _session_ask(scope, raw_session, max_session_key_bytes)
+        bad = bad or bad_session
+    return request_id, authorization, content_length, trace_context, bad, session
+
+
+def _session_ask(
+    scope: Scope, raw_key: bytes, max_key_bytes: int
+) -> tuple[SessionAsk | None, InvalidRequest | None]:
+    """The session a request names, with the pin it asks for (``X-Session-Affinity``), or the
+    400 owed for a bad key (over ``max_key_bytes``, or not printable ASCII: it is shown by
+    ``/admin/explain``) or affinity."""
+    if len(raw_key) > max_key_bytes or not _REQUEST_ID.fullmatch(raw_key):
+        return None, InvalidRequest(
+            f"the session key must be at most {max_key_bytes} printable ASCII characters "
+            f"(0x21-0x7E); got {len(raw_key)} bytes"
+        )
+    hard = None
+    for name, value in scope["headers"]:
+        if name == _SESSION_AFFINITY:
+            hard = _AFFINITIES.get(value.strip().lower())
+            if hard is None:
+                return None, InvalidRequest("X-Session-Affinity must be 'soft' or 'hard'")
+    return SessionAsk(raw_key.decode("ascii"), hard), None
 
 
 def _check_request_id(raw_id: bytes, max_id_bytes: int) -> InvalidRequest | None:

@@ -64,7 +64,7 @@ async def handle_passthrough(
     """Serve one pass-through request; never raises (errors are rendered to the client)."""
     started = time.monotonic()
     settings = ctx.settings
-    request_id, authorization, content_length, trace_context, bad_id = read_headers(
+    request_id, authorization, content_length, trace_context, bad_id, _ = read_headers(
         scope, settings.server.max_request_id_bytes, settings.features.trace_headers
     )
     token = REQUEST_ID.set(request_id)

@@ -92,6 +92,8 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
         "admission": _admission(ctx.admission, ctx.settings.admission),
         "circuits": circuits,
         "replicas": None if ctx.fleet.replicas is None else ctx.fleet.replicas.stats(),
+        # this process's session pin table (None: session affinity off)
+        "sessions": None if ctx.pipeline.sessions is None else ctx.pipeline.sessions.pins.stats(),
     }
 
 

@@ -133,6 +133,14 @@ class RouterMetrics:
             ["policy", "outcome"],
             registry=registry,
         )
+        self.session_pins = Counter(
+            "pdr_session_pins",
+            "Routing choices of requests naming their session, by outcome (hit: the pin held; "
+            "new; repinned; refused: a hard pin's worker unavailable, 503) and reason (why the "
+            "pin yielded: gone, failed, unhealthy, draining, broken, busy, overloaded, policy)",
+            ["outcome", "reason"],
+            registry=registry,
+        )
         self.tokenize_seconds = Histogram(
             "pdr_tokenize_seconds",
             "Time to get one request's prompt token ids (local tokenizer or render API)",

@@ -35,12 +35,15 @@ from router.pipeline.verdicts import Verdicts, retryable
 from router.scheduling.chooser import Route, RouteChooser
 from router.scheduling.features import Featurizer
 from router.scheduling.policies import Policy
+from router.scheduling.session_affinity import SessionAffinity
+from router.scheduling.session_pins import SessionAsk
 from router.schemas import ParsedRequest
 from router.settings import (
     CacheAwareSettings,
     CircuitBreakerSettings,
     HealthSettings,
     ObservabilitySettings,
+    SessionSettings,
     UpstreamSettings,
 )
 from router.upstream.base import UpstreamPool, is_worker_fault
@@ -81,11 +84,18 @@ class Pipeline:
         observability: ObservabilitySettings | None = None,
         circuits: Circuits | None = None,
         receipts: bool = True,
+        session_settings: SessionSettings | None = None,
     ) -> None:
+        """``session_settings``: session affinity (default: on, with the default header; an
+        empty header: off)."""
         self._receipts = receipts  # the x-pdr-* response headers
         self.circuits = circuits or build_circuits(health_settings, CircuitBreakerSettings())
         self._adapter = adapter
         self._metrics = metrics = metrics or RouterMetrics()
+        sessions = session_settings or SessionSettings()
+        self.sessions = (
+            SessionAffinity(sessions, pool, metrics, self.circuits) if sessions.header else None
+        )
         self.chooser = RouteChooser(
             pool,
             adapter.decode_can_prefill,
@@ -95,6 +105,7 @@ class Pipeline:
             cache_settings or CacheAwareSettings(),
             featurizer or Featurizer(None),
             self.circuits,
+            self.sessions,
         )
         self._verdicts = Verdicts(
             pool,
@@ -116,20 +127,24 @@ class Pipeline:
         disconnected: asyncio.Future[Any],
         receipt: RoutingReceipt | None = None,
         trace: TraceSpan | None = None,
+        session: SessionAsk | None = None,
     ) -> None:
         """Serve ``request``; raises RouterError for the caller to render, or ClientDisconnected.
 
         ``receipt`` gets where the request went and how long each stage took (also sent as
-        ``x-pdr-*`` response headers); ``trace``: the request's span, when tracing is on."""
+        ``x-pdr-*`` response headers); ``trace``: the request's span, when tracing is on;
+        ``session``: the session the request names (its pin is followed and refreshed)."""
         self._adapter.check(request)
         receipt = receipt if receipt is not None else RoutingReceipt()
         if request.n > 1 and self._adapter.splits_samples:
             split = SampleSplit(request, responder, self._settings.max_answer_bytes)
             await split.run(
-                lambda part, sink: self._serve(part, headers, sink, disconnected, receipt, trace)
+                lambda part, sink: self._serve(
+                    part, headers, sink, disconnected, receipt, trace, session
+                )
             )
             return
-        await self._serve(request, headers, responder, disconnected, receipt, trace)
+        await self._serve(request, headers, responder, disconnected, receipt, trace, session)
 
     async def _serve(
         self,
@@ -139,6 +154,7 @@ class Pipeline:
         disconnected: asyncio.Future[Any],
         receipt: RoutingReceipt,
         trace: TraceSpan | None,
+        session: SessionAsk | None = None,
     ) -> None:
         attempts = self._settings.max_retries + 1
         failed: set[str] = set()
@@ -148,7 +164,7 @@ class Pipeline:
         features = await self.chooser.features(request)
         for attempt in range(1, attempts + 1):
             try:
-                route = self.chooser.route(failed, features, count=attempt == 1)
+                route = self.chooser.route(failed, features, count=attempt == 1, session=session)
             except NoWorkerAvailable as exc:
                 if span is not None:
                     span.fail(exc)

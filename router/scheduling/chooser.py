@@ -14,6 +14,9 @@ is open is avoided: another decode for that prefill if one's pair is not open, e
 prefill; when every pair is open the policies' choice goes through anyway (best effort: both
 workers are healthy, only their pairing failed lately). A half-open breaker on the route gives
 the attempt its trial permit (``Route.trials``), handed back when the attempt ends.
+
+Session affinity (``router.scheduling.session_affinity``): a request naming its session takes
+the pinned prefill rank and decode while they hold; every route taken re-pins the session.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from router.fleet.circuit_breaker import CircuitBreaker, Circuits
 from router.observability.metrics import RouterMetrics
 from router.scheduling.features import Featurizer, RequestFeatures
 from router.scheduling.policies import Policy, PrefillChoice
+from router.scheduling.session_affinity import Held, PinUnavailable, SessionAffinity
+from router.scheduling.session_pins import SessionAsk
 from router.schemas import ParsedRequest
 from router.settings import CacheAwareSettings
 from router.upstream.base import UpstreamPool
@@ -66,10 +71,13 @@ class RouteChooser:
         cache_settings: CacheAwareSettings,
         featurizer: Featurizer,
         circuits: Circuits | None = None,
+        sessions: SessionAffinity | None = None,
     ) -> None:
         """``decode_can_prefill``: the protocol adapter's word (``PDAdapter.decode_can_prefill``):
-        whether the decode prefills a request without KV transfer fields by itself."""
+        whether the decode prefills a request without KV transfer fields by itself;
+        ``sessions``: the session pins (None: no session affinity)."""
         self._pool = pool
+        self.sessions = sessions
         self._circuits = circuits
         self._prefill_policy = prefill_policy
         self._decode_policy = decode_policy
@@ -92,10 +100,26 @@ class RouteChooser:
             return None
         return await self._featurizer.features(request, tokens=self._wants_tokens)
 
-    def route(self, failed: set[str], features: RequestFeatures | None, *, count: bool) -> Route:
-        """Choose (timed), decide whether to skip the prefill leg, and count the outcome."""
+    def route(
+        self,
+        failed: set[str],
+        features: RequestFeatures | None,
+        *,
+        count: bool,
+        session: SessionAsk | None = None,
+    ) -> Route:
+        """Choose (timed), decide whether to skip the prefill leg, and count the outcome;
+        ``session``: the request's session, pinned (again) to the route chosen."""
         started = time.perf_counter()
-        route = self._select(failed, features)
+        try:
+            route, held = self._select(failed, features, session)
+        except PinUnavailable as exc:
+            if self.sessions is not None:
+                self.sessions.refused(exc)
+            raise
+        if session is not None and held is not None and self.sessions is not None:
+            prompt = None if features is None else features.prompt_tokens
+            self.sessions.record(session, held, (route.prefill, route.rank, route.decode), prompt)
         if self._circuits is not None:
             trials = self._circuits.trials(route.prefill, route.decode)
             route = replace(route, trials=trials) if trials else route
@@ -118,10 +142,13 @@ class RouteChooser:
             return f"{SKIPPED}_{route.reason}"
         return route.choice.how if route.choice is not None else self._prefill_policy.name
 
-    def explain(self, features: RequestFeatures | None) -> dict[str, Any]:
-        """The candidates with what the policies weigh, and the route this request would take
-        now. Sends nothing and records no prediction; like a request, it moves the policies'
-        round-robin cursors (ties, ``round_robin``)."""
+    def explain(
+        self, features: RequestFeatures | None, session: SessionAsk | None = None
+    ) -> dict[str, Any]:
+        """The candidates with what the policies weigh, the session's pin and the pin table,
+        and the route this request would take now. Sends nothing, records no prediction and
+        pins nothing; like a request, it moves the policies' round-robin cursors (ties,
+        ``round_robin``)."""
         prefills = self._pool.available_prefill()
         decodes = self._pool.available_decode()
         mode: str | None = None
@@ -138,8 +165,10 @@ class RouteChooser:
                 for w in decodes
             ],
         }
+        if self.sessions is not None:
+            explained["session"] = self.sessions.describe(session)
         try:
-            route = self._select(set(), features)
+            route, _ = self._select(set(), features, session)
         except NoWorkerAvailable as exc:
             explained["choice"] = None
             explained["error"] = exc.message
@@ -154,23 +183,30 @@ class RouteChooser:
         }
         return explained
 
-    def _select(self, failed: set[str], features: RequestFeatures | None) -> Route:
+    def _select(
+        self, failed: set[str], features: RequestFeatures | None, session: SessionAsk | None
+    ) -> tuple[Route, Held | None]:
+        """The route, and the session's pin as found (None: no session)."""
         prefills = self._closed(self._pool.available_prefill(), "prefill")
         decodes = self._closed(self._pool.available_decode(), "decode")
         if failed:
             decodes = [w for w in decodes if w.id not in failed] or decodes
-        decode = self._decode_policy.choose(decodes)
+        held = None
+        if session is not None and self.sessions is not None:
+            held = self.sessions.hold(session, prefills, decodes, failed)
+        pinned_decode = None if held is None else held.decode
+        decode = pinned_decode or self._decode_policy.choose(decodes)
         if self._may_skip and self.saturated(prefills):
-            return Route(None, 0, decode, None, "prefills_saturated")
+            return Route(None, 0, decode, None, "prefills_saturated"), held
         if failed:
             prefills = [w for w in prefills if w.id not in failed] or prefills
-        route = self._prefill_route(prefills, decode, features)
+        route = self._prefill_route(prefills, decode, features, held)
         circuits = self._circuits
         if circuits is not None and circuits.any_pair_breaker():
             route = self._avoid_open_pair(route, prefills, decodes, features, circuits)
         if self._may_skip and self._few_uncached(route, features):
-            return Route(None, 0, decode, route.choice, "few_uncached_tokens")
-        return route
+            return Route(None, 0, decode, route.choice, "few_uncached_tokens"), held
+        return route, held
 
     def _closed(self, healthy: list[Worker], role: str) -> list[Worker]:
         """The healthy workers whose breaker lets a request through; raises NoWorkerAvailable
@@ -191,12 +227,39 @@ class RouteChooser:
         return allowed
 
     def _prefill_route(
-        self, prefills: list[Worker], decode: Worker, features: RequestFeatures | None
+        self,
+        prefills: list[Worker],
+        decode: Worker,
+        features: RequestFeatures | None,
+        held: Held | None = None,
     ) -> Route:
-        choice = self._prefill_policy.choose_prefill(prefills, features or RequestFeatures())
+        if held is not None and held.prefill is not None:
+            choice = self._pinned_prefill(held, held.prefill, prefills, features)
+        else:
+            choice = self._prefill_policy.choose_prefill(prefills, features or RequestFeatures())
         # the prompt tokens the prefill will compute, when the policy predicts its cache
         uncached = (_uncached_tokens(choice, features) or 0) if choice.predicted else 0
         return Route(choice.worker, choice.rank, decode, choice, prefill_tokens=uncached)
+
+    def _pinned_prefill(
+        self,
+        held: Held,
+        pinned: Worker,
+        prefills: list[Worker],
+        features: RequestFeatures | None,
+    ) -> PrefillChoice:
+        """The pinned prefill rank; a policy that weighs the prompt (cache_aware) chooses as
+        usual and keeps the pinned prefill unless its own choice is much cheaper (``weigh``)."""
+        policy = self._prefill_policy
+        if not policy.reads_features:
+            return PrefillChoice(pinned, held.rank, policy.name)
+        features = features or RequestFeatures()
+        chosen = policy.choose_prefill(prefills, features)
+        if chosen.worker is pinned and chosen.rank == held.rank:
+            return chosen
+        assert self.sessions is not None
+        own = self.sessions.as_judged(policy, prefills, features, pinned, held.rank)
+        return self.sessions.weigh(held, chosen, own, features.prompt_tokens)
 
     def _avoid_open_pair(
         self,

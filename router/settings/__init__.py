@@ -22,7 +22,7 @@ from router.settings.observability import LoggingSettings, ObservabilitySettings
 from router.settings.outlier import OutlierSettings
 from router.settings.replicas import ReplicaSettings
 from router.settings.root import RouterSettings
-from router.settings.scheduling import CacheAwareSettings, PolicySettings
+from router.settings.scheduling import CacheAwareSettings, PolicySettings, SessionSettings
 from router.settings.server import AdmissionSettings, ServerSettings
 from router.settings.upstream import (
     CircuitBreakerSettings,
@@ -47,6 +47,7 @@ __all__ = [
     "PolicySettings",
     "RouterSettings",
     "ServerSettings",
+    "SessionSettings",
     "TracingSettings",
     "UpstreamSettings",
     "WorkerSpec",

@@ -14,7 +14,7 @@ from router.settings.flags import cli
 from router.settings.observability import LoggingSettings, ObservabilitySettings, TracingSettings
 from router.settings.outlier import OutlierSettings
 from router.settings.replicas import ReplicaSettings
-from router.settings.scheduling import CacheAwareSettings, PolicySettings
+from router.settings.scheduling import CacheAwareSettings, PolicySettings, SessionSettings
 from router.settings.server import AdmissionSettings, ServerSettings
 from router.settings.upstream import (
     CircuitBreakerSettings,
@@ -70,6 +70,7 @@ class RouterSettings(BaseSettings):
     outlier: OutlierSettings = OutlierSettings()
     load: LoadSettings = LoadSettings()
     cache: CacheAwareSettings = CacheAwareSettings()
+    session: SessionSettings = SessionSettings()
     registry: RegistrySettings = RegistrySettings()
     logging: LoggingSettings = LoggingSettings()
     observability: ObservabilitySettings = ObservabilitySettings()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, field_validator
 
 from router.kv_tiers import DEFAULT_TIER_WEIGHTS, check_tier_weights, parse_tier_weights
 from router.settings.flags import DOCUMENTED, TUNING, PositiveFloat, cli
 
-__all__ = ["CacheAwareSettings", "PolicySettings"]
+__all__ = ["CacheAwareSettings", "PolicySettings", "SessionSettings"]
 
 
 class PolicySettings(BaseModel):
@@ -114,3 +116,43 @@ class CacheAwareSettings(BaseModel):
     @classmethod
     def _check_tier_weights(cls, value: dict[str, float]) -> dict[str, float]:
         return check_tier_weights(value)
+
+
+class SessionSettings(BaseModel):
+    """Session affinity (``router.scheduling.session_affinity``): a session key header pins a
+    session to its prefill DP rank and decode for a while, so that a conversation's turns find
+    their KV cache where the last turn left it."""
+
+    model_config = DOCUMENTED
+
+    header: str = Field(default="X-Session-Id", json_schema_extra=cli("--session-header"))
+    """the request header holding the session key (empty: no session affinity)"""
+    mode: Literal["soft", "hard"] = Field(
+        default="soft", json_schema_extra=cli("--session-affinity")
+    )
+    """`soft`: a pin yields (and the session re-pins) when its worker is unhealthy, its breaker
+    open, draining, at its cap or over `--session-load-bound`; `hard`: the request is answered
+    503 instead (a request asks for it with `X-Session-Affinity: hard`)"""
+    ttl_s: PositiveFloat = Field(default=600.0, json_schema_extra=cli("--session-ttl"))
+    """seconds a pin lives after the session's last request"""
+    max_entries: int = Field(default=100_000, gt=0, json_schema_extra=cli("--session-max-entries"))
+    """pins kept at most (the least recently used goes first)"""
+    max_key_bytes: int = Field(default=256, gt=0, json_schema_extra=TUNING)
+    """a longer session key (or one not printable ASCII) is answered 400"""
+    load_bound: float = Field(default=2.0, ge=0.0, json_schema_extra=cli("--session-load-bound"))
+    """soft pins: a pinned worker yields when its load score exceeds this times the least
+    loaded candidate's plus one (0: load never moves a session)"""
+
+    @field_validator("load_bound")
+    @classmethod
+    def _check_load_bound(cls, value: float) -> float:
+        if 0 < value < 1:
+            raise ValueError("a load bound is 0 (off) or at least 1")
+        return value
+
+    @field_validator("header")
+    @classmethod
+    def _check_header(cls, value: str) -> str:
+        if not value.isascii() or any(c in value for c in " :\t\r\n"):
+            raise ValueError(f"{value!r} is not an HTTP header name")
+        return value

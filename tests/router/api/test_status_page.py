@@ -44,6 +44,7 @@ SNAPSHOT_KEYS = {
     "circuits",
     "processes",
     "replicas",
+    "sessions",
 }
 WORKER_KEYS = {
     *("id", "url", "role", "healthy", "draining", "ejected", "inflight", "dp_size", "ranks"),
@@ -77,6 +78,7 @@ def test_status_data_describes_the_cluster(make_cluster: FakeClusterFactory) -> 
     assert data["engine"] == "sglang"
     assert data["processes"] is None  # one process: router --workers N lists them
     assert data["policy"] == {"prefill": "round_robin", "decode": "round_robin"}
+    assert data["sessions"] == {"entries": 0, "max_entries": 100_000, "ttl_s": 600, "evicted": 0}
     assert data["ready"] is True
     assert abs(data["generated_at"] - time.time()) < 30
     prefill, decodes = data["workers"]["prefill"], data["workers"]["decode"]
