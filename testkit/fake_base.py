@@ -441,6 +441,13 @@ class Call:
     record: Received
     server: tuple[str, int]  # the host and port the request arrived on
     shape: Shape
+    # the stop rules as the engine's request model has them (Responses / Messages: see
+    # testkit/fake_formats.py); None: the body itself
+    sampling: dict[str, Any] | None = None
+
+    def sampling_body(self) -> Mapping[str, Any]:
+        """What `generate` reads the request's stop rules from."""
+        return self.body if self.sampling is None else self.sampling
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Literal
 
 import httpx
@@ -54,6 +54,15 @@ from testkit.fake_base import (
     Routes,
     request_shape,
 )
+from testkit.fake_formats import (
+    FORMAT_PATHS,
+    MESSAGES_PATH,
+    format_events,
+    format_full_body,
+    format_shape,
+    messages_error_body,
+    sampling_view,
+)
 from testkit.fake_passthrough import passthrough_routes
 from testkit.fake_protocols import build_handler
 from testkit.fake_wire import (
@@ -61,12 +70,12 @@ from testkit.fake_wire import (
     COMPLETIONS_PATH,
     SSE_TYPE,
     AsgiApp,
-    Completion,
     Output,
     Receive,
     Scope,
     Send,
     decode_object,
+    error_body,
     full_body,
     header_dict,
     plan_completion,
@@ -99,6 +108,11 @@ def _describe(predicate: Callable[..., object]) -> str:
         return inspect.getsource(predicate).strip()
     except (OSError, TypeError):
         return repr(predicate)
+
+
+def _errors(path: str) -> Callable[[int, str], bytes]:
+    """The error envelope of an endpoint: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+    return messages_error_body if path == MESSAGES_PATH else error_body
 
 
 # --------------------------------------------------------------------------- the engine
@@ -202,11 +216,13 @@ class FakeEngine:
     # -- HTTP port --------------------------------------------------------------------------
 
     async def _serve_http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["path"] not in (COMPLETIONS_PATH, CHAT_PATH):
+        if scope["path"] not in (COMPLETIONS_PATH, CHAT_PATH, *FORMAT_PATHS):
             await serve_routes(self._routes, scope, receive, send)
         elif scope["method"] != "POST":
             request_id = header_dict(scope).get("x-request-id")
-            await Output(send, request_id).error(405, "Method Not Allowed")
+            await Output(send, request_id, errors=_errors(scope["path"])).error(
+                405, "Method Not Allowed"
+            )
         else:
             await self._serve_completion(scope, receive, send)
 
@@ -235,7 +251,7 @@ class FakeEngine:
         headers = header_dict(scope)
         body, problem = decode_object(raw)
         record = self._keep(Received(path=scope["path"], headers=headers, body=body))
-        out = Output(send, headers.get("x-request-id"), record)
+        out = Output(send, headers.get("x-request-id"), record, _errors(record.path))
         self.inflight += 1
         try:
             work = self._complete(scope, record, problem, out)
@@ -286,9 +302,14 @@ class FakeEngine:
             raise EngineError(400, "'model' is required and must be a string")
         if model != self.config.model:
             raise EngineError(404, f"The model `{model}` does not exist.")
-        chat = record.path == CHAT_PATH
-        shape = request_shape(chat, body)
-        return Call(chat, body, record.headers, record, server_address(scope), shape)
+        path, server = record.path, server_address(scope)
+        if path in FORMAT_PATHS:  # Responses / Messages: a chat turn with its own fields
+            shape = format_shape(path, body)
+            return Call(
+                True, body, record.headers, record, server, shape, sampling_view(path, body)
+            )
+        chat = path == CHAT_PATH
+        return Call(chat, body, record.headers, record, server, request_shape(chat, body))
 
     async def _answer(self, call: Call, admission: Admission, out: Output) -> None:
         # read when the request arrives: a knob set after the answer has left (the client saw
@@ -297,16 +318,24 @@ class FakeEngine:
         if self.config.headers_delay > 0:
             await asyncio.sleep(self.config.headers_delay)
         completion = plan_completion(call, admission, self.config)
+        path = call.record.path
         if call.shape.stream:
-            await self._stream(completion, out, call.record)
+            events = (
+                format_events(path, completion, call.body)
+                if path in FORMAT_PATHS
+                else sse_events(completion)
+            )
+            await self._stream(events, out, call.record)
+        elif path in FORMAT_PATHS:
+            await out.whole(200, format_full_body(path, completion, call.body))
         else:
             await out.whole(200, full_body(completion))
         if self.role == "prefill" and die_after_answer and out.complete:
             self.kill()  # right after the answer left: the KV it promised never will
 
-    async def _stream(self, completion: Completion, out: Output, record: Received) -> None:
+    async def _stream(self, events: Iterator[bytes], out: Output, record: Received) -> None:
         await out.start(200, SSE_TYPE)
-        for sent, event in enumerate(sse_events(completion)):
+        for sent, event in enumerate(events):
             fail_after = self.config.fail_after_events
             if fail_after is not None and sent >= fail_after:
                 record.aborted = True

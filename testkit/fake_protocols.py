@@ -55,6 +55,8 @@ from testkit.fake_base import (
     run_all,
     wait_ready,
 )
+from testkit.fake_formats import FORMAT_PATHS, RESPONSES_PATH
+from testkit.fake_wire import COMPLETIONS_PATH
 
 __all__ = ["HANDLERS", "build_handler"]
 
@@ -99,7 +101,7 @@ def vllm_keeps_kv(call: Call, config: FakeConfig) -> bool:
     """Whether a vLLM prefill keeps the request's KV for the decode: only when its one token
     ended the request by length. A stop token (EOS, `stop_token_ids`) frees it at once; a stop
     string does not (vLLM matches it in the front end after the engine finished by length)."""
-    return hands_over_kv(config) and not generate(call.body, 1, True, config).token_stop
+    return hands_over_kv(config) and not generate(call.sampling_body(), 1, True, config).token_stop
 
 
 async def post_retrying(ctx: EngineContext, url: str, body: dict[str, Any]) -> httpx.Response:
@@ -137,17 +139,28 @@ def _require_one(body: Mapping[str, Any], key: str) -> None:
         raise bad_request(f"prefill request must set {key}=1, got {value!r}")
 
 
-def check_vllm_prefill(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The prefill rewrite of the reference proxies (docs/concepts/protocols.md 2); returns the KV
-    params."""
+def check_vllm_prefill(body: Mapping[str, Any], path: str = COMPLETIONS_PATH) -> dict[str, Any]:
+    """The prefill rewrite of the reference proxies (docs/concepts/protocols.md 2) for the
+    endpoint `path`; returns the KV params. Responses: `max_output_tokens` 1, `ignore_eos`
+    (it has no `min_tokens`) and `store` false; Messages: `max_tokens` 1 (no `min_tokens` nor
+    `ignore_eos` in vLLM's Anthropic request)."""
     if body.get("stream") is not False:
         raise bad_request(f"prefill request must set stream=false, got {body.get('stream')!r}")
-    _require_one(body, "max_tokens")
-    if "max_completion_tokens" in body:
+    if path == RESPONSES_PATH:
+        _require_one(body, "max_output_tokens")
+        for key, expected in (("ignore_eos", True), ("store", False)):
+            if body.get(key) is not expected:
+                raise bad_request(
+                    f"prefill request must set {key}={str(expected).lower()}, got {body.get(key)!r}"
+                )
+    else:
+        _require_one(body, "max_tokens")
+    if "max_completion_tokens" in body and path not in FORMAT_PATHS:
         _require_one(body, "max_completion_tokens")
     if "stream_options" in body:
         raise bad_request("prefill request must not carry stream_options")
-    _check_min_tokens(body)
+    if path not in FORMAT_PATHS:
+        _check_min_tokens(body)
     params = body.get("kv_transfer_params")
     if not isinstance(params, dict):
         raise bad_request(f"prefill request needs a kv_transfer_params object, got {params!r}")
@@ -203,7 +216,7 @@ class MooncakePrefill(RoleHandler):
         self._served: SlotTable[str] = SlotTable()  # transfer_id -> engine id that computed it
 
     async def admit(self, call: Call) -> Admission:
-        params = check_vllm_prefill(call.body)
+        params = check_vllm_prefill(call.body, call.record.path)
         _require_flag(params, "do_remote_prefill", False)
         transfer_id = _require_str(params, "transfer_id", "kv_transfer_params")
         rank = parse_dp_rank(call.headers, self.ctx.dp_size)
@@ -333,9 +346,13 @@ class NixlPrefill(RoleHandler):
         self._withheld: set[str] = set()  # remote_request_id of KV that never comes
 
     async def admit(self, call: Call) -> Admission:
-        check_vllm_prefill(call.body)  # min_tokens above max_tokens=1 is a 400, as on vLLM
+        check_vllm_prefill(
+            call.body, call.record.path
+        )  # min_tokens above max_tokens=1 is a 400, as on vLLM
         config = self.ctx.config
-        if generate(call.body, 1, True, config).token_stop:  # the KV is freed: nothing to read
+        if generate(
+            call.sampling_body(), 1, True, config
+        ).token_stop:  # the KV is freed: nothing to read
             return Admission(echo_kv=True, kv_transfer_params=None, max_tokens=1)
         request_id = f"{call.headers.get('x-request-id', 'cmpl')}-{uuid.uuid4().hex[:8]}"
         if config.check_kv:

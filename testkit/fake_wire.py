@@ -29,6 +29,7 @@ from testkit.fake_base import (
 )
 
 __all__ = [
+    "ERROR_TYPES",
     "AsgiApp",
     "Completion",
     "Output",
@@ -143,8 +144,15 @@ async def race_disconnect(receive: Receive, work: Awaitable[None]) -> bool:
 class Output:
     """The response side of one exchange: wraps ASGI send and remembers what went out."""
 
-    def __init__(self, send: Send, request_id: str | None, record: Received | None = None) -> None:
+    def __init__(
+        self,
+        send: Send,
+        request_id: str | None,
+        record: Received | None = None,
+        errors: Callable[[int, str], bytes] = error_body,
+    ) -> None:
         self._send = send
+        self._errors = errors  # the error envelope of the endpoint
         self._headers = [(b"x-request-id", request_id.encode("latin-1"))] if request_id else []
         self._record = record
         self.started = False
@@ -171,7 +179,7 @@ class Output:
         await self.finish(body)
 
     async def error(self, status: int, message: str) -> None:
-        await self.whole(status, error_body(status, message))
+        await self.whole(status, self._errors(status, message))
 
     async def reply(self, reply: Reply) -> None:
         if isinstance(reply.payload, bytes):
@@ -280,7 +288,7 @@ def plan_completion(call: Call, admission: Admission, config: FakeConfig) -> Com
         chat=call.chat,
         model=config.model,
         choices=call.shape.choices,
-        generation=generate(call.body, limit, bool(caps) and limit >= min(caps), config),
+        generation=generate(call.sampling_body(), limit, bool(caps) and limit >= min(caps), config),
         prompt_tokens=call.shape.prompt_tokens,
         include_usage=call.shape.include_usage,
         admission=admission,
