@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 _JSON = b"application/json"
+# what an answer that ended the generation holds: a choice's finish "stop", a message's
+# stop_reason "end_turn" (or "tool_use"), a response's status "completed"
+_ENDED_MARKS = (b'"stop"', b'"end_turn"', b'"tool_use"', b'"completed"')
 
 
 class PDAttempt(Attempt):
@@ -104,7 +107,7 @@ class PDAttempt(Attempt):
                 return failure
             clock.prefill_answered()
             answer = task.result()
-            if b'"stop"' not in answer or responder.started:
+            if responder.started or not any(mark in answer for mark in _ENDED_MARKS):
                 return None  # the common case: no stop at all, decoded by nobody
             try:
                 data = _decode(answer)
