@@ -40,7 +40,7 @@ __all__ = [
 class Endpoint(StrEnum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
-    RESPONSES = "/v1/responses"  # OpenAI Responses, stateless (docs/concepts/responses_messages.md)
+    RESPONSES = "/v1/responses"  # OpenAI Responses, stateless (docs/concepts/protocols.md 13)
     MESSAGES = "/v1/messages"  # Anthropic Messages
 
 

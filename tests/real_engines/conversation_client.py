@@ -69,8 +69,9 @@ def _event(answer: Conversation, event: dict[str, Any]) -> None:
         answer.usage = event["response"].get("usage")
     elif kind == "content_block_delta":
         answer.text += (event.get("delta") or {}).get("text") or ""
-    elif kind == "message_delta":
+    elif kind == "message_delta":  # the usage of a Messages stream's end: its output tokens
         answer.ended = (event.get("delta") or {}).get("stop_reason")
+        answer.usage = event.get("usage")
 
 
 def converse(

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.real_engines.conversation_client import check_conversation_matches
 from tests.real_engines.openai_client import check_tokenize_passes_through
 from tests.real_engines.sglang_engines import (
     Engine,
@@ -254,6 +255,24 @@ def test_batched_prompt_list(cluster: Cluster, stream: bool) -> None:
     assert got.status == 200, got.body
     assert sorted(got.texts) == list(range(len(PROMPTS)))
     assert got.outcome == expected.outcome
+
+
+@timeout(120)
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("endpoint", ["responses", "messages"])
+def test_responses_and_messages_equal_colocated(
+    cluster: Cluster, endpoint: str, stream: bool
+) -> None:
+    """``/v1/responses`` and ``/v1/messages`` through PD (both legs with the bootstrap room)
+    answer as the co-located engine does."""
+    check_conversation_matches(
+        cluster.router.url,
+        cluster.colocated.url,
+        endpoint,
+        PROMPTS[1],
+        stream=stream,
+        tokens=MAX_TOKENS,
+    )
 
 
 @timeout(60)

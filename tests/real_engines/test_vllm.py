@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.real_engines.conversation_client import check_conversation_matches
 from tests.real_engines.openai_client import (
     Answer,
     call,
@@ -479,6 +480,20 @@ class TestMooncake:
         """``/tokenize`` and ``/detokenize`` through the router answer as the engine does."""
         check_tokenize_passes_through(mooncake.router.url, colocated.url, PROMPTS[0], "prompt")
 
+    @timeout(180)
+    @STREAM
+    @pytest.mark.parametrize("endpoint", ["responses", "messages"])
+    def test_responses_and_messages_match_colocated(
+        self, mooncake: Cluster, colocated: Engine, endpoint: str, stream: bool
+    ) -> None:
+        """``/v1/responses`` and ``/v1/messages`` through PD answer as the co-located engine
+        does (text, ending, the stream's events), and the decode used the prefill's KV."""
+        got = check_conversation_matches(
+            mooncake.router.url, colocated.url, endpoint, PROMPTS[1], stream=stream, tokens=SHORT
+        )
+        assert got.usage is not None
+        wait_idle(*mooncake.engines)
+
     @timeout(60)
     @pytest.mark.parametrize("endpoint", ENDPOINTS)
     def test_min_tokens(self, mooncake: Cluster, endpoint: str) -> None:
@@ -642,6 +657,21 @@ class TestNixl:
         stream: bool,
     ) -> None:
         check_matches_colocated(nixl, expected, endpoint, stream, PROMPTS[:2])
+
+    @timeout(300)
+    @pytest.mark.parametrize(
+        ("endpoint", "stream"),
+        [
+            pytest.param("responses", True, id="responses-sse"),
+            pytest.param("messages", False, id="messages-json"),
+        ],
+    )
+    def test_responses_and_messages_match_colocated(
+        self, nixl: Cluster, colocated: Engine, endpoint: str, stream: bool
+    ) -> None:
+        check_conversation_matches(
+            nixl.router.url, colocated.url, endpoint, PROMPTS[0], stream=stream, tokens=SHORT
+        )
 
     @timeout(180)
     def test_decode_received_the_prompt_over_the_transfer(self, nixl: Cluster) -> None:

@@ -1,6 +1,6 @@
 """``/v1/responses`` and ``/v1/messages``: the envelope, the PD legs each protocol sends, the
 prefill answers that end the generation, the streams made of a whole answer, the usage read
-back and the text cache-aware routing matches (docs/concepts/responses_messages.md)."""
+back and the text cache-aware routing matches (docs/concepts/protocols.md section 13)."""
 
 from __future__ import annotations
 
