@@ -119,7 +119,7 @@ async def handle_completion(
         REQUEST_ID.reset(token)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Routing:
     """What routing one request needs besides its body and upstream headers. ``disconnected``:
     the client leaving, queued or served (cancelled at the end); ``session``: the session the

@@ -40,9 +40,6 @@ logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 _JSON = b"application/json"
-# what an answer that ended the generation holds: a choice's finish "stop", a message's
-# stop_reason "end_turn" (or "tool_use"), a response's status "completed"
-_ENDED_MARKS = (b'"stop"', b'"end_turn"', b'"tool_use"', b'"completed"')
 
 
 class PDAttempt(Attempt):
@@ -107,7 +104,7 @@ class PDAttempt(Attempt):
                 return failure
             clock.prefill_answered()
             answer = task.result()
-            if responder.started or not any(mark in answer for mark in _ENDED_MARKS):
+            if responder.started or not _may_have_ended(answer):
                 return None  # the common case: no stop at all, decoded by nobody
             try:
                 data = _decode(answer)
@@ -282,4 +279,16 @@ def _lost_during_prefill(worker: Worker, signal: asyncio.Future[str]) -> BaseExc
         url=worker.public_url,
         connect=False,
         kind="worker_lost",
+    )
+
+
+def _may_have_ended(answer: bytes) -> bool:
+    """Whether a prefill's answer may say the generation ended (then it is decoded and asked):
+    a choice's finish "stop", a message's stop_reason "end_turn" (or "tool_use"), a response's
+    status "completed"."""
+    return (
+        b'"stop"' in answer
+        or b'"end_turn"' in answer
+        or b'"completed"' in answer
+        or b'"tool_use"' in answer
     )
