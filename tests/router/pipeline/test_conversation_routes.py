@@ -66,8 +66,8 @@ def test_a_conversation_goes_through_pd_and_answers_as_the_decode(
     assert streamed.status_code == 200, streamed.text
     events = _events(streamed)
     assert all(name == data["type"] for name, data in events)
-    deltas = [
-        data.get("delta") if path == "/v1/responses" else data["delta"].get("text")
+    deltas: list[str] = [
+        data["delta"] if path == "/v1/responses" else data["delta"]["text"]
         for name, data in events
         if name in ("response.output_text.delta", "content_block_delta")
     ]
