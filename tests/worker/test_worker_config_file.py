@@ -181,3 +181,16 @@ def test_a_worker_runs_from_a_file(tmp_path: Path) -> None:
     with http_process(argv, url, path="/health", timeout=30):
         health = httpx.get(url + "/health", timeout=5).json()
         assert (health["role"], health["free_pages"]) == ("decode", 64)
+
+
+def test_the_docs_example_is_a_valid_file(tmp_path: Path) -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "simulated-engine.md").read_text()
+    section = page.split("### Config file", 1)[1]
+    example = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    args = parse_args(["--config", write(tmp_path, "doc.yaml", example)])
+    assert (args.role, args.protocol, args.dp, args.hicache_layerwise) == (
+        "prefill",
+        "vllm-mooncake",
+        2,
+        False,
+    )
