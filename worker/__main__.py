@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Callable, Sequence
 
 import uvicorn
@@ -11,6 +12,7 @@ import uvicorn
 from transfer.engine.base import TransferEngine
 from transfer.engine.fake import LoopbackNetwork
 from worker.app import EngineFactory, SimWorker, WorkerConfig, create_app
+from worker.config_file import add_config_flag, parse_with_config, show_config
 from worker.hicache.config import TierConfig
 from worker.kv import PoolShape
 from worker.kv_events import KVEventsConfig
@@ -21,7 +23,8 @@ __all__ = ["build_parser", "main", "parse_args"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """The flags over their ``--config`` file over the defaults (``worker.config_file``)."""
+    return parse_with_config(build_parser(), argv)
 
 
 Add = Callable[..., argparse.Action]  # a parser's or an argument group's ``add_argument``
@@ -29,8 +32,14 @@ Add = Callable[..., argparse.Action]  # a parser's or an argument group's ``add_
 
 def build_parser() -> argparse.ArgumentParser:
     """pd-worker's argument parser."""
-    parser = argparse.ArgumentParser(prog="pd-worker", description="simulated PD engine worker")
+    parser = argparse.ArgumentParser(
+        prog="pd-worker",
+        description="simulated PD engine worker",
+        epilog="`pd-worker config show [--config FILE] [FLAGS]` prints the effective "
+        "configuration (defaults < file < flags) as the YAML --config reads.",
+    )
     add = parser.add_argument
+    add_config_flag(parser)
     _add_role_args(add)
     _add_pool_args(add)
     _add_prompt_args(add)
@@ -311,7 +320,11 @@ def _kv_events(text: str | None) -> KVEventsConfig | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given[:2] == ["config", "show"]:  # the effective configuration, passwords hidden
+        sys.stdout.write(show_config(parse_args(given[2:])))
+        return
+    args = parse_args(given)
     logging.basicConfig(level=args.log_level.upper())
     app = create_app(build(args), fault_api=args.fault_api)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
