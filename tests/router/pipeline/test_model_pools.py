@@ -114,3 +114,21 @@ def test_a_model_only_unnamed_workers_could_serve_goes_to_them_and_no_pool_is_ma
     pool.wildcards = False
     with pytest.raises(ModelNotFound):
         pools.chooser_for(parse_request(Endpoint.COMPLETIONS, b'{"model": "x", "prompt": "p"}'))
+
+
+def test_a_worker_registered_through_the_admin_api_declares_its_models(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    cluster = make_cluster("vllm-mooncake")
+    wait_until(lambda: _served(cluster) == ["fake-model"], 10, "the router to learn the model")
+    url = "http://127.0.0.1:9"  # never healthy: its declaration alone is checked
+    body = {"role": "decode", "url": url, "models": ["z"]}
+    added = httpx.post(cluster.router_url + "/admin/workers", json=body, timeout=5)
+    assert added.status_code == 201, added.text
+    wait_until(lambda: _served(cluster) == ["fake-model", "z"], 10, "the declared model")
+    # served by a worker that is down: no healthy one (503), not an unknown model (404)
+    assert _complete(cluster, "z").status_code == 503
+    assert _complete(cluster, "fake-model").status_code == 200
+    too_many = {"role": "decode", "url": url, "models": [str(i) for i in range(65)]}
+    refused = httpx.post(cluster.router_url + "/admin/workers", json=too_many, timeout=5)
+    assert refused.status_code == 400
