@@ -132,3 +132,28 @@ def test_a_worker_registered_through_the_admin_api_declares_its_models(
     too_many = {"role": "decode", "url": url, "models": [str(i) for i in range(65)]}
     refused = httpx.post(cluster.router_url + "/admin/workers", json=too_many, timeout=5)
     assert refused.status_code == 400
+
+
+def test_a_worker_that_comes_back_serving_another_model_is_pooled_anew(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    """An engine restarted with another model: its /v1/models is read again when it comes
+    back, and requests for the new model reach it (the old name is no longer served)."""
+    cluster = make_cluster("vllm-mooncake", prefill=2, decode=2, config=_two_models())
+    wait_until(lambda: _served(cluster) == ["a", "b"], 10, "the router to learn both models")
+    for engine in (cluster.prefills[1], cluster.decodes[1]):
+        engine.config.health_status = 503
+
+    def second_pair(healthy: bool) -> bool:  # asked without requests (a worker serving
+        ready = cluster.ready_body()  # them is not marked down by failed probes)
+        return ready["prefill"][1]["healthy"] is ready["decode"][1]["healthy"] is healthy
+
+    wait_until(lambda: second_pair(healthy=False), 10, "b's workers to be marked down")
+    assert _complete(cluster, "b").status_code == 503
+    for engine in (cluster.prefills[1], cluster.decodes[1]):
+        engine.config.model, engine.config.health_status = "c", 200
+    wait_until(lambda: _served(cluster) == ["a", "c"], 10, "the router to learn model c")
+    wait_until(lambda: second_pair(healthy=True), 10, "the workers back up")
+    response = _complete(cluster, "c")
+    assert response.status_code == 200 and response.headers["x-pdr-model"] == "c"
+    assert _complete(cluster, "b").status_code == 404
