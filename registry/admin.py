@@ -14,12 +14,19 @@ from __future__ import annotations
 import ipaddress
 import secrets
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
 from starlette.requests import ClientDisconnect
 
 from registry.error_schema import error_doc
@@ -69,6 +76,11 @@ class NewWorker(BaseModel):
     # a prefill's KV cache event stream and its replay endpoint (DP rank 0; rank r: port + r)
     kv_events: str | None = Field(default=None, pattern=_TCP_ENDPOINT)
     kv_events_replay: str | None = Field(default=None, pattern=_TCP_ENDPOINT)
+    # the model names it serves (at most 64, 1-256 characters each); none: the router reads
+    # its /v1/models
+    models: tuple[Annotated[str, StringConstraints(min_length=1, max_length=256)], ...] = Field(
+        default=(), max_length=64
+    )
 
     @field_validator("url")
     @classmethod
@@ -254,6 +266,7 @@ def _worker_routes(router: APIRouter, deps: _Deps, max_body_bytes: int) -> None:
             ttl=body.lease_s,
             kv_events=body.kv_events,
             kv_events_replay=body.kv_events_replay,
+            models=body.models,
         )
         return _describe(record, view)
 

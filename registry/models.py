@@ -53,6 +53,8 @@ class WorkerRecord(msgspec.Struct, kw_only=True, frozen=True):
     # endpoint, ``tcp://host:port``; None: not advertised (older records decode as None)
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    # the model names it serves; empty: not declared (the router reads the engine's /v1/models)
+    models: tuple[str, ...] = ()
 
 
 def worker_id(role: str, url: str) -> str:

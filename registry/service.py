@@ -54,6 +54,7 @@ class RegistryService:
         ttl: float | None = None,
         kv_events: str | None = None,
         kv_events_replay: str | None = None,
+        models: tuple[str, ...] = (),
     ) -> WorkerRecord:
         """Register (idempotently) a worker; a changed address or engine bumps its epoch.
 
@@ -72,6 +73,7 @@ class RegistryService:
             source=source,
             kv_events=kv_events,
             kv_events_replay=kv_events_replay,
+            models=models,
         )
         if old is not None:
             same = (old.bootstrap_port, old.bootstrap_namespace, old.engine) == (
@@ -82,7 +84,11 @@ class RegistryService:
             record = msgspec.structs.replace(
                 record, epoch=old.epoch if same else old.epoch + 1, draining=False
             )
-            events_same = (old.kv_events, old.kv_events_replay) == (kv_events, kv_events_replay)
+            events_same = (old.kv_events, old.kv_events_replay, old.models) == (
+                kv_events,
+                kv_events_replay,
+                models,
+            )
             if same and events_same and not old.draining and old.source == source and ttl is None:
                 return old
         await self.store.put(worker_key(wid), encode_worker(record), ttl=ttl)

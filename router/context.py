@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from registry.backends import RegistryStore, open_store
@@ -249,7 +250,7 @@ def _build_parts(
     cache = settings.cache
     index = KVBlockIndex(cache.max_indexed_blocks, cache.prediction_ttl_s)
     tree = ApproxPrefixTree(cache.approx_tree_max_chars)
-    prefill_policy, decode_policy = build_policies(settings.policy, cache, index, tree)
+    policies = partial(build_policies, settings.policy, cache, index, tree)
     featurizer = Featurizer(open_token_source(cache), metrics.tokenize_seconds.observe)
     kv = KVCacheView(index=index, feed=KVEventFeed(lambda: pool.prefill, index, tree, cache))
     telemetry = _build_telemetry(settings, pool, metrics)
@@ -263,8 +264,7 @@ def _build_parts(
     pipeline = Pipeline(
         pool,
         adapter,
-        prefill_policy,
-        decode_policy,
+        policies,
         settings.upstream,
         settings.health,
         fleet.prober.refresh_soon,
@@ -276,6 +276,7 @@ def _build_parts(
         circuits=circuits,
         receipts=settings.features.receipts,
         session_settings=settings.session,
+        model_aliases=settings.policy.model_aliases,
     )
     outlier = OutlierDetector(
         pool,

@@ -4,6 +4,7 @@ RouterError
 ├── InvalidRequest          400  the client's request is malformed
 ├── BodyTooLarge            413
 ├── MethodNotAllowed        405
+├── ModelNotFound           404  no worker serves the request's model
 ├── NoWorkerAvailable       503  no healthy prefill or decode worker
 │   └── WorkersBusy         429  every candidate is at its in-flight cap (also an Overloaded)
 ├── Overloaded              429  admission: the wait queue is full or the wait timed out
@@ -21,6 +22,7 @@ __all__ = [
     "BodyTooLarge",
     "InvalidRequest",
     "MethodNotAllowed",
+    "ModelNotFound",
     "NoWorkerAvailable",
     "Overloaded",
     "RouterError",
@@ -67,6 +69,13 @@ class MethodNotAllowed(RouterError):
 class NoWorkerAvailable(RouterError):
     status = 503
     error_type = "service_unavailable"
+
+
+class ModelNotFound(RouterError):
+    """The request's model is served by no worker (OpenAI's 404 ``model_not_found``)."""
+
+    status = 404
+    error_type = "invalid_request_error"
 
 
 class Overloaded(RouterError):

@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 import httpx
 
@@ -16,48 +16,27 @@ from router.errors import WorkersBusy
 from router.leg_load import LegLoad
 from router.leg_stats import LegStats
 from router.load_board import DISPATCHED, LEGS, TOKENS, HostLoad, LoadBoard
+from router.worker_load import EngineLoad, FleetCounts, LoadReading, format_host
 
-__all__ = ["EngineLoad", "LoadReading", "Role", "Worker", "WorkerPool", "format_host"]
+__all__ = [
+    "MAX_MODELS_PER_WORKER",
+    "EngineLoad",
+    "FleetCounts",
+    "LoadReading",
+    "Role",
+    "Worker",
+    "WorkerPool",
+    "format_host",
+]
 
 logger = logging.getLogger(__name__)
+
+MAX_MODELS_PER_WORKER = 64  # names kept per worker: the model label's and pools' bound
 
 
 class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
-
-
-def format_host(host: str) -> str:
-    """A host as it goes into ``host:port`` strings: IPv6 literals in brackets."""
-    return f"[{host}]" if ":" in host else host
-
-
-class FleetCounts(Protocol):
-    """The replica peers' counts at the workers (``router.fleet.replica_sync.ReplicaSync``)."""
-
-    def count(self, worker_id: str, rank: int, board_field: int) -> int: ...
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """One DP rank's load as its engine reported it: requests running and waiting, and the share
-    of its KV cache in use (0..1; None when the engine does not report it)."""
-
-    running: float
-    waiting: float
-    kv_usage: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadReading:
-    """An ``EngineLoad`` as the router keeps it: when it was read, until when it counts (later it
-    is stale, i.e. unknown) and the rank's dispatch counter then (later dispatches are credited)."""
-
-    load: EngineLoad
-    at: float  # time.monotonic() of the read
-    fresh_until: float
-    dispatched: int
-    queued: float  # running + waiting, kept so that load_score adds nothing up
 
 
 @dataclass(eq=False, slots=True)
@@ -108,6 +87,10 @@ class Worker:
     host_load: HostLoad | None = None
     # --replica-listen: the replica peers' legs and pending tokens here (router.fleet.replica_sync)
     fleet_load: FleetCounts | None = None
+    # the model names it serves (declared, or read from its /v1/models); empty: not known, it
+    # is a candidate for any model (``WorkerPool.set_models``, router.scheduling.model_pools)
+    models: frozenset[str] = frozenset()
+    models_declared: bool = False  # from its spec or record: never replaced by what it lists
     # Resolved (with the reason) when this prefill is lost: requests waiting for its KV give up.
     _loss: asyncio.Future[str] | None = None
 
@@ -306,6 +289,8 @@ class WorkerPool(Generic[C]):
         self._clients: dict[str, C] = {}
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
+        self.models: frozenset[str] = frozenset()
+        self.wildcards = False
 
     def add(self, worker: Worker, client: C) -> None:
         if self._board is not None:
@@ -341,22 +326,31 @@ class WorkerPool(Generic[C]):
     def all(self) -> list[Worker]:
         return [*self.prefill, *self.decode]
 
-    def usable_prefill(self) -> list[Worker]:
-        """Healthy, not draining, layout known: whatever their load."""
+    def usable_prefill(self, model: str | None = None) -> list[Worker]:
+        """Healthy, not draining, layout known: whatever their load (``model``: serving it, or
+        not known to serve any one model)."""
+        prefill = self.prefill if model is None else _serving(self.prefill, model)
         if self._needs_engine_ids:
-            return [w for w in self.prefill if w.healthy and not w.draining and w.engine_ids]
-        return [w for w in self.prefill if w.healthy and not w.draining]
+            return [w for w in prefill if w.healthy and not w.draining and w.engine_ids]
+        return [w for w in prefill if w.healthy and not w.draining]
 
-    def usable_decode(self) -> list[Worker]:
-        return [w for w in self.decode if w.healthy and not w.draining]
+    def usable_decode(self, model: str | None = None) -> list[Worker]:
+        decode = self.decode if model is None else _serving(self.decode, model)
+        return [w for w in decode if w.healthy and not w.draining]
 
-    def available_prefill(self) -> list[Worker]:
+    def available_prefill(self, model: str | None = None) -> list[Worker]:
         """The prefill candidates for a request now; raises WorkersBusy when every usable one
         is at its in-flight cap."""
-        return self._candidates(self.usable_prefill(), self._prefill_cap)
+        return self._candidates(self.usable_prefill(model), self._prefill_cap)
 
-    def available_decode(self) -> list[Worker]:
-        return self._candidates(self.usable_decode(), self._decode_cap)
+    def available_decode(self, model: str | None = None) -> list[Worker]:
+        return self._candidates(self.usable_decode(model), self._decode_cap)
+
+    def set_models(self, worker: Worker, names: frozenset[str], *, declared: bool) -> None:
+        """The models ``worker`` serves (at most ``MAX_MODELS_PER_WORKER`` names, sorted)."""
+        worker.models = frozenset(sorted(names)[:MAX_MODELS_PER_WORKER])
+        worker.models_declared = declared
+        self._rebuild()
 
     def ready(self) -> bool:
         return bool(self.usable_prefill()) and bool(self.usable_decode())
@@ -397,3 +391,10 @@ class WorkerPool(Generic[C]):
         workers = list(self._workers.values())
         self.prefill = [w for w in workers if w.role is Role.PREFILL]
         self.decode = [w for w in workers if w.role is Role.DECODE]
+        # the names served; any worker without names is a candidate for every model
+        self.models = frozenset(name for w in workers for name in w.models)
+        self.wildcards = any(not w.models for w in workers)
+
+
+def _serving(workers: list[Worker], model: str) -> list[Worker]:
+    return [w for w in workers if not w.models or model in w.models]

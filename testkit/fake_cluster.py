@@ -108,16 +108,28 @@ def settings_for(
     decode: list[str],
     *,
     prefill_namespace: str | None = None,
+    declare_models: list[str] | None = None,
     **overrides: Any,
 ) -> RouterSettings:
-    """Router settings for these workers, probing fast; ``overrides`` merge per section."""
+    """Router settings for these workers, probing fast; ``overrides`` merge per section;
+    ``declare_models``: worker i of each role declares model i mod M (``model=NAME``)."""
+    names = declare_models or []
+
+    def models(index: int) -> list[str]:
+        return [names[index % len(names)]] if names else []
+
     values: dict[str, Any] = {
         "engine": engine,
         "prefill": [
-            {"url": url, "bootstrap_port": port, "bootstrap_namespace": prefill_namespace}
-            for url, port in prefill
+            {
+                "url": url,
+                "bootstrap_port": port,
+                "bootstrap_namespace": prefill_namespace,
+                "models": models(index),
+            }
+            for index, (url, port) in enumerate(prefill)
         ],
-        "decode": [{"url": url} for url in decode],
+        "decode": [{"url": url, "models": models(index)} for index, url in enumerate(decode)],
         "health": {"interval_s": 0.2, "timeout_s": 1.0},
         "upstream": {"connect_timeout_s": 2.0},
     }

@@ -128,6 +128,14 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         help="PD protocol the router and the workers speak",
     )
     parser.add_argument("--ready-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--models",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=[],
+        metavar="A,B",
+        help="serve several models: worker i of each role serves model i mod M (needs at least "
+        "M prefills and M decodes); the router routes each request to its model's workers",
+    )
 
 
 def _add_passed_on_args(parser: argparse.ArgumentParser) -> None:
@@ -238,15 +246,29 @@ def _router_args(
             out += ["--prefill", f"http://{_HOST}:{prefill}", str(ns_port)]
         if events is not None:
             out += [f"events=tcp://{_HOST}:{events[0]}", f"replay=tcp://{_HOST}:{events[1]}"]
-    for port in layout.decodes:
-        out += ["--decode", f"http://{_HOST}:{port}"]
+        out += _model_spec(args, i)
+    for i, port in enumerate(layout.decodes):
+        out += ["--decode", f"http://{_HOST}:{port}", *_model_spec(args, i)]
     return out + list(args.router_arg)
 
 
-def _worker_args(args: argparse.Namespace, name: str) -> list[str]:
-    """Flags every worker gets: the protocol, the tokenizer, its L3 directory (``name``: its
-    subdirectory), then the user's after ``--``."""
+def _model_of(args: argparse.Namespace, index: int) -> str | None:
+    """The model worker ``index`` of its role serves (``--models``), None: the worker's own."""
+    return args.models[index % len(args.models)] if args.models else None
+
+
+def _model_spec(args: argparse.Namespace, index: int) -> list[str]:
+    model = _model_of(args, index)
+    return [] if model is None else [f"model={model}"]
+
+
+def _worker_args(args: argparse.Namespace, name: str, index: int) -> list[str]:
+    """Flags every worker gets: the protocol, its model (``--models``), the tokenizer, its L3
+    directory (``name``: its subdirectory), then the user's after ``--``."""
     out = ["--protocol", args.engine]
+    model = _model_of(args, index)
+    if model is not None:
+        out += ["--model", model]
     if args.tokenizer is not None:
         out += ["--tokenizer", args.tokenizer]
     if args.hicache_storage_dir is not None:
@@ -265,12 +287,12 @@ def _prefill_args(
     out += ["--registry", f"{_HOST}:{ns_port}", "--dp", str(args.dp)]
     if events is not None:
         out += ["--kv-events-config", _kv_events_config(*events)]
-    return out + _worker_args(args, f"prefill-{index}")
+    return out + _worker_args(args, f"prefill-{index}", index)
 
 
 def _decode_args(args: argparse.Namespace, port: int, index: int) -> list[str]:
     out = ["worker", "--role", "decode", "--port", str(port)]
-    return out + _worker_args(args, f"decode-{index}")
+    return out + _worker_args(args, f"decode-{index}", index)
 
 
 def _log_dir(args: argparse.Namespace) -> Path:
@@ -303,9 +325,10 @@ def _start(
         _wait_balanced(logs / "haproxy.sock", layout.replicas.count, children, args.ready_timeout)
     dp = f", DP={args.dp}" if args.dp > 1 else ""
     print(f"pd-cluster ready: {router}  ({args.prefill}P{args.decode}D{dp}, {args.engine})")
+    model = _model_of(args, 0) or "sim-model"
     print(
         f"  curl {router}/v1/completions -H 'Content-Type: application/json' "
-        '-d \'{"model": "sim-model", "prompt": "Hello", "max_tokens": 16}\''
+        f'-d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\''
     )
     print(f"  worker logs: {logs}", flush=True)
 
@@ -348,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
     if min(args.prefill, args.decode, args.dp, args.router_replicas) < 1:
         raise SystemExit("pd-cluster: --prefill, --decode, --dp and --router-replicas must be >= 1")
+    if len(args.models) > min(args.prefill, args.decode):
+        raise SystemExit("pd-cluster: --models needs at least one prefill and one decode each")
     layout = _Layout(args)
     children = Children()
     logs = _log_dir(args)

@@ -67,7 +67,7 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
             )  # fmt: skip
             if bad_header is not None:
                 raise bad_header
-        chooser = ctx.pipeline.chooser
+        chooser = ctx.pipeline.models.chooser_for(parsed)  # its model's pool (404: none)
         features = await chooser.features(parsed)
         answer: dict[str, Any] = {
             "endpoint": endpoint.value,

@@ -112,7 +112,11 @@ def _describe(worker: Worker) -> dict[str, Any]:
     },
 )
 async def models(ctx: Context) -> Response:
-    """The union of the healthy decode workers' ``/v1/models`` lists."""
+    """The models served, each once with its pools (the workers serving it, and the aliases
+    naming it) when workers name their models; else the union of the healthy decode workers'
+    ``/v1/models`` lists."""
+    if ctx.pool.models:
+        return JSONResponse({"object": "list", "data": _served_models(ctx)})
     decodes = ctx.pool.usable_decode()
     if not decodes:
         unavailable = NoWorkerAvailable("no healthy decode worker to list models from")
@@ -133,6 +137,21 @@ async def models(ctx: Context) -> Response:
         exc = failure or UpstreamError("no model list", role="decode", url="*")
         return Response(error_body(exc), status_code=exc.status, media_type="application/json")
     return JSONResponse({"object": "list", "data": list(merged.values())})
+
+
+def _served_models(ctx: AppContext) -> list[dict[str, Any]]:
+    """One entry per served name and alias, OpenAI's model object with the pools added."""
+    pool, aliases = ctx.pool, ctx.pipeline.models.aliases
+
+    def entry(name: str, root: str) -> dict[str, Any]:
+        pools = {
+            "prefill": [w.public_url for w in pool.prefill if root in w.models],
+            "decode": [w.public_url for w in pool.decode if root in w.models],
+        }
+        return {"id": name, "object": "model", "owned_by": "pd-router", "root": root, **pools}
+
+    served = [entry(name, name) for name in sorted(pool.models)]
+    return served + [entry(alias, aliases[alias]) for alias in sorted(aliases)]
 
 
 async def _models_of(ctx: AppContext, worker_id: str, timeout: float) -> list[dict[str, Any]]:

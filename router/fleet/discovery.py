@@ -126,12 +126,17 @@ class Discovery:
                 source="static",
                 kv_events=spec.kv_events,
                 kv_events_replay=spec.kv_events_replay,
+                models=spec.models,
             )
             for spec in self._settings.prefill
         ]
         static += [
             WorkerRecord(
-                id=worker_id("decode", spec.url), role="decode", url=spec.url, source="static"
+                id=worker_id("decode", spec.url),
+                role="decode",
+                url=spec.url,
+                source="static",
+                models=spec.models,
             )
             for spec in self._settings.decode
         ]
@@ -271,6 +276,7 @@ class Discovery:
             kv_events_replay=record.kv_events_replay,
         )
         place_bootstrap(worker, record.bootstrap_namespace, self._settings)
+        worker.models, worker.models_declared = frozenset(record.models), bool(record.models)
         self._pool.add(worker, build_upstream(worker, self._settings.upstream))
         logger.info(
             "worker %s %s joined (source %s)",
@@ -285,6 +291,8 @@ class Discovery:
             logger.info("worker %s %s is draining", worker.role.value, redact_url(worker.url))
             self._spawn(self._finish_drain(worker))
         worker.draining = record.draining
+        if record.models or worker.models_declared:  # declared now, or no longer
+            self._pool.set_models(worker, frozenset(record.models), declared=bool(record.models))
         # the KV event feed notices a changed endpoint and re-subscribes
         worker.kv_events, worker.kv_events_replay = record.kv_events, record.kv_events_replay
         if record.epoch != worker.epoch:

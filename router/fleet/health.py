@@ -8,7 +8,9 @@ fallen worker comes back after ``healthy_threshold`` good probes (one ejected by
 detection, ``router.fleet.outlier``, not before its ejection time). Failed requests are the circuit
 breakers' business (router.fleet.circuit_breaker): routing needs both a healthy worker and a breaker
 that lets the request through. Every probe re-reads the prefill's layout, so a restarted prefill
-(new engine ids) is picked up within one interval; ``refresh_soon`` does it at once.
+(new engine ids) is picked up within one interval; ``refresh_soon`` does it at once. A worker
+that joins or comes back, and declares no models, has its ``/v1/models`` read (the model pools,
+``router.scheduling.model_pools``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class HealthProber:
         outcome = await self._alive(worker)
         if outcome is _Probe.OK and worker.role is Role.PREFILL:
             outcome = await self._learn_layout(worker)
+        if outcome is _Probe.OK and not worker.healthy and not worker.models_declared:
+            await self._learn_models(worker)  # it joins or comes back: what does it serve now?
         if outcome is _Probe.OK:
             self._probe_succeeded(worker)
         else:
@@ -158,6 +162,28 @@ class HealthProber:
             logger.debug("health probe of %s: HTTP %d", worker.public_url, response.status_code)
             return _Probe.FAILED
         return _Probe.OK
+
+    async def _learn_models(self, worker: Worker) -> None:
+        """The model names in the worker's ``/v1/models`` (OpenAI's list); on any failure the
+        names it had stay (none: a candidate for every model)."""
+        try:
+            response = await self._client.get(worker.url + "/v1/models")
+            entries = response.json().get("data") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            logger.debug("reading the models of %s failed: %r", worker.public_url, exc)
+            return
+        if not isinstance(entries, list):
+            return
+        names = frozenset(
+            entry["id"]
+            for entry in entries
+            if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"]
+        )
+        if names and names != worker.models:
+            logger.info(
+                "%s worker %s serves %s", worker.role.value, worker.public_url, sorted(names)
+            )
+            self._pool.set_models(worker, names, declared=False)
 
     async def _learn_layout(self, worker: Worker) -> _Probe:
         try:

@@ -141,6 +141,14 @@ class RouterMetrics:
             ["outcome", "reason"],
             registry=registry,
         )
+        self.model_requests = Counter(
+            "pdr_model_requests",
+            "Requests routed to a model's pool, by model: the served names (declared or read "
+            "from the workers' /v1/models); `any` when no worker names a model or only workers "
+            "naming none could take it",
+            ["model"],
+            registry=registry,
+        )
         self.tokenize_seconds = Histogram(
             "pdr_tokenize_seconds",
             "Time to get one request's prompt token ids (local tokenizer or render API)",

@@ -25,10 +25,12 @@ class RoutingReceipt:
     transfer_ref: str | None = None  # the protocol's handle of the KV transfer (room, id)
     recomputed: bool = False  # the decode computed the prompt itself: PD did not happen
     decode_error: str | None = None  # the decode's error answer, relayed to the client as is
+    model: str | None = None  # the pool the request went to (a served name; None: the fleet)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """``x-pdr-prefill`` (URL, or ``skipped:<reason>``), ``x-pdr-prefill-dp-rank``,
-        ``x-pdr-decode``, ``x-pdr-attempts``, ``x-pdr-route-us``."""
+        ``x-pdr-decode``, ``x-pdr-attempts``, ``x-pdr-route-us`` and, with model pools,
+        ``x-pdr-model``."""
         prefill = self.prefill or f"skipped:{self.skipped}"
         headers = [
             (b"x-pdr-prefill", prefill.encode()),
@@ -38,4 +40,6 @@ class RoutingReceipt:
         ]
         if self.prefill is not None:
             headers.insert(1, (b"x-pdr-prefill-dp-rank", str(self.dp_rank).encode()))
+        if self.model is not None:
+            headers.append((b"x-pdr-model", self.model.encode()))
         return headers

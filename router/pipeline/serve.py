@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from router.adapters import PDAdapter
@@ -34,6 +34,7 @@ from router.pipeline.sample_split import SampleSplit
 from router.pipeline.verdicts import Verdicts, retryable
 from router.scheduling.chooser import Route, RouteChooser
 from router.scheduling.features import Featurizer
+from router.scheduling.model_pools import ModelPools
 from router.scheduling.policies import Policy
 from router.scheduling.session_affinity import SessionAffinity
 from router.scheduling.session_pins import SessionAsk
@@ -71,8 +72,7 @@ class Pipeline:
         self,
         pool: UpstreamPool,
         adapter: PDAdapter,
-        prefill_policy: Policy,
-        decode_policy: Policy,
+        policies: Callable[[], tuple[Policy, Policy]],
         upstream_settings: UpstreamSettings,
         health_settings: HealthSettings,
         on_stale_layout: Callable[[Worker], None],
@@ -85,9 +85,11 @@ class Pipeline:
         circuits: Circuits | None = None,
         receipts: bool = True,
         session_settings: SessionSettings | None = None,
+        model_aliases: Mapping[str, str] | None = None,
     ) -> None:
-        """``session_settings``: session affinity (default: on, with the default header; an
-        empty header: off)."""
+        """``policies``: a fresh (prefill, decode) policy pair, for the fleet and for each
+        model's pool (``router.scheduling.model_pools``); ``session_settings``: session
+        affinity (default: on, with the default header; an empty header: off)."""
         self._receipts = receipts  # the x-pdr-* response headers
         self.circuits = circuits or build_circuits(health_settings, CircuitBreakerSettings())
         self._adapter = adapter
@@ -96,17 +98,25 @@ class Pipeline:
         self.sessions = (
             SessionAffinity(sessions, pool, metrics, self.circuits) if sessions.header else None
         )
-        self.chooser = RouteChooser(
-            pool,
-            adapter.decode_can_prefill,
-            prefill_policy,
-            decode_policy,
-            metrics,
-            cache_settings or CacheAwareSettings(),
-            featurizer or Featurizer(None),
-            self.circuits,
-            self.sessions,
-        )
+        cache, featurizer = cache_settings or CacheAwareSettings(), featurizer or Featurizer(None)
+
+        def chooser(model: str | None) -> RouteChooser:
+            prefill_policy, decode_policy = policies()
+            return RouteChooser(
+                pool,
+                adapter.decode_can_prefill,
+                prefill_policy,
+                decode_policy,
+                metrics,
+                cache,
+                featurizer,
+                self.circuits,
+                self.sessions,
+                model,
+            )
+
+        self.chooser = chooser(None)  # the whole fleet's
+        self.models = ModelPools(pool, self.chooser, chooser, model_aliases or {})
         self._verdicts = Verdicts(
             pool,
             adapter,
@@ -135,19 +145,26 @@ class Pipeline:
         ``x-pdr-*`` response headers); ``trace``: the request's span, when tracing is on;
         ``session``: the session the request names (its pin is followed and refreshed)."""
         self._adapter.check(request)
+        chooser = self.models.chooser_for(request)
         receipt = receipt if receipt is not None else RoutingReceipt()
+        if chooser.model is not None:  # model pools: counted by pool, named in the receipt
+            receipt.model = chooser.model or "any"
+            self._metrics.count(self._metrics.model_requests, receipt.model)
         if request.n > 1 and self._adapter.splits_samples:
             split = SampleSplit(request, responder, self._settings.max_answer_bytes)
             await split.run(
                 lambda part, sink: self._serve(
-                    part, headers, sink, disconnected, receipt, trace, session
+                    chooser, part, headers, sink, disconnected, receipt, trace, session
                 )
             )
             return
-        await self._serve(request, headers, responder, disconnected, receipt, trace, session)
+        await self._serve(
+            chooser, request, headers, responder, disconnected, receipt, trace, session
+        )
 
     async def _serve(
         self,
+        chooser: RouteChooser,
         request: ParsedRequest,
         headers: dict[str, str],
         responder: Responder,
@@ -161,10 +178,10 @@ class Pipeline:
         last_error: UpstreamError | None = None
         started = time.perf_counter()
         span = trace.child("pdr.route") if trace is not None else None
-        features = await self.chooser.features(request)
+        features = await chooser.features(request)
         for attempt in range(1, attempts + 1):
             try:
-                route = self.chooser.route(failed, features, count=attempt == 1, session=session)
+                route = chooser.route(failed, features, count=attempt == 1, session=session)
             except NoWorkerAvailable as exc:
                 if span is not None:
                     span.fail(exc)

@@ -72,11 +72,14 @@ class RouteChooser:
         featurizer: Featurizer,
         circuits: Circuits | None = None,
         sessions: SessionAffinity | None = None,
+        model: str | None = None,
     ) -> None:
         """``decode_can_prefill``: the protocol adapter's word (``PDAdapter.decode_can_prefill``):
         whether the decode prefills a request without KV transfer fields by itself;
-        ``sessions``: the session pins (None: no session affinity)."""
+        ``sessions``: the session pins (None: no session affinity); ``model``: the candidates
+        are the workers serving it (router.scheduling.model_pools; None: every worker)."""
         self._pool = pool
+        self.model = model
         self.sessions = sessions
         self._circuits = circuits
         self._prefill_policy = prefill_policy
@@ -149,8 +152,8 @@ class RouteChooser:
         and the route this request would take now. Sends nothing, records no prediction and
         pins nothing; like a request, it moves the policies' round-robin cursors (ties,
         ``round_robin``)."""
-        prefills = self._pool.available_prefill()
-        decodes = self._pool.available_decode()
+        prefills = self._pool.available_prefill(self.model)
+        decodes = self._pool.available_decode(self.model)
         mode: str | None = None
         candidates: list[dict[str, Any]] = []
         if prefills:
@@ -187,8 +190,8 @@ class RouteChooser:
         self, failed: set[str], features: RequestFeatures | None, session: SessionAsk | None
     ) -> tuple[Route, Held | None]:
         """The route, and the session's pin as found (None: no session)."""
-        prefills = self._closed(self._pool.available_prefill(), "prefill")
-        decodes = self._closed(self._pool.available_decode(), "decode")
+        prefills = self._closed(self._pool.available_prefill(self.model), "prefill")
+        decodes = self._closed(self._pool.available_decode(self.model), "decode")
         if failed:
             decodes = [w for w in decodes if w.id not in failed] or decodes
         held = None

@@ -36,20 +36,21 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _prefill_spec(parser: _Parser, values: list[str]) -> dict[str, Any]:
-    """``URL [BOOTSTRAP_PORT|none|ns:NAME] [events=tcp://H:P] [replay=tcp://H:P]``."""
-    named = {"events": "kv_events", "replay": "kv_events_replay"}
+    """``URL [BOOTSTRAP_PORT|none|ns:NAME] [events=tcp://H:P] [replay=tcp://H:P]
+    [model=NAME[,NAME]]``."""
+    named = {"events": "kv_events", "replay": "kv_events_replay", "model": "models"}
     spec: dict[str, Any] = {"url": values[0]}
     positional = []
     for value in values[1:]:
         key, sep, rest = value.partition("=")
         if sep and key in named:
-            spec[named[key]] = rest
+            spec[named[key]] = rest.split(",") if key == "model" else rest
         else:
             positional.append(value)
     if len(positional) > 1:
         parser.error(
             "argument --prefill: expected URL [BOOTSTRAP_PORT] [events=ENDPOINT] "
-            f"[replay=ENDPOINT], got {' '.join(values)}"
+            f"[replay=ENDPOINT] [model=NAME], got {' '.join(values)}"
         )
     port = positional[0] if positional else "none"
     if port.startswith("ns:"):
@@ -61,6 +62,28 @@ def _prefill_spec(parser: _Parser, values: list[str]) -> dict[str, Any]:
             )
         spec["bootstrap_port"] = int(port)
     return spec
+
+
+def _decode_spec(parser: _Parser, values: list[str]) -> dict[str, Any]:
+    """``URL [model=NAME[,NAME]]``."""
+    spec: dict[str, Any] = {"url": values[0]}
+    for value in values[1:]:
+        key, sep, rest = value.partition("=")
+        if not (sep and key == "model"):
+            parser.error(f"argument --decode: expected URL [model=NAME], got {' '.join(values)}")
+        spec["models"] = rest.split(",")
+    return spec
+
+
+def _name_names(parser: _Parser, items: list[str]) -> dict[str, str]:
+    """``ALIAS=NAME`` pairs."""
+    names: dict[str, str] = {}
+    for item in items:
+        alias, _, name = item.partition("=")
+        if not alias or not name:
+            parser.error(f"argument --model-alias: expected ALIAS=NAME, got {item!r}")
+        names[alias] = name
+    return names
 
 
 def _namespace_ports(parser: _Parser, items: list[str]) -> dict[str, int]:
@@ -76,8 +99,10 @@ def _namespace_ports(parser: _Parser, items: list[str]) -> dict[str, int]:
 # ``cli(adapter=...)``: what argparse collected -> the setting's value
 _ADAPTERS: dict[str, Callable[[_Parser, Any], Any]] = {
     "prefill": lambda parser, groups: [_prefill_spec(parser, values) for values in groups],
+    "decode": lambda parser, groups: [_decode_spec(parser, values) for values in groups],
     "urls": lambda _parser, urls: [{"url": url} for url in urls],
     "name_ports": _namespace_ports,
+    "name_names": _name_names,
 }
 
 

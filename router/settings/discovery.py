@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from registry.models import NAMESPACE_PATTERN, check_worker_url
 from router.settings.flags import DOCUMENTED, TUNING, PositiveFloat, cli, env_only
 
-__all__ = ["EngineProtocol", "KubernetesDiscoverySettings", "WorkerSpec"]
+__all__ = ["MAX_MODEL_NAME", "EngineProtocol", "KubernetesDiscoverySettings", "WorkerSpec"]
+
+MAX_MODEL_NAME = 256  # characters of a served model name
 
 
 class EngineProtocol(StrEnum):
@@ -23,7 +25,8 @@ class EngineProtocol(StrEnum):
 
 
 class WorkerSpec(BaseModel):
-    """A statically configured worker: its HTTP URL and, for prefill, its bootstrap port."""
+    """A statically configured worker: its HTTP URL, for prefill its bootstrap port, and the
+    models it serves."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -36,6 +39,18 @@ class WorkerSpec(BaseModel):
     # --kv-events-config endpoint / replay_endpoint; None: derived from CacheAwareSettings ports
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    # the model names it serves (``model=A,B``); empty: read from its /v1/models
+    models: tuple[str, ...] = ()
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        for name in names:
+            if not name or len(name) > MAX_MODEL_NAME or not name.isprintable():
+                raise ValueError(
+                    f"a model name is 1 to {MAX_MODEL_NAME} printable characters, got {name!r}"
+                )
+        return names
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod

@@ -25,7 +25,7 @@ def cli(
     repeat: bool = False,
     nargs: Literal["+"] | None = None,
     switch: bool | None = None,
-    adapter: Literal["prefill", "urls", "name_ports"] | None = None,
+    adapter: Literal["prefill", "decode", "urls", "name_ports", "name_names"] | None = None,
     default: str | None = None,
     help: str | None = None,
 ) -> JsonDict:

@@ -55,12 +55,16 @@ class RouterSettings(BaseSettings):
     `VLLM_MOONCAKE_BOOTSTRAP_PORT`; SGLang: its `--disaggregation-bootstrap-port`), `none`
     (SGLang uses its own) or `ns:NS` (it registers with this router's registry in namespace
     NS), then optionally its KV event stream `events=tcp://HOST:PORT replay=tcp://HOST:PORT`
-    (DP rank 0; rank r at port + r, as in its `--kv-events-config`)"""
+    (DP rank 0; rank r at port + r, as in its `--kv-events-config`) and `model=NAME[,NAME]`,
+    the models it serves (else read from its `/v1/models`)"""
     decode: list[WorkerSpec] = Field(
         default_factory=list,
-        json_schema_extra=cli("--decode", metavar="URL", repeat=True, adapter="urls"),
+        json_schema_extra=cli(
+            "--decode", metavar=("URL", "model=NAME"), nargs="+", repeat=True, adapter="decode"
+        ),
     )
-    """a decode worker's URL"""
+    """a decode worker's URL, then optionally `model=NAME[,NAME]`: the models it serves (else
+    read from its `/v1/models`)"""
     server: ServerSettings = ServerSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     admission: AdmissionSettings = AdmissionSettings()

@@ -32,6 +32,13 @@ class PolicySettings(BaseModel):
         json_schema_extra=cli("--decode-policy", choices_of="policies", default="--policy"),
     )
     """policy for decode"""
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        json_schema_extra=cli(
+            "--model-alias", metavar="ALIAS=NAME", repeat=True, adapter="name_names"
+        ),
+    )
+    """a model name clients may send for the served model NAME (the engines get NAME)"""
 
 
 class CacheAwareSettings(BaseModel):

@@ -7,10 +7,12 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
+
 from router.server.cli import parse_args as router_settings
 from worker.__main__ import build
 from worker.__main__ import parse_args as worker_args
-from worker.cluster import _Layout, _parse, _prefill_args, _router_args
+from worker.cluster import _Layout, _parse, _prefill_args, _router_args, main
 
 
 def _free(port: int) -> bool:
@@ -88,3 +90,18 @@ def test_a_second_replica_reaches_the_ranks_registered_with_the_first() -> None:
     assert settings.prefill[0].bootstrap_port == ns_port
     assert settings.replicas.peers == [f"127.0.0.1:{layout.replicas.sync_ports[0]}"]
     assert settings.server.port == layout.replicas.ports[1] != 18000
+
+
+def test_models_spread_over_the_workers_and_are_declared_to_the_router() -> None:
+    args = _parse(["--models", "a,b", "--prefill", "2", "--decode", "3", "--", "--pages", "8"])
+    layout = _Layout(args)
+    settings = router_settings(_router_args(args, layout, args.port)[1:])
+    assert [spec.models for spec in settings.prefill] == [("a",), ("b",)]
+    assert [spec.models for spec in settings.decode] == [("a",), ("b",), ("a",)]
+    prefill = _prefill_args(args, layout.prefills[1], layout.namespaces[1], layout.events[1], 1)
+    assert build(worker_args(prefill[1:])).config.model == "b"
+
+
+def test_more_models_than_workers_of_a_role_is_refused() -> None:
+    with pytest.raises(SystemExit, match="--models needs at least one prefill and one decode"):
+        main(["--models", "a,b", "--prefill", "2", "--decode", "1"])

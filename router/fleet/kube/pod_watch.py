@@ -270,6 +270,7 @@ class PodWatcher:
             source="kubernetes",
             kv_events=worker.kv_events,
             kv_events_replay=worker.kv_events_replay,
+            models=worker.models,
         )
         if known is None or known.worker != worker:
             logger.info(

@@ -47,6 +47,10 @@ SGLANG_BOOTSTRAP_PORT = "sglang.ai/bootstrap-port"
 BOOTSTRAP_NAMESPACE = "pd-router.io/bootstrap-namespace"
 KV_EVENTS_PORT = "pd-router.io/kv-events-port"
 KV_EVENTS_REPLAY_PORT = "pd-router.io/kv-events-replay-port"
+# the models the pod serves: the annotation (comma-separated names, any characters), else the
+# label (one name, in a label's alphabet); neither: the router reads its /v1/models
+MODELS = "pd-router.io/models"
+MODEL_LABEL = "pd-router.io/model"
 
 Role = Literal["prefill", "decode"]
 
@@ -66,6 +70,7 @@ class PodWorker:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     not_ready: str | None = None
+    models: tuple[str, ...] = ()
 
     @property
     def ready(self) -> bool:
@@ -91,8 +96,9 @@ def worker_from_pod(pod: V1Pod, role: Role) -> PodWorker | None:
         raise PodSkipped(f"no {HTTP_PORT} annotation and no container port named 'http'")
     url = f"http://{host}:{port}"
     not_ready = not_ready_reason(pod)
+    models = _models(pod, annotations)
     if role == "decode":
-        return PodWorker(role, url, not_ready=not_ready)
+        return PodWorker(role, url, not_ready=not_ready, models=models)
     bootstrap_port = _annotated_port(annotations, BOOTSTRAP_PORT)
     if bootstrap_port is None:
         bootstrap_port = _annotated_port(annotations, SGLANG_BOOTSTRAP_PORT)
@@ -106,7 +112,16 @@ def worker_from_pod(pod: V1Pod, role: Role) -> PodWorker | None:
         kv_events=None if events is None else f"tcp://{host}:{events}",
         kv_events_replay=None if replay is None else f"tcp://{host}:{replay}",
         not_ready=not_ready,
+        models=models,
     )
+
+
+def _models(pod: V1Pod, annotations: dict[str, str]) -> tuple[str, ...]:
+    listed = annotations.get(MODELS)
+    if listed is None:
+        labels = (pod.metadata.labels if pod.metadata is not None else None) or {}
+        listed = labels.get(MODEL_LABEL, "")
+    return tuple(name.strip() for name in listed.split(",") if name.strip())[:64]
 
 
 def not_ready_reason(pod: V1Pod) -> str | None:

@@ -132,3 +132,35 @@ def test_console_script_reports_bad_flag() -> None:
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "router: error: argument --port: invalid int value: 'x'"
+
+
+def test_workers_declare_their_models_and_aliases_map_names() -> None:
+    s = parse_args(
+        [
+            "--prefill", "http://p1:8100", "8998", "model=a,b", "events=tcp://p1:5557",
+            "--decode", "http://d1:8200", "model=a",
+            "--decode", "http://d2:8200",
+            "--model-alias", "latest=a", "--model-alias", "old=b",
+        ]
+    )  # fmt: skip
+    assert (s.prefill[0].models, s.prefill[0].bootstrap_port) == (("a", "b"), 8998)
+    assert s.prefill[0].kv_events == "tcp://p1:5557"
+    assert [w.models for w in s.decode] == [("a",), ()]
+    assert s.policy.model_aliases == {"latest": "a", "old": "b"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--decode", "http://d:8200", "8998"], "expected URL [model=NAME]"),
+        (["--model-alias", "latest"], "expected ALIAS=NAME"),
+        (["--decode", "http://d:8200", "model="], "a model name is 1 to 256"),
+    ],
+)
+def test_a_bad_model_declaration_is_one_line_naming_it(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--prefill", "http://p:8100", *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

@@ -183,3 +183,16 @@ def test_the_fake_api_server_reads_label_selectors_as_kubernetes_does(
 def test_the_fake_api_server_refuses_bad_selectors(selector: str) -> None:
     with pytest.raises(ValueError, match="unable to parse"):
         parse_selector(selector)
+
+
+def test_a_pod_declares_its_models_by_annotation_or_label(v1_pod: MakePod) -> None:
+    ports = [("http", 8000)]
+    annotated = {"pd-router.io/models": "meta-llama/Llama-3.1-8B, small"}
+    pod = v1_pod(pod_ip="10.0.0.1", ports=ports, annotations=annotated)
+    worker = worker_from_pod(pod, "decode")
+    assert worker is not None and worker.models == ("meta-llama/Llama-3.1-8B", "small")
+    labelled = v1_pod(pod_ip="10.0.0.1", ports=ports, labels={"pd-router.io/model": "small"})
+    worker = worker_from_pod(labelled, "decode")
+    assert worker is not None and worker.models == ("small",)
+    worker = worker_from_pod(v1_pod(pod_ip="10.0.0.1", ports=ports), "decode")
+    assert worker is not None and worker.models == ()  # the router reads its /v1/models

@@ -1,0 +1,85 @@
+"""Several models behind one router: each request goes to the pool of workers serving its model.
+
+A worker serves the model names it declares (``--prefill URL ... model=NAME``, its registry
+record) or, when it declares none, those its ``/v1/models`` lists (read by the health prober when
+it joins or comes back). A worker that names none is a candidate for every model: a fleet where
+no worker names a model routes as one pool, as before.
+
+Each model gets its own ``RouteChooser`` (made on first use, with fresh policies: round-robin
+cursors and cache-aware state per pool) over the workers serving it. The KV index, loads,
+breakers and pair ledgers are per worker already, so a pool's requests only ever weigh its own
+workers: a prefix cached by one model's prefill never attracts another model's request.
+
+``--model-alias ALIAS=NAME`` maps a name clients send to a served one; the body goes to the
+engines with the served name. A model no worker serves (and no worker without names could) is a
+404 naming the models served. Bounds: choosers only for served names (at most
+``MAX_MODELS_PER_WORKER`` per worker), dropped when their model is no longer served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from router.errors import ModelNotFound
+from router.scheduling.chooser import RouteChooser
+from router.schemas import ParsedRequest
+from router.upstream.base import UpstreamPool
+
+__all__ = ["ModelPools"]
+
+
+class ModelPools:
+    """The chooser for each request's model; ``default``: the whole fleet's (no model named by
+    any worker), ``new_chooser(model)``: a fresh one for ``model``'s pool."""
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        default: RouteChooser,
+        new_chooser: Callable[[str | None], RouteChooser],
+        aliases: Mapping[str, str],
+    ) -> None:
+        self._pool = pool
+        self.default = default
+        self._new_chooser = new_chooser
+        self.aliases = dict(aliases)
+        self._choosers: dict[str, RouteChooser] = {}
+        self._served: frozenset[str] = frozenset()
+        self._unnamed: RouteChooser | None = None  # the workers without names, any model
+
+    def chooser_for(self, request: ParsedRequest) -> RouteChooser:
+        """The chooser of the request's model (its alias resolved in the body); raises
+        ModelNotFound when no worker serves it."""
+        name = request.body.get("model")
+        if not isinstance(name, str):
+            return self.default
+        target = self.aliases.get(name)
+        if target is not None:
+            request.body["model"] = name = target
+        pool = self._pool
+        if not pool.models:  # no worker names a model: one pool
+            return self.default
+        if pool.models is not self._served:
+            self._prune(pool.models)
+        chooser = self._choosers.get(name)
+        if chooser is not None:
+            return chooser
+        if name in pool.models:
+            chooser = self._choosers[name] = self._new_chooser(name)
+            return chooser
+        if not pool.wildcards:
+            raise ModelNotFound(
+                f"the model {name!r} does not exist here; served: {', '.join(self.served())}"
+            )
+        if self._unnamed is None:  # "": served by no one, routes among the unnamed workers
+            self._unnamed = self._new_chooser("")
+        return self._unnamed
+
+    def served(self) -> list[str]:
+        """The model names served, then the aliases, sorted."""
+        return sorted(self._pool.models) + sorted(self.aliases)
+
+    def _prune(self, served: frozenset[str]) -> None:
+        self._served = served
+        for name in [n for n in self._choosers if n not in served]:
+            del self._choosers[name]
