@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Mapping
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,6 +19,7 @@ from registry.service import RegistryService
 from router.api import completions_doc, conversations_doc, health, passthrough_doc, status
 from router.api.deps import get_context
 from router.api.explain import explain_routes
+from router.api.live_view import live_view
 from router.api.openai import HOT_ROUTES, handle_completion
 from router.api.passthrough import PASSTHROUGH_ROUTES, handle_passthrough
 from router.context import open_context
@@ -56,7 +58,7 @@ def _registry_of(request: Request) -> RegistryService:
 
 
 def _live_view_of(request: Request) -> LiveView:
-    return get_context(request).live_view
+    return partial(live_view, get_context(request))
 
 
 def _render(exc: RouterError, headers: Mapping[str, str] | None = None) -> Response:
@@ -70,7 +72,8 @@ def install_error_handlers(api: FastAPI) -> None:
 
     async def on_router_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RouterError)
-        return _render(exc)
+        headers = {name.decode(): value.decode() for name, value in exc.headers}
+        return _render(exc, headers or None)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

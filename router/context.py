@@ -46,6 +46,7 @@ from router.server.bootstrap_listeners import bootstrap_servers, pool_owner_host
 from router.server.lifecycle import RouterLifecycle
 from router.settings import AdmissionSettings, RouterSettings
 from router.sharing import host_bus, replica_sync, share_verdicts, sibling_view
+from router.tenancy.client_auth import ClientGate, client_gate, reloading_on_sighup
 from router.upstream.base import UpstreamPool
 
 if TYPE_CHECKING:
@@ -101,33 +102,7 @@ class AppContext:
     fleet: FleetView
     kv: KVCacheView
     telemetry: Telemetry
-
-    def live_view(self, worker_id: str) -> dict[str, Any] | None:
-        """This router's live state of a worker, for the admin API."""
-        worker = self.pool.get(worker_id)
-        if worker is None:
-            return None
-        view: dict[str, Any] = {
-            "healthy": worker.healthy,
-            "draining": worker.draining,
-            "inflight": worker.host_inflight(),
-        }
-        if worker.role.value == "prefill":
-            view["dp_size"] = worker.dp_size
-            view["ranks"] = [
-                {
-                    "dp_rank": rank,
-                    "inflight": worker.rank_load(rank),
-                    # prompt tokens this router's in-flight prefill legs there will compute
-                    "pending_prefill_tokens": worker.pending_tokens(rank),
-                    "engine_id": worker.engine_ids[rank] if rank < len(worker.engine_ids) else None,
-                    # confirmed blocks the KV index holds for this rank, and its event stream
-                    "kv_blocks": self.kv.index.block_count((worker.id, rank)),
-                    "kv_events": self.kv.feed.stats((worker.id, rank)),
-                }
-                for rank in range(len(worker.rank_inflight))
-            ]
-        return view
+    clients: ClientGate | None = None  # --api-keys: client keys required (None: open)
 
 
 @contextlib.asynccontextmanager
@@ -357,6 +332,7 @@ async def open_context(
         else LoadBoard(board_path(sharing.run_dir), sharing.count, sharing.index)
     )
     parts = _build_parts(settings, tables, board, role)
+    clients = client_gate(settings.auth)  # a bad keys file stops the start here
     bus = None
     if sharing is not None:
         bus = host_bus(sharing, settings, parts.kv.index)
@@ -374,6 +350,7 @@ async def open_context(
         tasks += [parts.outlier.run()] if features.outliers else []
         tasks += [bus.run()] if bus is not None else []
         tasks += [fleet.replicas.run()] if fleet.replicas is not None else []
+        tasks += [clients.keys.watch()] if clients is not None else []
         if pod_watcher is not None:
             tasks.append(pod_watcher.run())
         background = _background(*tasks)
@@ -386,7 +363,9 @@ async def open_context(
             if role is not None:  # its socket listens once this returns: when it can route
                 await until_ready(parts.pool, JOIN_WAIT_S)
             lifecycle.joined = True
-            yield _app_context(settings, lifecycle, parts, pod_watcher, siblings)
+            context = _app_context(settings, lifecycle, parts, pod_watcher, siblings)
+            with reloading_on_sighup(clients):
+                yield replace(context, clients=clients)
     finally:
         if pod_watcher is not None:
             await pod_watcher.aclose()

@@ -2,6 +2,7 @@
 
 RouterError
 ├── InvalidRequest          400  the client's request is malformed
+├── Unauthorized            401  no API key or an unknown one (--api-keys)
 ├── BodyTooLarge            413
 ├── MethodNotAllowed        405
 ├── ModelNotFound           404  no worker serves the request's model
@@ -26,6 +27,7 @@ __all__ = [
     "NoWorkerAvailable",
     "Overloaded",
     "RouterError",
+    "Unauthorized",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamTimeout",
@@ -76,6 +78,14 @@ class ModelNotFound(RouterError):
 
     status = 404
     error_type = "invalid_request_error"
+
+
+class Unauthorized(RouterError):
+    """No API key, or an unknown one, while client keys are required (``--api-keys``)."""
+
+    status = 401
+    error_type = "invalid_request_error"
+    headers = ((b"www-authenticate", b'Bearer realm="pd-router"'),)
 
 
 class Overloaded(RouterError):

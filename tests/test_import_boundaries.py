@@ -93,6 +93,7 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "adapters": frozenset(),
     "upstream": frozenset(),
     "kv_cache": frozenset(),
+    "tenancy": frozenset(),
     "fleet": frozenset({"upstream"}),
     "observability": frozenset({"fleet", "kv_cache", "upstream"}),
     "scheduling": frozenset({"kv_cache", "fleet", "upstream", "observability"}),

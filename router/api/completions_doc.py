@@ -29,6 +29,10 @@ COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
         "content": {"application/json": {}, "text/event-stream": {}},
     },
     **ERROR_RESPONSES,
+    401: {
+        "description": "`--api-keys`: no API key, or an unknown one (`WWW-Authenticate`)",
+        "content": ERROR_JSON,
+    },
     405: {"description": "Only POST (with an `Allow` header)", "content": ERROR_JSON},
     413: {"description": "Body over --max-body-bytes", "content": ERROR_JSON},
     429: {

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 import msgspec
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from registry.models import redact_url
@@ -106,15 +106,18 @@ def _describe(worker: Worker) -> dict[str, Any]:
 @router.get(
     "/v1/models",
     responses={
+        401: error_response("--api-keys: no API key, or an unknown one"),
         502: error_response("No decode worker answered with a model list"),
         503: error_response("No healthy decode worker"),
         504: error_response("A decode worker timed out"),
     },
 )
-async def models(ctx: Context) -> Response:
+async def models(ctx: Context, request: Request) -> Response:
     """The models served, each once with its pools (the workers serving it, and the aliases
     naming it) when workers name their models; else the union of the healthy decode workers'
     ``/v1/models`` lists."""
+    if ctx.clients is not None:  # --api-keys: clients list models with their key
+        ctx.clients.tenant(request.headers.get("authorization"))
     if ctx.pool.models:
         return JSONResponse({"object": "list", "data": _served_models(ctx)})
     decodes = ctx.pool.usable_decode()

@@ -42,6 +42,7 @@ from router.types import CLIENT_GONE, WHOLE_RESPONSE, Receive, Scope, Send
 __all__ = [
     "CLIENT_GONE_STATUS",
     "HOT_ROUTES",
+    "authenticate",
     "client_gone",
     "handle_completion",
     "read_headers",
@@ -57,6 +58,7 @@ _REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # printable ASCII: it goes into head
 _MAX_TRACE_HEADER = 512  # W3C: tracestate may be cut beyond 512 chars; longer ones are dropped
 _SESSION_AFFINITY = b"x-session-affinity"  # a request's own choice: soft or hard
 _AFFINITIES = {b"soft": False, b"hard": True}
+_MESSAGES = Endpoint.MESSAGES.value
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": counted for a client that left
 
 
@@ -77,14 +79,17 @@ async def handle_completion(
     task = ctx.lifecycle.track()
     share = BodyShare(ctx.admission.body_memory)
     try:
+        # --api-keys: the caller's tenant, before the body is read
+        tenant, authorization = authenticate(ctx, scope, endpoint.value, authorization)
         request = await _read_request(
             ctx, scope, receive, endpoint, content_length, share, bad_header
         )
         stream = request.stream
         headers = upstream_headers(request_id, authorization, trace_context)
-        disconnected = client_gone(scope, receive)
-        routing = _Routing(responder, disconnected, receipt, span, session)
-        await _admit_and_route(ctx, request, headers, routing)
+        gone = client_gone(scope, receive)
+        await _admit_and_route(
+            ctx, request, headers, _Routing(responder, gone, receipt, span, session, tenant)
+        )
         status = responder.status or 500
     except ClientDisconnected:
         status = CLIENT_GONE_STATUS
@@ -130,6 +135,7 @@ class _Routing:
     receipt: RoutingReceipt
     span: TraceSpan | None
     session: SessionAsk | None
+    tenant: str | None  # --api-keys: the caller's tenant
 
 
 async def _admit_and_route(
@@ -157,6 +163,26 @@ async def _admit_and_route(
                 ctx.admission.release(sequences)
     finally:
         disconnected.cancel()
+
+
+def authenticate(
+    ctx: AppContext, scope: Scope, path: str, authorization: str | None
+) -> tuple[str | None, str | None]:
+    """With ``--api-keys``: the caller's tenant (raises Unauthorized) and the ``Authorization``
+    the engines get in place of the client's (``--engine-api-key``, or none), counted per
+    tenant; without: no tenant, and the client's own ``Authorization``."""
+    clients = ctx.clients
+    if clients is None:
+        return None, authorization
+    api_key = None
+    if authorization is None and path == _MESSAGES:  # Anthropic clients send x-api-key
+        api_key = next(
+            (v.decode("latin-1") for n, v in scope["headers"] if n == b"x-api-key"), None
+        )
+    tenant = clients.tenant(authorization, api_key)
+    metrics = ctx.telemetry.metrics
+    metrics.count(metrics.tenant_requests, tenant)
+    return tenant, clients.engine_authorization
 
 
 def responder_for(scope: Scope, send: Send, request_id: str) -> Responder:

@@ -26,6 +26,7 @@ import msgspec
 
 from router.api.openai import (
     CLIENT_GONE_STATUS,
+    authenticate,
     client_gone,
     read_headers,
     responder_for,
@@ -76,6 +77,7 @@ async def handle_passthrough(
             raise MethodNotAllowed(f"method {scope['method']} is not allowed on {path}")
         if bad_id is not None:
             raise bad_id
+        _, authorization = authenticate(ctx, scope, path, authorization)  # --api-keys
         limit = settings.server.max_body_bytes
         body = bytes(await read_body(receive, limit, content_length, share))
         _check_object(body, path)

@@ -22,6 +22,7 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "content": {"application/json": {}},
     },
     400: error_doc("The body is not a JSON object (OpenAI-style error JSON)"),
+    401: error_doc("`--api-keys`: no API key, or an unknown one"),
     "4XX": error_doc("An engine's 4xx answer, passed through (404: the route is not served)"),
     405: {"description": "Only POST (with an `Allow` header)", "content": ERROR_JSON},
     413: {"description": "Body over --max-body-bytes", "content": ERROR_JSON},

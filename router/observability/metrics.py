@@ -49,6 +49,7 @@ class RouterMetrics:
         self._children: dict[tuple[int, Labels], Counter | Histogram] = {}
         self._declare_request_stages(self.registry)
         self._declare_routing(self.registry)
+        self._declare_pools(self.registry)
         self._declare_admission(self.registry)
         self._start_known_labels()
 
@@ -141,6 +142,15 @@ class RouterMetrics:
             ["outcome", "reason"],
             registry=registry,
         )
+        self.tokenize_seconds = Histogram(
+            "pdr_tokenize_seconds",
+            "Time to get one request's prompt token ids (local tokenizer or render API)",
+            buckets=_TOKENIZE_BUCKETS,
+            registry=registry,
+        )
+
+    def _declare_pools(self, registry: CollectorRegistry) -> None:
+        """Model pools and tenants: labelled by configured or served names only."""
         self.model_requests = Counter(
             "pdr_model_requests",
             "Requests routed to a model's pool, by model: the served names (declared or read "
@@ -149,10 +159,11 @@ class RouterMetrics:
             ["model"],
             registry=registry,
         )
-        self.tokenize_seconds = Histogram(
-            "pdr_tokenize_seconds",
-            "Time to get one request's prompt token ids (local tokenizer or render API)",
-            buckets=_TOKENIZE_BUCKETS,
+        self.tenant_requests = Counter(
+            "pdr_tenant_requests",
+            "Requests authenticated with an API key (--api-keys), by tenant (the configured "
+            "names only)",
+            ["tenant"],
             registry=registry,
         )
 

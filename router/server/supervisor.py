@@ -85,10 +85,17 @@ class Supervisor:
 
         return uvloop.run(self._main())
 
+    def _pass_on_hangup(self) -> None:
+        """SIGHUP (reread the API keys file) goes to every serving process."""
+        for process in self._processes.values():
+            if process.returncode is None:
+                process.send_signal(signal.SIGHUP)
+
     async def _main(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self._pass_on_hangup)
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         run_dir = tempfile.mkdtemp(prefix="pd-router-", dir=shm)  # mode 0700
         LoadBoard.create(board_path(run_dir), self._count)

@@ -15,6 +15,7 @@ server's bounds, admission), ``upstream`` (connections, load, health, breakers),
 
 from __future__ import annotations
 
+from router.settings.auth import ClientAuthSettings
 from router.settings.discovery import EngineProtocol, KubernetesDiscoverySettings, WorkerSpec
 from router.settings.features import FeatureSettings
 from router.settings.flags import cli, env_only
@@ -34,6 +35,7 @@ from router.settings.upstream import (
 __all__ = [
     "AdmissionSettings",
     "CacheAwareSettings",
+    "ClientAuthSettings",
     "CircuitBreakerSettings",
     "EngineProtocol",
     "FeatureSettings",

@@ -8,6 +8,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from registry.settings import RegistrySettings
+from router.settings.auth import ClientAuthSettings
 from router.settings.discovery import EngineProtocol, KubernetesDiscoverySettings, WorkerSpec
 from router.settings.features import FeatureSettings
 from router.settings.flags import cli
@@ -75,6 +76,7 @@ class RouterSettings(BaseSettings):
     load: LoadSettings = LoadSettings()
     cache: CacheAwareSettings = CacheAwareSettings()
     session: SessionSettings = SessionSettings()
+    auth: ClientAuthSettings = ClientAuthSettings()
     registry: RegistrySettings = RegistrySettings()
     logging: LoggingSettings = LoggingSettings()
     observability: ObservabilitySettings = ObservabilitySettings()
