@@ -7,7 +7,7 @@ import pytest
 
 from router import create_app
 from testkit.fake_cluster import FakeClusterFactory, settings_for
-from testkit.fake_engine import FakeEngine
+from testkit.fake_engine import FakeConfig, FakeEngine
 from testkit.polling import wait_until
 from testkit.servers import run_server
 from tests.router.pipeline.test_protocols import COMPLETION
@@ -78,12 +78,17 @@ def test_wrong_method_and_unknown_path(make_cluster: FakeClusterFactory) -> None
     assert response.status_code == 404 and response.json()["error"]["code"] == 404
 
 
-def test_models_come_from_decode(make_cluster: FakeClusterFactory) -> None:
-    cluster = make_cluster("sglang", decode=2)
-    cluster.decodes[1].config.model = "other-model"
-    response = httpx.get(cluster.router_url + "/v1/models", timeout=5)
-    assert response.status_code == 200
-    assert sorted(m["id"] for m in response.json()["data"]) == ["fake-model", "other-model"]
+def test_models_are_those_the_workers_serve(make_cluster: FakeClusterFactory) -> None:
+    """Each worker's /v1/models, read when it joined (router.scheduling.model_pools)."""
+    names = iter(["fake-model", "fake-model", "other-model"])  # the prefill, then two decodes
+    cluster = make_cluster("sglang", decode=2, config=lambda: FakeConfig(model=next(names)))
+
+    def listed() -> list[str]:
+        response = httpx.get(cluster.router_url + "/v1/models", timeout=5)
+        assert response.status_code == 200
+        return sorted(m["id"] for m in response.json()["data"])
+
+    wait_until(lambda: listed() == ["fake-model", "other-model"], 10, "both models listed")
 
 
 def test_ready_follows_worker_health() -> None:
