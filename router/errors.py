@@ -8,6 +8,7 @@ RouterError
 ├── NoWorkerAvailable       503  no healthy prefill or decode worker
 │   └── WorkersBusy         429  every candidate is at its in-flight cap (also an Overloaded)
 ├── Overloaded              429  admission: the wait queue is full or the wait timed out
+│   └── RateLimited         429  a tenant's limit (requests, tokens per minute, concurrency)
 └── UpstreamError           502  an engine call failed
     ├── UpstreamUnavailable 502  transport error (``connect`` tells whether it is safe to retry)
     ├── UpstreamTimeout     504
@@ -15,6 +16,8 @@ RouterError
 """
 
 from __future__ import annotations
+
+import math
 
 import msgspec
 
@@ -25,6 +28,7 @@ __all__ = [
     "ModelNotFound",
     "NoWorkerAvailable",
     "Overloaded",
+    "RateLimited",
     "RouterError",
     "UpstreamError",
     "UpstreamStatusError",
@@ -41,6 +45,8 @@ class RouterError(Exception):
     error_type: str = "internal_server_error"
     # response headers the error owes (405: Allow)
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    # the envelope's ``code``: the HTTP status unless the error names OpenAI's own code
+    code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -97,6 +103,32 @@ class WorkersBusy(Overloaded, NoWorkerAvailable):
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message, reason="worker_cap", retry_after_s=retry_after_s)
+
+
+class RateLimited(Overloaded):
+    """A tenant is over one of its limits (``router.tenancy``): 429 as OpenAI answers it, the
+    envelope's ``type`` the limit (``requests`` or ``tokens``), ``code`` ``rate_limit_exceeded``,
+    with ``retry-after`` (whole seconds, rounded up), ``retry-after-ms`` (what the openai client
+    reads first) and the ``x-ratelimit-*`` headers of the limits it knows. ``reason``
+    (``tenant_requests``, ``tenant_tokens``, ``tenant_concurrency``) labels
+    ``pdr_admission_rejected_total``."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit_type: str,
+        reason: str,
+        retry_after_s: float,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        super().__init__(message, reason=reason, retry_after_s=max(1, math.ceil(retry_after_s)))
+        self.error_type = limit_type
+        self.retry_after_s = retry_after_s
+        retry_ms = str(max(1, math.ceil(retry_after_s * 1000))).encode()
+        self.headers = (*self.headers, (b"retry-after-ms", retry_ms), *headers)
 
 
 class ShuttingDown(RouterError):
@@ -180,7 +212,7 @@ def error_body(exc: RouterError) -> bytes:
                 "message": exc.message,
                 "type": exc.error_type,
                 "param": exc.param,
-                "code": exc.status,
+                "code": exc.status if exc.code is None else exc.code,
             }
         }
     )
