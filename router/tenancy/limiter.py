@@ -128,7 +128,7 @@ class TenantLimiter:
             if limits.tokens_per_minute is not None:
                 try:
                     tokens = await self.windows.charge(
-                        "tokens", bucket, limits.tokens_per_minute, max(estimated_tokens, 0)
+                        "tokens", bucket, limits.tokens_per_minute, estimated_tokens
                     )
                 except RateLimited:
                     if requests is not None:  # the request was not served: it does not count

@@ -93,20 +93,17 @@ class Windows:
         self._strategy = FixedWindowRateLimiter(self.storage)
 
     async def charge(self, limit_type: str, bucket: str, limit: int, cost: int) -> Charge | None:
-        """Put ``cost`` on ``bucket``'s window of ``limit`` a minute; raises RateLimited when it
-        does not fit (nothing stays charged then). None when the storage failed: the limit is
-        not enforced for this request (fail open, logged) rather than failing it."""
+        """Put ``cost`` (at least 1) on ``bucket``'s window of ``limit`` a minute; raises
+        RateLimited when it does not fit, and nothing stays charged then (a hit over the limit
+        is given back at once: for that moment the window looks fuller than it is, to this
+        tenant only). None when the storage failed: the limit is not enforced for this request
+        (fail open, logged) rather than failing it."""
         item = PerMinute(limit, namespace=self.namespace)
+        cost = max(cost, 1)
         try:
-            fits = await self._strategy.test(item, bucket, limit_type, cost=max(cost, 1))
-            if (
-                fits
-                and cost > 0
-                and not await self._strategy.hit(item, bucket, limit_type, cost=cost)
-            ):
-                # another request (or replica) took the room between test and hit: give it back
+            fits = await self._strategy.hit(item, bucket, limit_type, cost=cost)
+            if not fits:
                 await self.storage.incr(item.key_for(bucket, limit_type), item.get_expiry(), -cost)
-                fits = False
             stats = await self._strategy.get_window_stats(item, bucket, limit_type)
         except StorageError as exc:
             logger.warning("tenant limits not enforced: the %s storage failed: %s", limit_type, exc)
