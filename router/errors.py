@@ -45,8 +45,6 @@ class RouterError(Exception):
     error_type: str = "internal_server_error"
     # response headers the error owes (405: Allow)
     headers: tuple[tuple[bytes, bytes], ...] = ()
-    # the envelope's ``code``: the HTTP status unless the error names OpenAI's own code
-    code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -106,14 +104,12 @@ class WorkersBusy(Overloaded, NoWorkerAvailable):
 
 
 class RateLimited(Overloaded):
-    """A tenant is over one of its limits (``router.tenancy``): 429 as OpenAI answers it, the
-    envelope's ``type`` the limit (``requests`` or ``tokens``), ``code`` ``rate_limit_exceeded``,
-    with ``retry-after`` (whole seconds, rounded up), ``retry-after-ms`` (what the openai client
-    reads first) and the ``x-ratelimit-*`` headers of the limits it knows. ``reason``
-    (``tenant_requests``, ``tenant_tokens``, ``tenant_concurrency``) labels
-    ``pdr_admission_rejected_total``."""
-
-    code = "rate_limit_exceeded"
+    """A tenant is over one of its limits (``router.tenancy``): 429, the envelope's ``type``
+    the limit as OpenAI names it (``requests`` or ``tokens``; its ``code`` stays the status, as
+    the error schema says, where OpenAI's is ``rate_limit_exceeded``), with ``retry-after``
+    (whole seconds, rounded up), ``retry-after-ms`` (what the openai client reads first) and the
+    ``x-ratelimit-*`` headers of the limits it knows. ``reason`` (``tenant_requests``,
+    ``tenant_tokens``, ``tenant_concurrency``) labels ``pdr_admission_rejected_total``."""
 
     def __init__(
         self,
@@ -212,7 +208,7 @@ def error_body(exc: RouterError) -> bytes:
                 "message": exc.message,
                 "type": exc.error_type,
                 "param": exc.param,
-                "code": exc.status if exc.code is None else exc.code,
+                "code": exc.status,
             }
         }
     )

@@ -58,7 +58,7 @@ async def test_requests_per_minute(make_limiter: MakeLimiter, clock: Clock) -> N
     assert header(exc, "x-ratelimit-remaining-requests") == "0"
     assert header(exc, "x-ratelimit-reset-requests") == "45s"
     error = msgspec.json.decode(error_body(exc))["error"]
-    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+    assert (error["type"], error["code"]) == ("requests", 429)
 
     clock.advance(45)  # the window is over
     assert header(await limiter.admit("acme", 10), "x-ratelimit-remaining-requests") == "2"
@@ -84,7 +84,7 @@ async def test_the_estimate_is_charged_and_a_refusal_charges_nothing(
     with pytest.raises(RateLimited) as refused:
         await limiter.admit("acme", 500)
     error = msgspec.json.decode(error_body(refused.value))["error"]
-    assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
+    assert (error["type"], error["code"]) == ("tokens", 429)
     assert header(refused.value, "x-ratelimit-remaining-tokens") == "400"
     assert refused.value.reason == "tenant_tokens"
     second = await limiter.admit("acme", 400)
