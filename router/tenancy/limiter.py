@@ -10,7 +10,9 @@
 ``admit`` raises ``router.errors.RateLimited`` (429, ``retry-after``, ``x-ratelimit-*``) when a
 limit is reached; nothing stays charged then. The rates live in the storage ``storage_url``
 names (``router.tenancy.windows``: memory for one router process, Redis for replicas sharing a
-limit). Tokens: the estimate is charged on admission and corrected when the answer ends: an
+limit; with memory, each of ``router --workers N``'s processes counts on its own, so a tenant
+gets N times its rates). Storage failures fail open: the request is served, logged, unlimited.
+Tokens: the estimate is charged on admission and corrected when the answer ends: an
 answer that used fewer gives the rest back (while its window lasts), one that used more adds
 the excess, counted even past the limit (the tokens were spent).
 
