@@ -9,6 +9,7 @@ RouterError
 ├── NoWorkerAvailable       503  no healthy prefill or decode worker
 │   └── WorkersBusy         429  every candidate is at its in-flight cap (also an Overloaded)
 ├── Overloaded              429  admission: the wait queue is full or the wait timed out
+│   └── RateLimited         429  a tenant's limit (requests, tokens per minute, concurrency)
 └── UpstreamError           502  an engine call failed
     ├── UpstreamUnavailable 502  transport error (``connect`` tells whether it is safe to retry)
     ├── UpstreamTimeout     504
@@ -16,6 +17,8 @@ RouterError
 """
 
 from __future__ import annotations
+
+import math
 
 import msgspec
 
@@ -26,6 +29,7 @@ __all__ = [
     "ModelNotFound",
     "NoWorkerAvailable",
     "Overloaded",
+    "RateLimited",
     "RouterError",
     "Unauthorized",
     "UpstreamError",
@@ -107,6 +111,30 @@ class WorkersBusy(Overloaded, NoWorkerAvailable):
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message, reason="worker_cap", retry_after_s=retry_after_s)
+
+
+class RateLimited(Overloaded):
+    """A tenant is over one of its limits (``router.tenancy``): 429, the envelope's ``type``
+    the limit as OpenAI names it (``requests`` or ``tokens``; its ``code`` stays the status, as
+    the error schema says, where OpenAI's is ``rate_limit_exceeded``), with ``retry-after``
+    (whole seconds, rounded up), ``retry-after-ms`` (what the openai client reads first) and the
+    ``x-ratelimit-*`` headers of the limits it knows. ``reason`` (``tenant_requests``,
+    ``tenant_tokens``, ``tenant_concurrency``) labels ``pdr_admission_rejected_total``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit_type: str,
+        reason: str,
+        retry_after_s: float,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        super().__init__(message, reason=reason, retry_after_s=max(1, math.ceil(retry_after_s)))
+        self.error_type = limit_type
+        self.retry_after_s = retry_after_s
+        retry_ms = str(max(1, math.ceil(retry_after_s * 1000))).encode()
+        self.headers = (*self.headers, (b"retry-after-ms", retry_ms), *headers)
 
 
 class ShuttingDown(RouterError):

