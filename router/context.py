@@ -46,7 +46,7 @@ from router.server.bootstrap_listeners import bootstrap_servers, pool_owner_host
 from router.server.lifecycle import RouterLifecycle
 from router.settings import AdmissionSettings, RouterSettings
 from router.sharing import host_bus, replica_sync, share_verdicts, sibling_view
-from router.tenancy.client_auth import ClientGate, client_gate, reloading_on_sighup
+from router.tenancy.client_auth import ClientGate, client_gate, serving_clients
 from router.upstream.base import UpstreamPool
 
 if TYPE_CHECKING:
@@ -364,7 +364,7 @@ async def open_context(
                 await until_ready(parts.pool, JOIN_WAIT_S)
             lifecycle.joined = True
             context = _app_context(settings, lifecycle, parts, pod_watcher, siblings)
-            with reloading_on_sighup(clients):
+            async with serving_clients(clients):
                 yield replace(context, clients=clients)
     finally:
         if pod_watcher is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.api.request_body import BodyShare, parse_in_turn, read_body
+from router.api.tenant_admission import admit_tenant
 from router.context import AppContext
 from router.errors import (
     InvalidRequest,
@@ -145,7 +146,11 @@ async def _admit_and_route(
     are held until the response ended (a stream's last byte), whatever happens."""
     sequences = request.sample_count
     disconnected = routing.disconnected
+    admitted = None
     try:
+        admitted = await admit_tenant(  # its tenant's limits first (--api-keys)
+            ctx, routing.tenant, request, routing.responder, routing.receipt
+        )
         if ctx.settings.features.admission:  # off: the CPU ledger's "admission off"
             await ctx.admission.acquire(disconnected, sequences)
         try:
@@ -163,6 +168,8 @@ async def _admit_and_route(
                 ctx.admission.release(sequences)
     finally:
         disconnected.cancel()
+        if admitted is not None:  # corrected by the usage the answer reported (if any)
+            await admitted.finish(routing.receipt.used_tokens)
 
 
 def authenticate(

@@ -37,7 +37,10 @@ UPSTREAM_ERROR_KINDS = (
     "connect", "timeout", "kv_timeout", "kv_lost", "kv_failed", "http_4xx", "http_5xx",
     "capacity", "broken", "stale_connection", "worker_lost", "invalid_answer",
 )  # fmt: skip
-ADMISSION_REJECT_REASONS = ("queue_full", "queue_timeout", "worker_cap", "body_memory")
+ADMISSION_REJECT_REASONS = (
+    "queue_full", "queue_timeout", "worker_cap", "body_memory",
+    "tenant_requests", "tenant_tokens", "tenant_concurrency",
+)  # fmt: skip
 
 
 class RouterMetrics:

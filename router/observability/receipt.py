@@ -26,6 +26,8 @@ class RoutingReceipt:
     recomputed: bool = False  # the decode computed the prompt itself: PD did not happen
     decode_error: str | None = None  # the decode's error answer, relayed to the client as is
     model: str | None = None  # the pool the request went to (a served name; None: the fleet)
+    wants_usage: bool = False  # a tenant's token limit: read the answer's usage
+    used_tokens: int | None = None  # the tokens the answer's usage reports (when wanted)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """``x-pdr-prefill`` (URL, or ``skipped:<reason>``), ``x-pdr-prefill-dp-rank``,

@@ -27,7 +27,13 @@ from router.interrupt import ClientDisconnected, Interrupt
 from router.observability.metrics import RouterMetrics
 from router.observability.receipt import RoutingReceipt
 from router.observability.tracing import TraceSpan
-from router.pipeline.decode_usage import PromptUsage, prompt_usage, prompt_usage_in_sse
+from router.pipeline.decode_usage import (
+    PromptUsage,
+    prompt_usage,
+    prompt_usage_in_sse,
+    used_tokens,
+    used_tokens_in_sse,
+)
 from router.pipeline.leg_clock import LegClock
 from router.pipeline.responder import Responder
 from router.pipeline.verdicts import Verdicts, error_detail
@@ -133,6 +139,8 @@ class Attempt:
                 tail = await self._relay(response)
                 if self.prefill is not None:
                     self._check_recompute(prompt_usage_in_sse(tail))
+                if self.receipt.wants_usage:  # a tenant's token limit
+                    self.receipt.used_tokens = used_tokens_in_sse(tail)
             else:
                 await self._whole(response)
 
@@ -156,6 +164,8 @@ class Attempt:
                 self.receipt.decode_error = error
         elif prefill is not None:
             self._check_recompute(prompt_usage(content))
+        if self.receipt.wants_usage and status < 400:  # a tenant's token limit
+            self.receipt.used_tokens = used_tokens(content)
         await self.responder.whole(response.status, response.content_type, content)
 
     async def _relay(self, response: UpstreamResponse) -> bytes:

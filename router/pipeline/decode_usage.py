@@ -29,7 +29,13 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["PromptUsage", "prompt_usage", "prompt_usage_in_sse"]
+__all__ = [
+    "PromptUsage",
+    "prompt_usage",
+    "prompt_usage_in_sse",
+    "used_tokens",
+    "used_tokens_in_sse",
+]
 
 _decode = msgspec.json.Decoder().decode
 
@@ -173,3 +179,45 @@ def prompt_usage_in_sse(tail: bytes) -> PromptUsage | None:
             if found is not None:
                 return found
     return None
+
+
+def used_tokens(body: bytes) -> int | None:
+    """The tokens a whole answer's ``usage`` counts (prompt and output), for a tenant's token
+    limit: ``total_tokens``, else prompt plus completion (input plus output) tokens."""
+    if b'"usage"' not in body:
+        return None
+    try:
+        return _total_of(_decode(body))
+    except msgspec.DecodeError:
+        return None
+
+
+def used_tokens_in_sse(tail: bytes) -> int | None:
+    """The same from a stream's last events (its usage event, or Responses' last event)."""
+    if b'"usage"' not in tail:
+        return None
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            try:
+                found = _total_of(_decode(line[5:].strip()))
+            except msgspec.DecodeError:
+                continue
+            if found is not None:
+                return found
+    return None
+
+
+def _total_of(data: Any) -> int | None:
+    if isinstance(data, dict) and data.get("type") == "response.completed":
+        data = data.get("response")
+    usage = data.get("usage") if isinstance(data, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    total = usage.get("total_tokens")
+    if isinstance(total, int):
+        return total
+    parts = [usage.get(key) for key in ("prompt_tokens", "completion_tokens")]
+    if not all(isinstance(part, int) for part in parts):
+        parts = [usage.get(key) for key in ("input_tokens", "output_tokens")]
+    ints = [part for part in parts if isinstance(part, int)]
+    return sum(ints) if len(ints) == 2 else None

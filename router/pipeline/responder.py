@@ -52,6 +52,10 @@ class Responder:
         self.started_at = 0.0
         self._at_boundary = True
 
+    def add_headers(self, headers: tuple[tuple[bytes, bytes], ...]) -> None:
+        """More headers for the response, whatever its status (a tenant's ``x-ratelimit-*``)."""
+        self._extra_headers = [*self._extra_headers, *headers]
+
     def _started(self, status: int) -> None:
         self.started = True
         self.status = status

@@ -31,3 +31,13 @@ class ClientAuthSettings(BaseModel):
         default=2.0, json_schema_extra=cli("--api-keys-reload-interval")
     )
     """how often the keys file is checked for a change, s"""
+    rate_limit_storage: str = Field(
+        default="memory://", json_schema_extra=cli("--rate-limit-storage", metavar="URL")
+    )
+    """where the tenants' request and token counts live (`limits` storage URLs): `memory://`
+    (this process alone), or `redis://HOST:PORT` for replicas sharing every tenant's limits"""
+    default_max_tokens: int = Field(
+        default=256, gt=0, json_schema_extra=cli("--tenant-default-max-tokens")
+    )
+    """the output tokens a request without `max_tokens` (`max_completion_tokens`,
+    `max_output_tokens`) is charged on admission, until its usage corrects it"""

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,8 @@ class ClientKeys:
         self.table = load_key_table(path)
         self.reloads = 0
         self.reload_errors = 0
+        # told of every new table (the limits follow the file)
+        self.on_reload: Callable[[KeyTable], None] | None = None
 
     def tenant_for(self, key: str) -> str | None:
         return self.table.tenant_for(key)
@@ -159,6 +162,8 @@ class ClientKeys:
             return False
         self.table = table
         self.reloads += 1
+        if self.on_reload is not None:
+            self.on_reload(table)
         logger.info("API keys reloaded from %s: %d tenants", self.path, len(table.specs))
         return True
 

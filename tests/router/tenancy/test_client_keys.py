@@ -46,6 +46,7 @@ def test_toml_reads_the_same(tmp_path: Path) -> None:
         ("tenants:\n  a:\n    keys: [short]\n", "at least 16 characters"),
         ("tenants:\n  a:\n    keys: []\n", "keys"),
         (f"tenants:\n  a:\n    keys: [{KEY_A}]\n    rpm: 5\n", "rpm"),
+        (f"tenants:\n  a:\n    keys: [{KEY_A}]\n    max_concurrent: 0\n", "max_concurrent"),
         (f"tenants:\n  a:\n    keys: [{KEY_A}]\n  b:\n    keys: [{KEY_A}]\n", "listed for a and b"),
         (f"tenants:\n  'a b':\n    keys: [{KEY_A}]\n", "tenant 'a b'"),
         (f"tenant:\n  a:\n    keys: [{KEY_A}]\n", "tenant"),

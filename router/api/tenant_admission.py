@@ -1,0 +1,58 @@
+"""A tenant's limits on the request path (``--api-keys`` with limits in the keys file).
+
+Admission charges the request to its tenant (``router.tenancy.limiter``): one request, and its
+estimated tokens: the prompt's (UTF-8 bytes / 4 of what routing matches on: the completions
+prompt, each chat message, a Responses or Messages conversation) plus the output it may ask
+for (``max_tokens``, ``max_completion_tokens`` or ``max_output_tokens``; else
+``--tenant-default-max-tokens``) times its sequences. When the answer ends, the charge is
+corrected by the usage the decode reported (a whole answer's ``usage``; a stream's usage event,
+when the client asked for one: else the estimate stands). Over a limit: 429 with
+``Retry-After`` and the ``x-ratelimit-*`` headers; within, the answer carries them too.
+"""
+
+from __future__ import annotations
+
+from router.context import AppContext
+from router.observability.receipt import RoutingReceipt
+from router.pipeline.responder import Responder
+from router.scheduling.features import estimate_tokens, request_text
+from router.schemas import ParsedRequest
+from router.tenancy.limiter import Admitted
+
+__all__ = ["admit_tenant", "estimated_tokens"]
+
+_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
+async def admit_tenant(
+    ctx: AppContext,
+    tenant: str | None,
+    request: ParsedRequest,
+    responder: Responder,
+    receipt: RoutingReceipt,
+) -> Admitted | None:
+    """The tenant's admission (raises RateLimited), or None without limits to apply; its
+    headers go out with the answer and the answer's usage is read for it."""
+    clients = ctx.clients
+    if clients is None or clients.limiter is None or tenant is None:
+        return None
+    estimate = estimated_tokens(request, clients.default_max_tokens)
+    admitted = await clients.limiter.admit(tenant, estimate)
+    if admitted.headers:
+        responder.add_headers(admitted.headers)
+    receipt.wants_usage = True
+    return admitted
+
+
+def estimated_tokens(request: ParsedRequest, default_max_tokens: int) -> int:
+    """Prompt plus output tokens the request may use, before any of it is known."""
+    body = request.body
+    output = next(
+        (
+            value
+            for field in _OUTPUT_FIELDS
+            if isinstance(value := body.get(field), int) and not isinstance(value, bool)
+        ),
+        default_max_tokens,
+    )
+    return estimate_tokens(request_text(request) or "") + max(output, 0) * request.sample_count
