@@ -30,7 +30,7 @@ PROBE_S = 0.2  # --health-interval; the default --health-unhealthy-threshold is 
 IDLE_S = 1.5  # no traffic, then traffic, each past any probe threshold (0.6 s)
 TRAFFIC_S = 1.5
 MAX_REQUESTS = 500
-BODY = {"model": "m", "prompt": "an etcd outage must not matter", "max_tokens": 4}
+BODY = {"model": "sim-model", "prompt": "an etcd outage must not matter", "max_tokens": 4}
 
 
 @pytest.fixture(params=["vllm-mooncake", "sglang"])
