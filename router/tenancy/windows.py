@@ -24,10 +24,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
-import redis.asyncio
 from limits import RateLimitItem, RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage, Storage
 from limits.aio.strategies import FixedWindowRateLimiter
@@ -37,6 +36,9 @@ from limits.storage import storage_from_string
 
 from router.errors import RateLimited
 from router.tenancy.headers import ratelimit_headers
+
+if TYPE_CHECKING:
+    import redis.asyncio
 
 __all__ = ["REFUND_MARGIN_S", "Charge", "Windows"]
 
@@ -83,6 +85,10 @@ class Windows:
         self._pool: redis.asyncio.ConnectionPool | None = None
         url = storage_url.removeprefix("async+")
         if urlsplit(url).scheme in _REDIS_SCHEMES:
+            # imported for a Redis storage only: redis-py imports OpenTelemetry's SDK when it
+            # is installed, which the router otherwise loads only with tracing on
+            import redis.asyncio
+
             self._pool = redis.asyncio.ConnectionPool.from_url(url)
             options: dict[str, Any] = {"implementation": "redispy", "connection_pool": self._pool}
         else:
