@@ -24,8 +24,9 @@ event, output tokens in its last), so such streams are not checked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -168,12 +169,20 @@ def prompt_usage(body: bytes) -> PromptUsage | None:
 
 def prompt_usage_in_sse(tail: bytes) -> PromptUsage | None:
     """From the last events of a stream (the usage chunk comes just before ``[DONE]``)."""
+    return _last_in_sse(tail, _from_object)
+
+
+T = TypeVar("T")
+
+
+def _last_in_sse(tail: bytes, read: Callable[[Any], T | None]) -> T | None:
+    """What ``read`` finds in the last ``data:`` event of ``tail`` that mentions ``usage``."""
     if b'"usage"' not in tail:
         return None
     for line in reversed(tail.split(b"\n")):
         if line.startswith(b"data:") and b'"usage"' in line:
             try:
-                found = _from_object(_decode(line[5:].strip()))
+                found = read(_decode(line[5:].strip()))
             except msgspec.DecodeError:
                 continue
             if found is not None:
@@ -194,17 +203,7 @@ def used_tokens(body: bytes) -> int | None:
 
 def used_tokens_in_sse(tail: bytes) -> int | None:
     """The same from a stream's last events (its usage event, or Responses' last event)."""
-    if b'"usage"' not in tail:
-        return None
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data:") and b'"usage"' in line:
-            try:
-                found = _total_of(_decode(line[5:].strip()))
-            except msgspec.DecodeError:
-                continue
-            if found is not None:
-                return found
-    return None
+    return _last_in_sse(tail, _total_of)
 
 
 def _total_of(data: Any) -> int | None:
