@@ -9,7 +9,8 @@ RouterError
 ├── NoWorkerAvailable       503  no healthy prefill or decode worker
 │   └── WorkersBusy         429  every candidate is at its in-flight cap (also an Overloaded)
 ├── Overloaded              429  admission: the wait queue is full or the wait timed out
-│   └── RateLimited         429  a tenant's limit (requests, tokens per minute, concurrency)
+│   ├── RateLimited         429  a tenant's limit (requests, tokens per minute, concurrency)
+│   └── Shed                503  fleet overload: shed for a more urgent request, deadline passed
 └── UpstreamError           502  an engine call failed
     ├── UpstreamUnavailable 502  transport error (``connect`` tells whether it is safe to retry)
     ├── UpstreamTimeout     504
@@ -104,6 +105,15 @@ class Overloaded(RouterError):
         super().__init__(message)
         self.reason = reason
         self.headers = ((b"retry-after", str(retry_after_s).encode()),)
+
+
+class Shed(Overloaded):
+    """Fleet overload rather than the caller's own limits (as llm-d answers): 503 with
+    ``Retry-After``; ``reason`` ``shed`` (a more urgent request took its place in the full
+    queue) or ``deadline`` (its ``X-Deadline-Ms`` passed while it waited)."""
+
+    status = 503
+    error_type = "service_unavailable"
 
 
 class WorkersBusy(Overloaded, NoWorkerAvailable):

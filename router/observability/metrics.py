@@ -39,7 +39,7 @@ UPSTREAM_ERROR_KINDS = (
 )  # fmt: skip
 ADMISSION_REJECT_REASONS = (
     "queue_full", "queue_timeout", "worker_cap", "body_memory",
-    "tenant_requests", "tenant_tokens", "tenant_concurrency",
+    "tenant_requests", "tenant_tokens", "tenant_concurrency", "shed", "deadline",
 )  # fmt: skip
 
 
@@ -185,8 +185,24 @@ class RouterMetrics:
         self.admission_rejected = Counter(
             "pdr_admission_rejected",
             "Requests answered 429 by admission control, by reason (queue_full, queue_timeout, "
-            "worker_cap: every candidate worker at its in-flight cap)",
+            "worker_cap: every candidate worker at its in-flight cap; 503: shed for a more "
+            "urgent request, deadline passed while queued)",
             ["reason"],
+            registry=registry,
+        )
+        self.admission_queued = Gauge(
+            "pdr_admission_queued",
+            "Completion requests waiting for an admission slot, by priority band (high: "
+            "priority < 0, normal: 0, low: > 0)",
+            ["priority"],
+            registry=registry,
+        )
+        self.admission_wait = Histogram(
+            "pdr_admission_wait_seconds",
+            "Time requests that had to wait spent in the admission queue until admitted, by "
+            "priority band",
+            ["priority"],
+            buckets=_STAGE_BUCKETS,
             registry=registry,
         )
 

@@ -1,36 +1,43 @@
-"""Admission control: a budget of sequences served at once with a bounded FIFO wait queue, and
-a budget of request-body memory.
+"""Admission control: a budget of sequences served at once with a bounded wait queue ordered by
+urgency and fair between tenants (``router.pipeline.admission_queue``), and a budget of
+request-body memory.
 
 A request takes one unit of ``max_concurrent_requests`` per sequence it asks for (``n`` x
 prompts: what the engines generate and, with SGLang, the legs the router starts), at most the
 whole budget, so that one big request still runs when it is alone. It is admitted after its
 body was read and parsed, so no unit is held while a client uploads and a malformed request never
 waits; the queue holds at most ``max_queued_requests`` parsed bodies. Beyond the queue a request
-gets 429 at once; one that waited ``queue_timeout_s`` gets 429 too; both carry ``Retry-After``. A
-client that disconnects while queued leaves the queue at once. ``release`` hands the units to the
-oldest waiters, in order: a big request at the head is not overtaken by smaller ones.
+gets 429 at once, unless it is more urgent than the least urgent waiter: that one is shed (503)
+and the arrival takes its place. One that waited ``queue_timeout_s`` gets 429, one whose own
+deadline passed while it waited 503 at once; all carry ``Retry-After``. A client that
+disconnects while queued leaves the queue at once. ``release`` hands the units to the most
+urgent waiters (``WaitQueue.first``), in order: the head of the queue is not overtaken by
+smaller requests behind it (head-of-line: a big request waits for enough units, and holds back
+the others meanwhile, as it did in FIFO order).
 
 ``BodyMemory`` bounds the memory of the bodies being read, parsed, queued and served: each
 request holds an estimate from its body's length (``BODY_MEMORY_FACTOR``) from its first byte
 until it ends, and one that would pass the budget gets 429 at once.
 
-Every operation is O(1) but for waking waiters: the fast path (free units, nobody waiting) is a
-compare and two adds. State is owned by the router's event loop (no locks); the gate is built
-per app context.
+The fast path (free units, nobody waiting) is a compare and two adds, with nothing allocated
+(``try_acquire``: the caller works out the request's urgency only when it must wait); queueing
+and waking are O(log n) (``WaitQueue``). State is owned by the router's event loop (no locks);
+the gate is built per app context.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from collections import OrderedDict
+import time
 from collections.abc import Callable
 from typing import Any
 
-from router.errors import Overloaded
+from router.errors import Overloaded, Shed
 from router.interrupt import ClientDisconnected
 from router.load_board import ADMISSION, LoadBoard
 from router.observability.metrics import RouterMetrics
+from router.pipeline.admission_queue import NORMAL, PRIORITY_BANDS, Urgency, Waiter, WaitQueue
 from router.settings import AdmissionSettings
 
 __all__ = ["BODY_MEMORY_FACTOR", "HOST_POLL_S", "AdmissionGate", "BodyMemory"]
@@ -96,6 +103,7 @@ class AdmissionGate:
         *,
         board: LoadBoard | None = None,
         peers: Callable[[], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._limit = settings.max_concurrent_requests or sys.maxsize
         self._board = board  # router --workers N: the budget is the host's
@@ -109,43 +117,47 @@ class AdmissionGate:
         self.body_memory = BodyMemory(settings.max_body_memory_bytes, settings.retry_after_s, board)
         self.inflight = 0  # requests admitted
         self.units = 0  # their sequences (each at most the limit)
-        # insertion order is the queue order (a waiter -> its units); one that gives up removes
-        # itself in O(1)
-        self._waiters: OrderedDict[asyncio.Future[None], int] = OrderedDict()
+        self._queue = WaitQueue(settings.aging_s, clock)
+        self._metrics = metrics
         if metrics is not None:
             metrics.requests_inflight.set_function(lambda: self.inflight)
             metrics.admission_queue_depth.set_function(lambda: self.queued)
+            by_band = self._queue.by_band
+            for band, label in enumerate(PRIORITY_BANDS):
+                gauge = metrics.admission_queued.labels(label)
+                gauge.set_function(lambda band=band: by_band[band])  # type: ignore[misc]
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        return self._queue.size
 
-    async def acquire(self, disconnected: asyncio.Future[Any], sequences: int = 1) -> None:
-        """Take a unit per sequence (at most the whole budget), waiting in the queue if they
-        are not free. Raises Overloaded (429) when the queue is full or the wait timed out,
-        ClientDisconnected when ``disconnected`` (the client's next ASGI message) completes
-        first."""
+    def try_acquire(self, sequences: int = 1) -> bool:
+        """The fast path: take a unit per sequence when they are free and nobody waits."""
         units = min(sequences, self._limit)
-        if self._used() + units <= self._limit and not self._waiters:
+        if self._used() + units <= self._limit and not self._queue.size:
             self._take(units)
-            return
-        if len(self._waiters) >= self._max_queued:
-            raise Overloaded(
-                f"the router is at its limit of {self._limit} concurrent sequences and "
-                f"{self._max_queued} queued requests; retry later",
-                reason="queue_full",
-                retry_after_s=self._retry_after_s,
-            )
-        await self._wait(disconnected, units)
+            return True
+        return False
+
+    async def acquire(
+        self, disconnected: asyncio.Future[Any], sequences: int = 1, urgency: Urgency = NORMAL
+    ) -> None:
+        """Take a unit per sequence (at most the whole budget), waiting in the queue if they
+        are not free, in the order of ``urgency``. Raises Overloaded: 429 when the queue is
+        full of requests at least as urgent or the wait timed out, 503 (Shed) when a more
+        urgent request took its place or its deadline passed; ClientDisconnected when
+        ``disconnected`` (the client's next ASGI message) completes first."""
+        if not self.try_acquire(sequences):
+            await self._wait(disconnected, min(sequences, self._limit), urgency)
 
     def release(self, sequences: int = 1) -> None:
-        """Give the units back, then admit the oldest waiters that fit, in order."""
+        """Give the units back, then admit the most urgent waiters that fit, in order."""
         units = min(sequences, self._limit)
         self.units -= units
         self.inflight -= 1
         if self._board is not None:
             self._board.add(ADMISSION, _UNITS, -units)
-        if self._waiters:
+        if self._queue.size:
             self._wake()
 
     def host_units(self) -> int:
@@ -169,45 +181,56 @@ class AdmissionGate:
         requests wait (every ``HOST_POLL_S``)."""
         self._poll = None
         self._wake()
-        if self._waiters:
+        if self._queue.size:
             self._poll = asyncio.get_running_loop().call_later(HOST_POLL_S, self._poll_host)
 
     def _wake(self) -> None:
-        waiters = self._waiters
-        while waiters:
-            waiter, units = next(iter(waiters.items()))
-            if waiter.done():  # gave up; it removes itself too
-                del waiters[waiter]
+        queue = self._queue
+        while (waiter := queue.first()) is not None:
+            if waiter.future.done():  # gave up; it removes itself too
+                queue.remove(waiter)
                 continue
-            if self._used() + units > self._limit:
+            if self._used() + waiter.units > self._limit:
                 return  # the head waits for more: nobody overtakes it
-            del waiters[waiter]
-            self._take(units)
-            waiter.set_result(None)
+            waited = queue.admit(waiter)
+            self._take(waiter.units)
+            waiter.future.set_result(None)
+            if self._metrics is not None:
+                self._metrics.observe(
+                    self._metrics.admission_wait, waited, PRIORITY_BANDS[waiter.band]
+                )
 
-    async def _wait(self, disconnected: asyncio.Future[Any], units: int) -> None:
+    async def _wait(self, disconnected: asyncio.Future[Any], units: int, urgency: Urgency) -> None:
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
-        self._waiters[waiter] = units
+        waiter = self._queue.waiter(loop.create_future(), units, urgency)
+        limit_s, late = self._timeout_s, self._timed_out
+        if urgency.deadline_s is not None and urgency.deadline_s < limit_s:
+            limit_s, late = urgency.deadline_s, self._deadline_passed
+            if limit_s <= 0:
+                raise late()
+        if self._queue.size >= self._max_queued:
+            self._make_room(waiter)
+        self._queue.push(waiter)
+        future = waiter.future
         if (self._board is not None or self.peers is not None) and self._poll is None:
             self._poll = loop.call_later(HOST_POLL_S, self._poll_host)
 
         def fail(exc: BaseException) -> None:
-            if not waiter.done():
-                waiter.set_exception(exc)
+            if not future.done():
+                future.set_exception(exc)
 
         def on_gone(_: asyncio.Future[Any]) -> None:
             fail(ClientDisconnected())
 
-        timer = loop.call_later(self._timeout_s, fail, self._timed_out())
+        timer = loop.call_later(limit_s, lambda: fail(late()))
         disconnected.add_done_callback(on_gone)
         if disconnected.done():
             fail(ClientDisconnected())
         try:
-            await waiter
+            await future
         except BaseException:
-            self._waiters.pop(waiter, None)
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+            self._queue.remove(waiter)
+            if future.done() and not future.cancelled() and future.exception() is None:
                 self.release(units)  # admitted just as it gave up (cancelled): pass them on
             else:
                 self._wake()  # it may have been the head that others waited behind
@@ -216,10 +239,40 @@ class AdmissionGate:
             timer.cancel()
             disconnected.remove_done_callback(on_gone)
 
+    def _make_room(self, arriving: Waiter) -> None:
+        """The queue is full: shed its least urgent waiter (503) when ``arriving`` is more
+        urgent, else raise Overloaded (429) for the arrival."""
+        victim = self._queue.least_urgent()
+        if victim is None or arriving.cls >= victim.cls:
+            raise Overloaded(
+                f"the router is at its limit of {self._limit} concurrent sequences and "
+                f"{self._max_queued} queued requests; retry later",
+                reason="queue_full",
+                retry_after_s=self._retry_after_s,
+            )
+        self._queue.remove(victim)
+        if not victim.future.done():
+            victim.future.set_exception(
+                Shed(
+                    "the request was shed from the router's full admission queue for a more "
+                    "urgent request; retry later",
+                    reason="shed",
+                    retry_after_s=self._retry_after_s,
+                )
+            )
+
     def _timed_out(self) -> Overloaded:
         return Overloaded(
             f"the request waited {self._timeout_s:g}s for its share of the router's "
             f"{self._limit} concurrent sequences; retry later",
             reason="queue_timeout",
+            retry_after_s=self._retry_after_s,
+        )
+
+    def _deadline_passed(self) -> Overloaded:
+        return Shed(
+            "the request's deadline passed while it waited for its share of the router's "
+            f"{self._limit} concurrent sequences; retry later",
+            reason="deadline",
             retry_after_s=self._retry_after_s,
         )

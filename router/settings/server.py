@@ -110,13 +110,35 @@ class AdmissionSettings(BaseModel):
     """sequences served at once, not requests: a completion request takes one unit per
     sequence it asks for (`n` x prompts, what the engines generate), at most all of them, so
     that one big request still runs alone; requests are admitted after their body was read and
-    parsed, and those that do not fit wait in a FIFO queue (0: no limit)"""
+    parsed, and those that do not fit wait in a queue ordered by priority, deadline and tenant
+    fairness (0: no limit)"""
     max_queued_requests: int = Field(
         default=2048, ge=0, json_schema_extra=cli("--max-queued-requests")
     )
     """requests waiting for a slot; beyond it 429 with `Retry-After` at once (0: no queue)"""
     queue_timeout_s: PositiveFloat = Field(default=30.0, json_schema_extra=cli("--queue-timeout"))
     """a request queued this long gets 429"""
+    aging_s: float = Field(default=10.0, ge=0, json_schema_extra=cli("--priority-aging"))
+    """seconds of waiting in the admission queue that make a request one priority level more
+    urgent, so that nothing starves (0: no aging)"""
+    default_priority: int = Field(default=0, json_schema_extra=cli("--default-priority"))
+    """the priority of a request that names none (header, body `priority`, its tenant's):
+    lower is more urgent, as vLLM's; the queue's order clamps it to -8..8"""
+    priority_header: str = Field(
+        default="x-priority", pattern=r"^[a-z0-9-]+$", json_schema_extra=TUNING
+    )
+    """the header giving a request's priority (an integer; lower is more urgent)"""
+    deadline_header: str = Field(
+        default="x-deadline-ms", pattern=r"^[a-z0-9-]+$", json_schema_extra=TUNING
+    )
+    """the header giving how many milliseconds a request may wait in the admission queue (at
+    most `--queue-timeout`); past it the request gets 503 at once"""
+    forward_priority: bool = Field(
+        default=False, json_schema_extra=cli("--forward-priority", switch=True)
+    )
+    """the vLLM engines schedule by priority (`--scheduling-policy priority`): a priority from
+    the header or the tenant's default goes into the body's `priority` (vLLM refuses a non-zero
+    `priority` without that policy; a body's own `priority` is always passed on as is)"""
     retry_after_s: int = Field(default=1, ge=1, le=3600, json_schema_extra=TUNING)
     """the `Retry-After` (whole seconds) of the router's 429s"""
     max_body_memory_bytes: int = Field(
