@@ -17,6 +17,7 @@ from typing import Any
 
 from router.api.request_body import BodyShare, parse_in_turn, read_body
 from router.api.tenant_admission import admit_tenant
+from router.api.urgency import admit_request
 from router.context import AppContext
 from router.errors import (
     InvalidRequest,
@@ -89,7 +90,10 @@ async def handle_completion(
         headers = upstream_headers(request_id, authorization, trace_context)
         gone = client_gone(scope, receive)
         await _admit_and_route(
-            ctx, request, headers, _Routing(responder, gone, receipt, span, session, tenant)
+            ctx,
+            request,
+            headers,
+            _Routing(responder, gone, receipt, span, session, tenant, scope["headers"]),
         )
         status = responder.status or 500
     except ClientDisconnected:
@@ -137,13 +141,15 @@ class _Routing:
     span: TraceSpan | None
     session: SessionAsk | None
     tenant: str | None  # --api-keys: the caller's tenant
+    client_headers: list[tuple[bytes, bytes]]  # read for its priority when it must wait
 
 
 async def _admit_and_route(
     ctx: AppContext, request: ParsedRequest, headers: dict[str, str], routing: _Routing
 ) -> None:
-    """Wait for admission, a unit per sequence (429 when overloaded), then route; the units
-    are held until the response ended (a stream's last byte), whatever happens."""
+    """Wait for admission, a unit per sequence (429 when overloaded; the queue orders by
+    urgency, ``router.api.urgency``), then route; the units are held until the response ended
+    (a stream's last byte), whatever happens."""
     sequences = request.sample_count
     disconnected = routing.disconnected
     admitted = None
@@ -152,7 +158,7 @@ async def _admit_and_route(
             ctx, routing.tenant, request, routing.responder, routing.receipt
         )
         if ctx.settings.features.admission:  # off: the CPU ledger's "admission off"
-            await ctx.admission.acquire(disconnected, sequences)
+            await admit_request(ctx, request, routing.tenant, routing.client_headers, disconnected)
         try:
             await ctx.pipeline.handle(
                 request,

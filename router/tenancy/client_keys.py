@@ -6,6 +6,8 @@ loader) names the tenants and their keys::
     tenants:
       team-a:
         keys: ["sk-team-a-0123456789abcdef", "sha256:9f86d081884c7d65..."]
+        priority: 0   # optional: its requests' default priority (lower is more urgent)
+        weight: 2     # optional: its share of a saturated fleet against the others' (1)
 
 A key is given in plain text (at least ``MIN_KEY_CHARS`` characters) or as ``sha256:`` and the
 hex SHA-256 of the key, so the file need not hold a usable key at all. Only the digests are
@@ -69,6 +71,10 @@ class TenantSpec(BaseModel):
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
     max_concurrent: int | None = Field(default=None, gt=0)
+    # admission (router.pipeline.admission_queue): the priority of its requests that name none
+    # (lower is more urgent; None: --default-priority) and its share of a saturated fleet
+    priority: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    weight: float = Field(default=1.0, gt=0, le=1_000_000)
 
     @field_validator("keys")
     @classmethod

@@ -1,0 +1,194 @@
+"""The admission queue releases the most urgent first, ages, sheds and is fair (issue 25,
+requirements 3 and 4).
+
+The gate alone, driven with futures and an injected clock: a budget of one unit is held, the
+waiters queue behind it, and each ``release`` admits exactly one of them, whose name is read
+off the task that finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from router.errors import Overloaded, Shed
+from router.pipeline.admission import AdmissionGate
+from router.pipeline.admission_queue import Urgency
+from router.settings import AdmissionSettings
+from testkit.polling import await_until
+
+WAIT_S = 10.0
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def full_gate(clock: Clock, **settings: Any) -> tuple[AdmissionGate, asyncio.Future[Any]]:
+    """A gate of one unit, held; and a client that never leaves."""
+    values: dict[str, Any] = {"max_concurrent_requests": 1, "max_queued_requests": 64}
+    gate = AdmissionGate(AdmissionSettings(**{**values, **settings}), clock=clock)
+    never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    await gate.acquire(never)
+    return gate, never
+
+
+async def queue(
+    gate: AdmissionGate, never: asyncio.Future[Any], urgency: Urgency
+) -> asyncio.Task[None]:
+    """A waiter of ``urgency``, queued before this returns."""
+    queued = gate.queued
+    task = asyncio.create_task(gate.acquire(never, 1, urgency))
+    await await_until(lambda: gate.queued == queued + 1 or task.done(), WAIT_S, "queued")
+    return task
+
+
+async def release_order(gate: AdmissionGate, waiters: dict[str, asyncio.Task[None]]) -> list[str]:
+    """Release the held unit once per waiter; the order they were admitted in."""
+    order: list[str] = []
+    pending = dict(waiters)
+    while pending:
+        gate.release()
+        await asyncio.wait(pending.values(), return_when=asyncio.FIRST_COMPLETED)
+        done = [name for name, task in pending.items() if task.done()]
+        assert len(done) == 1, done  # one unit, one admission
+        order.append(done[0])
+        await pending.pop(done[0])  # admitted, not failed
+    return order
+
+
+async def test_the_most_urgent_priority_goes_first_then_the_earliest_deadline_then_arrival() -> (
+    None
+):
+    clock = Clock()
+    gate, never = await full_gate(clock)
+    waiters = {
+        "p5": await queue(gate, never, Urgency(5)),
+        "p0": await queue(gate, never, Urgency(0)),
+        "p3": await queue(gate, never, Urgency(3)),
+        "p1-first": await queue(gate, never, Urgency(1)),
+        "p1-late-deadline": await queue(gate, never, Urgency(1, deadline_s=20)),
+        "p1-early-deadline": await queue(gate, never, Urgency(1, deadline_s=10)),
+        "p1-last": await queue(gate, never, Urgency(1)),
+    }
+    assert await release_order(gate, waiters) == [
+        "p0",
+        "p1-early-deadline",
+        "p1-late-deadline",
+        "p1-first",
+        "p1-last",
+        "p3",
+        "p5",
+    ]
+
+
+async def test_a_waiter_ages_one_level_per_aging_period_and_overtakes_newer_urgent_ones() -> None:
+    clock = Clock()
+    gate, never = await full_gate(clock, aging_s=10.0)
+    clock.now = 1000.0  # the queue's clock starts here: periods at 1010, 1020, ...
+    waiters = {"old-p3": await queue(gate, never, Urgency(3))}
+    clock.now = 1015.0  # one period later: a p1 (class 2) is still more urgent than p3 (3)
+    waiters["p1-after-15s"] = await queue(gate, never, Urgency(1))
+    clock.now = 1035.0  # three periods later: a new p1 (class 4) comes after the old p3
+    waiters["p1-after-35s"] = await queue(gate, never, Urgency(1))
+    waiters["p0-after-35s"] = await queue(gate, never, Urgency(0))  # class 3: a tie, arrival
+    assert await release_order(gate, waiters) == [
+        "p1-after-15s",
+        "old-p3",
+        "p0-after-35s",
+        "p1-after-35s",
+    ]
+
+
+async def test_without_aging_priority_alone_orders() -> None:
+    clock = Clock()
+    gate, never = await full_gate(clock, aging_s=0)
+    waiters = {"old-p3": await queue(gate, never, Urgency(3))}
+    clock.now += 10_000
+    waiters["new-p1"] = await queue(gate, never, Urgency(1))
+    assert await release_order(gate, waiters) == ["new-p1", "old-p3"]
+
+
+async def test_a_full_queue_sheds_its_least_urgent_for_a_more_urgent_arrival() -> None:
+    clock = Clock()
+    gate, never = await full_gate(clock, max_queued_requests=2)
+    urgent = await queue(gate, never, Urgency(0))
+    lax = await queue(gate, never, Urgency(5))
+    # the queue is full: p5 makes room for a p1
+    middle = asyncio.create_task(gate.acquire(never, 1, Urgency(1)))
+    with pytest.raises(Shed) as shed:
+        await lax
+    assert (shed.value.status, shed.value.reason) == (503, "shed")
+    assert shed.value.headers == ((b"retry-after", b"1"),)
+    assert gate.queued == 2
+    for lesser in (Urgency(3), Urgency(1)):  # not more urgent than the least urgent (p1): 429
+        with pytest.raises(Overloaded) as full:
+            await gate.acquire(never, 1, lesser)
+        assert (full.value.status, full.value.reason) == (429, "queue_full")
+    assert gate.queued == 2
+    assert await release_order(gate, {"urgent": urgent, "middle": middle}) == ["urgent", "middle"]
+
+
+async def test_a_request_whose_deadline_passes_while_queued_is_refused_at_once() -> None:
+    clock = Clock()
+    gate, never = await full_gate(clock, queue_timeout_s=30.0)
+    with pytest.raises(Shed) as passed:  # no time left at all: never queued
+        await gate.acquire(never, 1, Urgency(0, deadline_s=0))
+    assert (passed.value.status, passed.value.reason) == (503, "deadline")
+    patient = await queue(gate, never, Urgency(0))
+    hurried = await queue(gate, never, Urgency(0, deadline_s=0.05))
+    with pytest.raises(Shed) as late:  # well before the 30 s queue timeout
+        await asyncio.wait_for(hurried, WAIT_S)
+    assert late.value.reason == "deadline"
+    assert gate.queued == 1 and not patient.done()
+    assert await release_order(gate, {"patient": patient}) == ["patient"]
+
+
+async def fair_order(weight_b: float) -> list[str]:
+    """Tenant a floods 20 waiters, then tenant b queues 2: who is admitted, in order."""
+    clock = Clock()
+    gate, never = await full_gate(clock)
+    waiters = {f"a{i}": await queue(gate, never, Urgency(0, tenant="a")) for i in range(20)}
+    for i in range(2):
+        waiters[f"b{i}"] = await queue(gate, never, Urgency(0, tenant="b", weight=weight_b))
+    return await release_order(gate, waiters)
+
+
+async def test_one_tenants_flood_does_not_hold_back_another_tenant() -> None:
+    order = await fair_order(1.0)
+    assert order.index("b0") <= 2 and order.index("b1") <= 4, order  # alternating, not 21st
+    assert [name for name in order if name.startswith("a")] == [f"a{i}" for i in range(20)]
+
+
+async def test_a_heavier_tenant_gets_a_larger_share() -> None:
+    order = await fair_order(2.0)
+    assert order[:3] == ["a0", "b0", "b1"], order  # two of b's units cost one of a's
+
+
+async def test_the_anonymous_tenant_and_a_named_one_share_fairly() -> None:
+    clock = Clock()
+    gate, never = await full_gate(clock)
+    waiters = {f"anon{i}": await queue(gate, never, Urgency(0)) for i in range(5)}
+    waiters["t"] = await queue(gate, never, Urgency(0, tenant="t"))
+    assert (await release_order(gate, waiters)).index("t") <= 2
+
+
+async def test_waiters_that_leave_are_dropped_and_the_rest_keep_their_order() -> None:
+    clock = Clock()
+    gate, never = await full_gate(clock, max_queued_requests=300)
+    leavers = [await queue(gate, never, Urgency(-1)) for _ in range(200)]
+    stay = {"p2": await queue(gate, never, Urgency(2)), "p1": await queue(gate, never, Urgency(1))}
+    for task in leavers:
+        task.cancel()
+    await asyncio.gather(*leavers, return_exceptions=True)
+    assert gate.queued == 2
+    assert await release_order(gate, stay) == ["p1", "p2"]
+    assert (gate.units, gate.inflight, gate.queued) == (1, 1, 0)
