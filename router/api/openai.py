@@ -88,13 +88,10 @@ async def handle_completion(
         )
         stream = request.stream
         headers = upstream_headers(request_id, authorization, trace_context)
-        gone = client_gone(scope, receive)
-        await _admit_and_route(
-            ctx,
-            request,
-            headers,
-            _Routing(responder, gone, receipt, span, session, tenant, scope["headers"]),
+        routing = _Routing(
+            responder, client_gone(scope, receive), receipt, span, session, tenant, scope["headers"]
         )
+        await _admit_and_route(ctx, request, headers, routing)
         status = responder.status or 500
     except ClientDisconnected:
         status = CLIENT_GONE_STATUS

@@ -115,7 +115,9 @@ class AdmissionSettings(BaseModel):
     max_queued_requests: int = Field(
         default=2048, ge=0, json_schema_extra=cli("--max-queued-requests")
     )
-    """requests waiting for a slot; beyond it 429 with `Retry-After` at once (0: no queue)"""
+    """requests waiting for a slot; beyond it 429 with `Retry-After` at once, unless the
+    arrival is more urgent than the least urgent waiter: that one is shed with 503 (0: no
+    queue)"""
     queue_timeout_s: PositiveFloat = Field(default=30.0, json_schema_extra=cli("--queue-timeout"))
     """a request queued this long gets 429"""
     aging_s: float = Field(default=10.0, ge=0, json_schema_extra=cli("--priority-aging"))

@@ -3,7 +3,7 @@ requirements 3 and 4).
 
 The gate alone, driven with futures and an injected clock: a budget of one unit is held, the
 waiters queue behind it, and each ``release`` admits exactly one of them, whose name is read
-off the task that finished.
+off the task that finished. Then the real router with fake engines on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -11,13 +11,23 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
 import pytest
 
 from router.errors import Overloaded, Shed
 from router.pipeline.admission import AdmissionGate
 from router.pipeline.admission_queue import Urgency
 from router.settings import AdmissionSettings
+from testkit.fake_cluster import FakeClusterFactory
 from testkit.polling import await_until
+from tests.router.pipeline.test_admission import (
+    COMPLETION,
+    assert_shed,
+    hang_up,
+    post,
+    rejected,
+    settle,
+)
 
 WAIT_S = 10.0
 
@@ -192,3 +202,63 @@ async def test_waiters_that_leave_are_dropped_and_the_rest_keep_their_order() ->
     assert gate.queued == 2
     assert await release_order(gate, stay) == ["p1", "p2"]
     assert (gate.units, gate.inflight, gate.queued) == (1, 1, 0)
+
+
+# --------------------------------------------------------------------------- through the router
+
+
+async def test_an_urgent_request_overtakes_queued_ones_and_vllm_gets_its_priority(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    """Behind a held unit, two requests of priority 5 (X-Priority) queue, then one of -1: it
+    is served next, and with --forward-priority the vLLM engines get its priority in the
+    body (the first request, of the default priority 0, gets none)."""
+    admission = {"max_concurrent_requests": 1, "forward_priority": True}
+    cluster = make_cluster("vllm-nixl", admission=admission)
+    decode = cluster.decodes[0]
+    decode.config.hang = True
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
+
+        def send(priority: int | None) -> asyncio.Task[httpx.Response]:
+            headers = {} if priority is None else {"x-priority": str(priority)}
+            return asyncio.create_task(
+                client.post("/v1/completions", json=COMPLETION, headers=headers)
+            )
+
+        first = send(None)
+        await settle(cluster, inflight=1, queued=0)
+        lax = [send(5), send(5)]
+        await settle(cluster, inflight=1, queued=2)
+        urgent = send(-1)
+        await settle(cluster, inflight=1, queued=3)
+        await await_until(lambda: len(decode.records) == 1, WAIT_S, "the first at the decode")
+        await hang_up([first])
+        await await_until(lambda: len(decode.records) == 2, WAIT_S, "the next at the decode")
+        assert "priority" not in decode.records[0].body
+        assert decode.records[1].body["priority"] == -1
+        assert cluster.prefills[0].records[1].body["priority"] == -1
+        await settle(cluster, inflight=1, queued=2)
+        await hang_up([urgent, *lax])
+    await settle(cluster, inflight=0, queued=0)
+
+
+async def test_a_malformed_priority_header_is_a_400_when_the_request_must_wait(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    cluster = make_cluster("sglang", admission={"max_concurrent_requests": 1})
+    cluster.decodes[0].config.hang = True
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
+        held = [post(client)]
+        await settle(cluster, inflight=1, queued=0)
+        response = await client.post(
+            "/v1/completions", json=COMPLETION, headers={"x-priority": "urgent"}
+        )
+        assert response.status_code == 400, response.text
+        assert "x-priority" in response.json()["error"]["message"]
+        response = await client.post(
+            "/v1/completions", json=COMPLETION, headers={"x-deadline-ms": "0"}
+        )
+        assert_shed(response, 503)
+        await hang_up(held)
+    assert rejected(cluster, "deadline") == 1
+    await settle(cluster, inflight=0, queued=0)
