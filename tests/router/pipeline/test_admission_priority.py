@@ -9,6 +9,7 @@ off the task that finished. Then the real router with fake engines on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,6 +31,8 @@ from tests.router.pipeline.test_admission import (
 )
 
 WAIT_S = 10.0
+KEY_A = "sk-team-a-0123456789abcdef"
+KEY_B = "sk-team-b-0123456789abcdef"
 
 
 class Clock:
@@ -261,4 +264,39 @@ async def test_a_malformed_priority_header_is_a_400_when_the_request_must_wait(
         assert_shed(response, 503)
         await hang_up(held)
     assert rejected(cluster, "deadline") == 1
+    await settle(cluster, inflight=0, queued=0)
+
+
+async def test_a_tenants_default_priority_orders_its_requests(
+    make_cluster: FakeClusterFactory, tmp_path: Path
+) -> None:
+    """team-a's requests default to priority 5 (the keys file), team-b's to 0: b's request,
+    queued last, is served before a's."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"tenants:\n  team-a:\n    keys: [{KEY_A}]\n    priority: 5\n"
+        f"  team-b:\n    keys: [{KEY_B}]\n    weight: 2\n"
+    )
+    admission = {"max_concurrent_requests": 1}
+    cluster = make_cluster("vllm-nixl", admission=admission, auth={"api_keys": keys})
+    decode = cluster.decodes[0]
+    decode.config.hang = True
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
+
+        def send(key: str, prompt: str) -> asyncio.Task[httpx.Response]:
+            body, headers = {**COMPLETION, "prompt": prompt}, {"authorization": f"Bearer {key}"}
+            return asyncio.create_task(client.post("/v1/completions", json=body, headers=headers))
+
+        first = send(KEY_A, "a0")
+        await settle(cluster, inflight=1, queued=0)
+        queued = [send(KEY_A, "a1"), send(KEY_A, "a2")]
+        await settle(cluster, inflight=1, queued=2)
+        queued.append(send(KEY_B, "b"))
+        await settle(cluster, inflight=1, queued=3)
+        await await_until(lambda: len(decode.records) == 1, WAIT_S, "the first at the decode")
+        await hang_up([first])
+        await await_until(lambda: len(decode.records) == 2, WAIT_S, "the next at the decode")
+        assert decode.records[1].body["prompt"] == "b"
+        assert "priority" not in decode.records[1].body  # not forwarded: --forward-priority off
+        await hang_up(queued)
     await settle(cluster, inflight=0, queued=0)

@@ -73,3 +73,18 @@ def test_a_reload_takes_the_new_keys_and_a_broken_file_keeps_the_last_good_ones(
     assert not keys.reload()
     assert keys.tenant_for(KEY_A) == keys.tenant_for(KEY_B) == "team-a"
     assert (keys.reloads, keys.reload_errors) == (1, 1)
+
+
+def test_a_tenant_may_name_its_default_priority_and_its_fairness_weight(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "keys.yaml",
+        f"tenants:\n  team-a:\n    keys: [{KEY_A}]\n    priority: -2\n    weight: 2.5\n"
+        f"  team-b:\n    keys: [{KEY_B}]\n",
+    )
+    specs = load_key_table(path).specs
+    assert (specs["team-a"].priority, specs["team-a"].weight) == (-2, 2.5)
+    assert (specs["team-b"].priority, specs["team-b"].weight) == (None, 1.0)
+    for bad in ("weight: 0", "weight: -1", "priority: high"):
+        _write(path, f"tenants:\n  team-a:\n    keys: [{KEY_A}]\n    {bad}\n")
+        with pytest.raises(KeyFileError, match="team-a"):
+            load_key_table(path)
