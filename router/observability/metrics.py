@@ -41,6 +41,8 @@ ADMISSION_REJECT_REASONS = (
     "queue_full", "queue_timeout", "worker_cap", "body_memory",
     "tenant_requests", "tenant_tokens", "tenant_concurrency", "shed", "deadline",
 )  # fmt: skip
+# the admission queue's priority bands (router.pipeline.admission_queue): < 0, 0, > 0
+PRIORITY_BANDS = ("high", "normal", "low")
 
 
 class RouterMetrics:
@@ -210,6 +212,8 @@ class RouterMetrics:
         """Known label values start at 0: rate() sees the first failure, dashboards show 0."""
         for reason in ADMISSION_REJECT_REASONS:
             self._child(self.admission_rejected, (reason,))
+        for band in PRIORITY_BANDS:
+            self._child(self.admission_wait, (band,))
         for role in ROLES:
             self._child(self.retries, (role,))
             for kind in UPSTREAM_ERROR_KINDS:

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from router.observability.metrics import PRIORITY_BANDS
+
 __all__ = [
     "ANONYMOUS",
     "MAX_PRIORITY",
@@ -42,7 +44,6 @@ __all__ = [
 
 MAX_PRIORITY = 8  # priorities are clamped to -8..8 for the queue's order (forwarded as given)
 ANONYMOUS = ""  # the tenant of requests without one
-PRIORITY_BANDS = ("high", "normal", "low")  # the metric label: priority < 0, 0, > 0
 _COMPACT_MIN = 64  # stale entries tolerated before the heaps are rebuilt
 
 
