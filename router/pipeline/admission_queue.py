@@ -10,7 +10,7 @@ from each arrival), and the key never changes while it waits: no re-keying. A wa
 Within the most urgent class, the **tenant** with the smallest virtual counter goes first
 (weighted fair queueing with virtual counters): a tenant's counter grows by ``units / weight``
 each time one of its waiters is admitted, and a tenant that starts waiting again is lifted to
-the counter of the last tenant admitted, so it gets no credit for the time it was idle. Within
+the largest counter a tenant was admitted at, so it gets no credit for the time it was idle. Within
 a tenant (and class), the earliest **deadline** goes first, then the earliest arrival. Requests
 without a tenant are one anonymous tenant (``""``).
 
@@ -94,7 +94,7 @@ class WaitQueue:
     _classes: dict[int, dict[str, list[tuple[float, int, Waiter]]]] = field(default_factory=dict)
     _class_heap: list[int] = field(default_factory=list)
     _tenants: dict[str, _Tenant] = field(default_factory=dict)
-    _virtual: float = 0.0  # the counter of the tenant admitted last
+    _virtual: float = 0.0  # the largest counter a tenant was admitted at
     _seq: int = 0
     _stale: int = 0
     _origin: float = field(default=0.0)
@@ -153,7 +153,7 @@ class WaitQueue:
     def admit(self, waiter: Waiter) -> float:
         """Take ``waiter`` (``first()``) out as admitted, charge its tenant; its wait, s."""
         tenant = self._tenants[waiter.urgency.tenant]
-        self._virtual = tenant.counter
+        self._virtual = max(self._virtual, tenant.counter)  # never backwards
         tenant.counter += waiter.units / waiter.urgency.weight
         self._leave(waiter)
         return self.clock() - waiter.queued_at
