@@ -18,20 +18,13 @@ from router.leg_stats import LegStats
 from router.load_board import DISPATCHED, LEGS, TOKENS, HostLoad, LoadBoard
 from router.worker_load import EngineLoad, FleetCounts, LoadReading, format_host
 
-__all__ = [
-    "MAX_MODELS_PER_WORKER",
-    "EngineLoad",
-    "FleetCounts",
-    "LoadReading",
-    "Role",
-    "Worker",
-    "WorkerPool",
-    "format_host",
-]
+__all__ = ["EngineLoad", "FleetCounts", "LoadReading", "Role", "Worker", "WorkerPool"]
+__all__ += ["MAX_MODELS_PER_WORKER", "format_host"]
 
 logger = logging.getLogger(__name__)
 
 MAX_MODELS_PER_WORKER = 64  # names kept per worker: the model label's and pools' bound
+_NONE: tuple[list[Worker], ...] = ([], [])  # the pools of a model nobody serves
 
 
 class Role(StrEnum):
@@ -291,6 +284,7 @@ class WorkerPool(Generic[C]):
         self.decode: list[Worker] = []
         self.models: frozenset[str] = frozenset()
         self.wildcards = False
+        self._pools: dict[str, tuple[list[Worker], ...]] = {}
 
     def add(self, worker: Worker, client: C) -> None:
         if self._board is not None:
@@ -329,13 +323,13 @@ class WorkerPool(Generic[C]):
     def usable_prefill(self, model: str | None = None) -> list[Worker]:
         """Healthy, not draining, layout known: whatever their load (``model``: serving it, or
         not known to serve any one model)."""
-        prefill = self.prefill if model is None else _serving(self.prefill, model)
+        prefill = self.prefill if model is None else self._pools.get(model, _NONE)[0]
         if self._needs_engine_ids:
             return [w for w in prefill if w.healthy and not w.draining and w.engine_ids]
         return [w for w in prefill if w.healthy and not w.draining]
 
     def usable_decode(self, model: str | None = None) -> list[Worker]:
-        decode = self.decode if model is None else _serving(self.decode, model)
+        decode = self.decode if model is None else self._pools.get(model, _NONE)[1]
         return [w for w in decode if w.healthy and not w.draining]
 
     def available_prefill(self, model: str | None = None) -> list[Worker]:
@@ -391,10 +385,12 @@ class WorkerPool(Generic[C]):
         workers = list(self._workers.values())
         self.prefill = [w for w in workers if w.role is Role.PREFILL]
         self.decode = [w for w in workers if w.role is Role.DECODE]
-        # the names served; any worker without names is a candidate for every model
+        # the names served; any worker without names is a candidate for every model ("": for
+        # a name no worker serves)
         self.models = frozenset(name for w in workers for name in w.models)
         self.wildcards = any(not w.models for w in workers)
-
-
-def _serving(workers: list[Worker], model: str) -> list[Worker]:
-    return [w for w in workers if not w.models or model in w.models]
+        self._pools = {
+            name: tuple([w for w in role if not w.models or name in w.models] for role in both)
+            for name in (*self.models, "")
+            for both in [(self.prefill, self.decode)]
+        }

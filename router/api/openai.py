@@ -151,9 +151,10 @@ async def _admit_and_route(
     disconnected = routing.disconnected
     admitted = None
     try:
-        admitted = await admit_tenant(  # its tenant's limits first (--api-keys)
-            ctx, routing.tenant, request, routing.responder, routing.receipt
-        )
+        if routing.tenant is not None:  # its tenant's limits first (--api-keys)
+            admitted = await admit_tenant(
+                ctx, routing.tenant, request, routing.responder, routing.receipt
+            )
         if ctx.settings.features.admission:  # off: the CPU ledger's "admission off"
             await admit_request(ctx, request, routing.tenant, routing.client_headers, disconnected)
         try:

@@ -26,7 +26,7 @@ _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 async def admit_tenant(
     ctx: AppContext,
-    tenant: str | None,
+    tenant: str,
     request: ParsedRequest,
     responder: Responder,
     receipt: RoutingReceipt,
@@ -34,7 +34,7 @@ async def admit_tenant(
     """The tenant's admission (raises RateLimited), or None without limits to apply; its
     headers go out with the answer and the answer's usage is read for it."""
     clients = ctx.clients
-    if clients is None or clients.limiter is None or tenant is None:
+    if clients is None or clients.limiter is None:
         return None
     estimate = estimated_tokens(request, clients.default_max_tokens)
     admitted = await clients.limiter.admit(tenant, estimate)

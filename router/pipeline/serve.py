@@ -147,7 +147,7 @@ class Pipeline:
         self._adapter.check(request)
         chooser = self.models.chooser_for(request)
         receipt = receipt if receipt is not None else RoutingReceipt()
-        if chooser.model is not None:  # model pools: counted by pool, named in the receipt
+        if chooser.model is not None and self.models.several:  # counted by pool, in the receipt
             receipt.model = chooser.model or "any"
             self._metrics.count(self._metrics.model_requests, receipt.model)
         if request.n > 1 and self._adapter.splits_samples:

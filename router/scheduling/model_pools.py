@@ -75,6 +75,13 @@ class ModelPools:
             self._unnamed = self._new_chooser("")
         return self._unnamed
 
+    @property
+    def several(self) -> bool:
+        """Whether the workers serve more than one model (or some name none): only then is a
+        request's pool worth naming in its receipt and counting."""
+        pool = self._pool
+        return len(pool.models) > 1 or (bool(pool.models) and pool.wildcards)
+
     def served(self) -> list[str]:
         """The model names served, then the aliases, sorted."""
         return sorted(self._pool.models) + sorted(self.aliases)

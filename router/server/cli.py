@@ -245,6 +245,7 @@ def show_settings(settings: RouterSettings) -> str:
         for worker in tree[role]:
             worker["url"] = redact_url(worker["url"])
     tree["registry"]["url"] = redact_url(tree["registry"]["url"])
+    tree["auth"]["rate_limit_storage"] = redact_url(tree["auth"]["rate_limit_storage"])
     return str(yaml.safe_dump(tree, sort_keys=False, allow_unicode=True))
 
 

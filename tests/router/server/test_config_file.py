@@ -114,10 +114,12 @@ def test_config_show_prints_what_the_file_reads_back_with_secrets_redacted(
 ) -> None:
     monkeypatch.setenv("PDR_SERVER__MAX_N", "9")
     argv = ["--config", write(tmp_path, "router.yaml", YAML), "--registry", "etcd://u:pw@e:2379"]
-    main(["config", "show", *argv])
+    secrets = ["--engine-api-key", "engine-key-0123", "--rate-limit-storage", "redis://:rp@r:6379"]
+    main(["config", "show", *argv, *secrets])
     shown = capsys.readouterr().out
     assert "file-admin-token-0123" not in shown and "pw@" not in shown
     assert "admin_token: '**********'" in shown and "etcd://***@e:2379" in shown
+    assert "engine-key-0123" not in shown and "rp@" not in shown
     monkeypatch.delenv("PDR_SERVER__MAX_N")
     again = parse_args(["--config", write(tmp_path, "shown.yaml", shown)])
     effective = parse_args(argv[:2])
