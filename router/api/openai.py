@@ -155,7 +155,11 @@ async def _admit_and_route(
             admitted = await admit_tenant(
                 ctx, routing.tenant, request, routing.responder, routing.receipt
             )
-        if ctx.settings.features.admission:  # off: the CPU ledger's "admission off"
+        settings = ctx.settings
+        # off: the CPU ledger's "admission off"; the fast path: free units, nobody waiting
+        if settings.features.admission and (
+            settings.admission.forward_priority or not ctx.admission.try_acquire(sequences)
+        ):
             await admit_request(ctx, request, routing.tenant, routing.client_headers, disconnected)
         try:
             await ctx.pipeline.handle(
@@ -168,7 +172,7 @@ async def _admit_and_route(
                 routing.session,
             )
         finally:
-            if ctx.settings.features.admission:
+            if settings.features.admission:
                 ctx.admission.release(sequences)
     finally:
         disconnected.cancel()

@@ -37,7 +37,8 @@ async def admit_request(
 ) -> None:
     """Take the request's admission units: at once when they are free and nobody waits, else
     in the queue at its urgency. With ``--forward-priority`` and vLLM engines, a priority that
-    did not come from the body is added to it (a zero one is vLLM's default: left out)."""
+    did not come from the body is added to it (a zero one is vLLM's default: left out). The
+    caller tries the fast path first (``AdmissionGate.try_acquire``) unless it forwards."""
     urgency = None
     settings = ctx.settings
     if settings.admission.forward_priority and settings.engine in _VLLM:
