@@ -45,7 +45,13 @@ from router.scheduling.tokenizers import open_token_source
 from router.server.bootstrap_listeners import bootstrap_servers, pool_owner_hosts
 from router.server.lifecycle import RouterLifecycle
 from router.settings import AdmissionSettings, RouterSettings
-from router.sharing import host_bus, replica_sync, share_verdicts, sibling_view
+from router.sharing import (
+    host_bus,
+    replica_sync,
+    share_predictions,
+    share_verdicts,
+    sibling_view,
+)
 from router.tenancy.client_auth import ClientGate, client_gate, serving_clients
 from router.upstream.base import UpstreamPool
 
@@ -335,9 +341,10 @@ async def open_context(
     clients = client_gate(settings.auth)  # a bad keys file stops the start here
     bus = None
     if sharing is not None:
-        bus = host_bus(sharing, settings, parts.kv.index)
+        bus = host_bus(sharing)
     fleet = parts.fleet
     share_verdicts(parts.pipeline.circuits, parts.pool, bus, fleet.replicas)
+    share_predictions(settings, parts.kv.index, bus, fleet.replicas)
     tables.bind(parts.store)
     pod_watcher = None
     try:

@@ -24,7 +24,7 @@ from router.settings import RouterSettings
 from router.sibling_bus import SiblingBus
 from router.upstream.base import UpstreamPool
 
-__all__ = ["host_bus", "replica_sync", "share_verdicts", "sibling_view"]
+__all__ = ["host_bus", "replica_sync", "share_predictions", "share_verdicts", "sibling_view"]
 
 
 def sibling_view(
@@ -55,13 +55,22 @@ def sibling_view(
     return Siblings(role, metrics.render, describe)
 
 
-def host_bus(role: ProcessRole, settings: RouterSettings, index: KVBlockIndex) -> SiblingBus:
+def host_bus(role: ProcessRole) -> SiblingBus:
     """The host's bus: breaker verdicts (``share_breakers``), and predictions when they are
-    shared."""
-    bus = SiblingBus(role, (Prediction, BreakerVerdict))
-    if settings.cache.share_predictions:
-        SharedPredictions(index, bus)
-    return bus
+    shared (``share_predictions``)."""
+    return SiblingBus(role, (Prediction, BreakerVerdict))
+
+
+def share_predictions(
+    settings: RouterSettings,
+    index: KVBlockIndex,
+    host: SiblingBus | None,
+    fleet: ReplicaSync | None,
+) -> None:
+    """With ``PDR_CACHE__SHARE_PREDICTIONS``: the index's predictions go to the siblings and
+    the replica peers, and theirs come into it (``router.kv_cache.shared_predictions``)."""
+    if settings.cache.share_predictions and (host is not None or fleet is not None):
+        SharedPredictions(index, host, fleet)
 
 
 def replica_sync(
@@ -78,7 +87,8 @@ def replica_sync(
     if settings.replicas.listen is None:
         return None
     publishes = role is None or role.index == 0
-    sync = ReplicaSync(settings.replicas, pool.all, publishes=publishes)
+    kinds = (BreakerVerdict, Prediction)
+    sync = ReplicaSync(settings.replicas, pool.all, publishes=publishes, kinds=kinds)
     sync.finder = ReplicaPeers(
         settings.replicas, sync.set_peers, store, settings.registry.ttl_s, register=publishes
     )
