@@ -34,7 +34,8 @@
     P = {"index", "pid", "started" (time.time()), "requests_inflight", "requests_served",
          "joined",                          # it listens on the client port (it can route)
          "bus": {"sent", "received", "dropped", "gaps", "lag_s"} | null,  # router.sibling_bus
-         "replicas": {"publishes", "fresh", "degraded"} | null}  # this process's sync
+         "replicas": {"publishes", "fresh", "degraded"} | null,  # this process's sync
+         "probes": {"leader", "rounds", "fallbacks"} | null}  # router.fleet.host_probes
     R = {"replica", "listen", "publishes", "peer_addresses", "sent", "received", "rejected",
          "degraded": "1 of 1 replica peer(s) not heard within 1s" | null,
          "peers": [{"replica", "fresh", "age_s", "lag_s", "seq", "gaps", "restarts"}]}
