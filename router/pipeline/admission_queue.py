@@ -1,24 +1,28 @@
 """The admission wait queue: most urgent first, aging so nothing starves, fair between tenants.
 
 A waiter's **class** is its priority (lower is more urgent, vLLM's convention; clamped to
-``-MAX_PRIORITY..MAX_PRIORITY``) plus the number of whole ``aging_s`` periods elapsed on the
-queue's clock when it arrived. All waiters age together, so this is ``priority - floor(waited /
-aging_s)`` compared at any instant, to within one level (the periods are counted on a grid, not
-from each arrival), and the key never changes while it waits: no re-keying. A waiter that waited
-``(p - q + 1) * aging_s`` longer than one of priority ``q < p`` goes first.
+``-MAX_PRIORITY..MAX_PRIORITY``). The next waiter comes from the class that is most urgent
+*now*: a class counts as ``priority - waited / aging_s``, where ``waited`` is how long its oldest
+waiter has waited (exact, not on a grid), so a class whose oldest waiter has waited ``(p - q) *
+aging_s`` longer than the other's oldest goes before a class of priority ``q < p``, and a waiter
+of any priority is served once it waited long enough. Aging moves whole classes, never one
+waiter past others of its own class: a tenant's backlog never jumps ahead of another tenant's
+newer requests of the same priority.
 
-Within the most urgent class, the **tenant** with the smallest virtual counter goes first
-(weighted fair queueing with virtual counters): a tenant's counter grows by ``units / weight``
-each time one of its waiters is admitted, and a tenant that starts waiting again is lifted to
-the largest counter a tenant was admitted at, so it gets no credit for the time it was idle. Within
-a tenant (and class), the earliest **deadline** goes first, then the earliest arrival. Requests
-without a tenant are one anonymous tenant (``""``).
+Within the class, the **tenant** with the smallest virtual counter goes first (weighted fair
+queueing with virtual counters): a tenant's counter grows by ``units / weight`` each time one of
+its waiters is admitted, and a tenant that starts waiting again is lifted to the largest counter
+a tenant was admitted at, so it gets no credit for the time it was idle. Within a tenant (and
+class), the earliest **deadline** goes first, then the earliest arrival. Requests without a
+tenant are one anonymous tenant (``""``).
 
-Structure: class -> tenant -> heap of ``(deadline, arrival sequence, waiter)``, and a heap of
-the classes. A waiter that leaves is dropped lazily (marked, skipped when it reaches a head; the
-heaps are rebuilt when such entries outnumber the live ones), so the queue's memory stays within
-twice ``max_queued_requests``. Picking the next waiter is O(log n + tenants in the best class);
-finding the least urgent (to shed it when the queue is full) is a scan, done only then.
+Structure: per class, tenant -> heap of ``(deadline, arrival sequence, waiter)`` and the
+class's waiters in arrival order (its oldest: its age). A waiter that leaves is dropped lazily
+(marked, skipped when it reaches a head; the heaps are rebuilt when such entries outnumber the
+live ones), so the queue's memory stays within twice ``max_queued_requests``. Picking the next
+waiter is O(classes + tenants in the class + log n), classes being at most ``2 * MAX_PRIORITY
++ 1``; finding the least urgent (to shed it when the queue is full: the largest priority, its
+tenant with the largest counter, that tenant's latest deadline) is a scan, done only then.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ import asyncio
 import heapq
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from router.observability.metrics import PRIORITY_BANDS
 
@@ -83,6 +89,17 @@ class _Tenant:
     waiting: int = 0
 
 
+Entry = tuple[float, int, Waiter]  # (deadline, arrival sequence, waiter): a tenant's heap order
+
+
+@dataclass(slots=True)
+class _Class:
+    """The waiters of one priority: by tenant (heaps), and in arrival order (its age)."""
+
+    tenants: dict[str, list[Entry]] = field(default_factory=dict)
+    arrivals: deque[Waiter] = field(default_factory=deque)
+
+
 @dataclass(slots=True)
 class WaitQueue:
     """The waiters; ``size`` live ones, ``by_band`` of them per PRIORITY_BANDS."""
@@ -91,16 +108,12 @@ class WaitQueue:
     clock: Callable[[], float] = time.monotonic
     size: int = 0
     by_band: list[int] = field(default_factory=lambda: [0, 0, 0])
-    _classes: dict[int, dict[str, list[tuple[float, int, Waiter]]]] = field(default_factory=dict)
-    _class_heap: list[int] = field(default_factory=list)
+    _classes: dict[int, _Class] = field(default_factory=dict)
     _tenants: dict[str, _Tenant] = field(default_factory=dict)
     _virtual: float = 0.0  # the largest counter a tenant was admitted at
     _seq: int = 0
-    _stale: int = 0
-    _origin: float = field(default=0.0)
-
-    def __post_init__(self) -> None:
-        self._origin = self.clock()
+    _stale: int = 0  # entries of waiters that left, still in the heaps
+    _stale_arrivals: int = 0  # ... still in the arrival lists
 
     def waiter(self, future: asyncio.Future[None], units: int, urgency: Urgency) -> Waiter:
         """A waiter for ``future`` as it would be queued now (not queued yet)."""
@@ -109,64 +122,19 @@ class WaitQueue:
         self._seq += 1
         deadline = math.inf if urgency.deadline_s is None else now + urgency.deadline_s
         band = 0 if priority < 0 else 1 if priority == 0 else 2
-        cls = self._class_of(priority, now)
-        return Waiter(future, units, urgency, cls, self._seq, deadline, now, band)
+        return Waiter(future, units, urgency, priority, self._seq, deadline, now, band)
 
     def waiting_by_tenant(self) -> dict[str, int]:
         """The live waiters of each tenant that has some (``ANONYMOUS``: those without one)."""
         return {name: tenant.waiting for name, tenant in self._tenants.items() if tenant.waiting}
 
-    def position(self, urgency: Urgency, units: int = 1) -> int:
-        """How many of the waiters would be admitted before a request of ``urgency`` (taking
-        ``units``) that arrived now: the queue's order played out on a copy of its counters
-        (``first``, ``admit``), assuming no later arrivals and nobody leaving. A scan of the
-        queue, for ``/admin/explain``."""
-        now = self.clock()
-        cls = self._class_of(max(-MAX_PRIORITY, min(MAX_PRIORITY, urgency.priority)), now)
-        deadline = math.inf if urgency.deadline_s is None else now + urgency.deadline_s
-        counters = {name: tenant.counter for name, tenant in self._tenants.items()}
-        virtual = self._virtual
-        own = self._tenants.get(urgency.tenant)
-        if own is None or not own.waiting:
-            counters[urgency.tenant] = max(counters.get(urgency.tenant, virtual), virtual)
-        probe = (deadline, self._seq + 1, units, urgency.weight)
-        ahead = 0
-        for waiter_cls in sorted(c for c in self._classes if c <= cls):
-            tenants = {
-                name: sorted(
-                    (e[0], e[1], e[2].units, e[2].urgency.weight) for e in heap if not e[2].gone
-                )
-                for name, heap in self._classes[waiter_cls].items()
-            }
-            if waiter_cls == cls:
-                tenants.setdefault(urgency.tenant, []).append(probe)
-                tenants[urgency.tenant].sort()
-            tenants = {name: entries for name, entries in tenants.items() if entries}
-            while tenants:
-                name = min(tenants, key=counters.__getitem__)  # the first of equals, as first()
-                entry = tenants[name].pop(0)
-                if entry is probe:
-                    return ahead
-                virtual = max(virtual, counters[name])
-                counters[name] += entry[2] / entry[3]
-                ahead += 1
-                if not tenants[name]:
-                    del tenants[name]
-        return ahead
-
-    def _class_of(self, priority: int, now: float) -> int:
-        """A (clamped) priority's class for a waiter arriving at ``now``: aged by the whole
-        ``aging_s`` periods since the queue's origin."""
-        aged = int((now - self._origin) // self.aging_s) if self.aging_s > 0 else 0
-        return priority + aged
-
     def push(self, waiter: Waiter) -> None:
-        tenants = self._classes.get(waiter.cls)
-        if tenants is None:
-            tenants = self._classes[waiter.cls] = {}
-            heapq.heappush(self._class_heap, waiter.cls)
+        klass = self._classes.get(waiter.cls)
+        if klass is None:
+            klass = self._classes[waiter.cls] = _Class()
         name = waiter.urgency.tenant
-        heapq.heappush(tenants.setdefault(name, []), (waiter.deadline, waiter.seq, waiter))
+        heapq.heappush(klass.tenants.setdefault(name, []), (waiter.deadline, waiter.seq, waiter))
+        klass.arrivals.append(waiter)
         tenant = self._tenants.get(name)
         if tenant is None:
             tenant = self._tenants[name] = _Tenant(self._virtual)
@@ -177,26 +145,33 @@ class WaitQueue:
         self.by_band[waiter.band] += 1
 
     def first(self) -> Waiter | None:
-        """The waiter to admit next: the most urgent class, its tenant with the smallest
-        counter, that tenant's earliest deadline, then arrival."""
-        while self._class_heap:
-            cls = self._class_heap[0]
-            tenants = self._classes.get(cls)
-            best: list[tuple[float, int, Waiter]] | None = None
-            best_counter = math.inf
-            for name, heap in list(tenants.items()) if tenants else ():
-                while heap and heap[0][2].gone:
-                    heapq.heappop(heap)
-                    self._stale -= 1
-                if not heap:
-                    del tenants[name]  # type: ignore[union-attr]
-                elif (counter := self._tenants[name].counter) < best_counter:
-                    best, best_counter = heap, counter
-            if best is not None:
-                return best[0][2]
-            self._classes.pop(cls, None)
-            heapq.heappop(self._class_heap)
-        return None
+        """The waiter to admit next: the class most urgent now (its priority, aged by its
+        oldest waiter's wait), its tenant with the smallest counter, that tenant's earliest
+        deadline, then arrival."""
+        now = self.clock()
+        best: _Class | None = None
+        best_key = (math.inf, 0)
+        for cls, klass in list(self._classes.items()):
+            oldest = self._oldest(klass)
+            if oldest is None:
+                del self._classes[cls]
+                continue
+            key = (self._aged(cls, now - oldest.queued_at), cls)
+            if key < best_key:
+                best, best_key = klass, key
+        if best is None:
+            return None
+        chosen: list[Entry] | None = None
+        chosen_counter = math.inf
+        for name, heap in list(best.tenants.items()):
+            while heap and heap[0][2].gone:
+                heapq.heappop(heap)
+                self._stale -= 1
+            if not heap:
+                del best.tenants[name]
+            elif (counter := self._tenants[name].counter) < chosen_counter:
+                chosen, chosen_counter = heap, counter
+        return None if chosen is None else chosen[0][2]
 
     def admit(self, waiter: Waiter) -> float:
         """Take ``waiter`` (``first()``) out as admitted, charge its tenant; its wait, s."""
@@ -212,12 +187,12 @@ class WaitQueue:
             self._leave(waiter)
 
     def least_urgent(self) -> Waiter | None:
-        """The waiter to shed first: the least urgent class, its tenant with the largest
+        """The waiter to shed first: the largest priority, its tenant with the largest
         counter, that tenant's latest deadline, then arrival (a scan: only when full)."""
         for cls in sorted(self._classes, reverse=True):
             live = [
                 (self._tenants[name].counter, entry)
-                for name, heap in self._classes[cls].items()
+                for name, heap in self._classes[cls].tenants.items()
                 for entry in heap
                 if not entry[2].gone
             ]
@@ -225,9 +200,59 @@ class WaitQueue:
                 return max(live, key=lambda item: (item[0], item[1][:2]))[1][2]
         return None
 
+    def position(self, urgency: Urgency, units: int = 1) -> int:
+        """How many of the waiters would be admitted before a request of ``urgency`` (taking
+        ``units``) that arrived now: the queue's order played out on a copy of its counters
+        (``first``, ``admit``) at this instant, assuming no later arrivals and nobody leaving.
+        A scan of the queue, for ``/admin/explain``."""
+        now = self.clock()
+        cls = max(-MAX_PRIORITY, min(MAX_PRIORITY, urgency.priority))
+        deadline = math.inf if urgency.deadline_s is None else now + urgency.deadline_s
+        counters = {name: tenant.counter for name, tenant in self._tenants.items()}
+        virtual = self._virtual
+        own = self._tenants.get(urgency.tenant)
+        if own is None or not own.waiting:
+            counters[urgency.tenant] = max(counters.get(urgency.tenant, virtual), virtual)
+        probe = Waiter(cast("asyncio.Future[None]", None), units, urgency, cls, -1, deadline, now)
+        classes = {c: _copy(k) for c, k in self._classes.items()}
+        mine = classes.setdefault(cls, ({}, []))
+        heapq.heappush(mine[0].setdefault(urgency.tenant, []), (deadline, self._seq + 1, probe))
+        mine[1].append(probe)
+        ahead = 0
+        while classes:
+            _, best = min((self._aged(c, now - k[1][0].queued_at), c) for c, k in classes.items())
+            tenants, arrivals = classes[best]
+            name = min(tenants, key=counters.__getitem__)  # the first of equals, as first()
+            chosen = heapq.heappop(tenants[name])[2]
+            if chosen is probe:
+                return ahead
+            virtual = max(virtual, counters[name])
+            counters[name] += chosen.units / chosen.urgency.weight
+            ahead += 1
+            arrivals.remove(chosen)
+            if not tenants[name]:
+                del tenants[name]
+            if not arrivals:
+                del classes[best]
+        return ahead
+
+    def _oldest(self, klass: _Class) -> Waiter | None:
+        """The class's oldest waiter still waiting (those that left dropped on the way)."""
+        arrivals = klass.arrivals
+        while arrivals and arrivals[0].gone:
+            arrivals.popleft()
+            self._stale_arrivals -= 1
+        return arrivals[0] if arrivals else None
+
+    def _aged(self, cls: int, waited: float) -> float:
+        """A class's urgency now: its priority less its oldest waiter's whole wait in aging
+        periods (lower is more urgent)."""
+        return cls - waited / self.aging_s if self.aging_s > 0 else float(cls)
+
     def _leave(self, waiter: Waiter) -> None:
         waiter.gone = True
         self._stale += 1
+        self._stale_arrivals += 1
         self.size -= 1
         self.by_band[waiter.band] -= 1
         name = waiter.urgency.tenant
@@ -235,18 +260,31 @@ class WaitQueue:
         tenant.waiting -= 1
         if not tenant.waiting and tenant.counter <= self._virtual:
             del self._tenants[name]  # nothing owed: forget it
-        if self._stale > max(_COMPACT_MIN, self.size):
+        if max(self._stale, self._stale_arrivals) > max(_COMPACT_MIN, self.size):
             self._compact()
 
     def _compact(self) -> None:
-        """Rebuild the heaps without the entries of waiters that left."""
-        classes: dict[int, dict[str, list[tuple[float, int, Waiter]]]] = {}
-        for cls, tenants in self._classes.items():
-            for name, heap in tenants.items():
+        """Rebuild the heaps and arrival lists without the waiters that left."""
+        classes: dict[int, _Class] = {}
+        for cls, klass in self._classes.items():
+            kept = _Class(arrivals=deque(w for w in klass.arrivals if not w.gone))
+            for name, heap in klass.tenants.items():
                 live = [entry for entry in heap if not entry[2].gone]
                 if live:
                     heapq.heapify(live)
-                    classes.setdefault(cls, {})[name] = live
+                    kept.tenants[name] = live
+            if kept.arrivals:
+                classes[cls] = kept
         self._classes = classes
-        self._class_heap = sorted(classes)
-        self._stale = 0
+        self._stale = self._stale_arrivals = 0
+
+
+def _copy(klass: _Class) -> tuple[dict[str, list[Entry]], list[Waiter]]:
+    """A class's live waiters, copied for ``position``'s play-out."""
+    tenants = {}
+    for name, heap in klass.tenants.items():
+        live = [entry for entry in heap if not entry[2].gone]
+        if live:
+            heapq.heapify(live)
+            tenants[name] = live
+    return tenants, [w for w in klass.arrivals if not w.gone]

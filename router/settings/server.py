@@ -121,8 +121,8 @@ class AdmissionSettings(BaseModel):
     queue_timeout_s: PositiveFloat = Field(default=30.0, json_schema_extra=cli("--queue-timeout"))
     """a request queued this long gets 429"""
     aging_s: float = Field(default=10.0, ge=0, json_schema_extra=cli("--priority-aging"))
-    """seconds of waiting in the admission queue that make a request one priority level more
-    urgent, so that nothing starves (0: no aging)"""
+    """seconds of waiting in the admission queue that make a priority class one level more
+    urgent (by its oldest request's wait), so that nothing starves (0: no aging)"""
     default_priority: int = Field(default=0, json_schema_extra=cli("--default-priority"))
     """the priority of a request that names none (header, body `priority`, its tenant's):
     lower is more urgent, as vLLM's; the queue's order clamps it to -8..8"""

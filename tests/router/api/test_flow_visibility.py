@@ -62,6 +62,24 @@ async def test_the_queue_position_explained_is_where_the_request_is_then_admitte
     assert order.index("probe") == place["queue_position"], order
 
 
+@pytest.mark.parametrize("probe", [Urgency(0), Urgency(1), Urgency(-1), Urgency(2, tenant="t")])
+async def test_the_queue_position_counts_the_aged_classes(probe: Urgency) -> None:
+    """Waiters of priorities 3 and 1, the first aged 2.5 periods (10 s each) by the time the
+    probe arrives: the position is where the gate then admits it."""
+    clock = Clock()
+    gate, never = await full_gate(clock)
+    waiters = {
+        "p3": await queue(gate, never, Urgency(3)),
+        "p3b": await queue(gate, never, Urgency(3)),
+    }
+    clock.now += 25.0
+    waiters["p1"] = await queue(gate, never, Urgency(1, tenant="t"))
+    place = gate.place(probe)
+    waiters["probe"] = await queue(gate, never, probe)
+    order = await release_order(gate, waiters)
+    assert order.index("probe") == place["queue_position"], order
+
+
 async def test_a_free_gate_admits_at_once() -> None:
     clock = Clock()
     gate, never = await full_gate(clock, max_concurrent_requests=2)

@@ -104,21 +104,34 @@ async def test_the_most_urgent_priority_goes_first_then_the_earliest_deadline_th
 
 
 async def test_a_waiter_ages_one_level_per_aging_period_and_overtakes_newer_urgent_ones() -> None:
+    """Released at t = 35 s (aging 10 s): a priority counts as ``priority - waited / 10``."""
     clock = Clock()
     gate, never = await full_gate(clock, aging_s=10.0)
-    clock.now = 1000.0  # the queue's clock starts here: periods at 1010, 1020, ...
-    waiters = {"old-p3": await queue(gate, never, Urgency(3))}
-    clock.now = 1015.0  # one period later: a p1 (class 2) is still more urgent than p3 (3)
-    waiters["p1-after-15s"] = await queue(gate, never, Urgency(1))
-    clock.now = 1035.0  # three periods later: a new p1 (class 4) comes after the old p3
-    waiters["p1-after-35s"] = await queue(gate, never, Urgency(1))
-    waiters["p0-after-35s"] = await queue(gate, never, Urgency(0))  # class 3: a tie, arrival
+    waiters = {"old-p3": await queue(gate, never, Urgency(3))}  # at 35 s: 3 - 3.5 = -0.5
+    clock.now += 15.0
+    waiters["p1-after-15s"] = await queue(gate, never, Urgency(1))  # 1 - 2 = -1: first
+    clock.now += 20.0
+    waiters["p1-after-35s"] = await queue(gate, never, Urgency(1))  # 1: after the old p3
+    waiters["p0-after-35s"] = await queue(gate, never, Urgency(0))  # 0
     assert await release_order(gate, waiters) == [
         "p1-after-15s",
         "old-p3",
         "p0-after-35s",
         "p1-after-35s",
     ]
+
+
+async def test_aging_never_lets_one_tenants_backlog_pass_another_tenants_newer_requests() -> None:
+    """Tenant a's 20 waiters have waited several aging periods when tenant b's request comes,
+    of the same priority: b still takes its turn at once (aging moves a whole priority class,
+    never a tenant's backlog ahead of another tenant's newer requests)."""
+    clock = Clock()
+    gate, never = await full_gate(clock, aging_s=10.0)
+    waiters = {f"a{i}": await queue(gate, never, Urgency(0, tenant="a")) for i in range(20)}
+    clock.now += 35.0
+    waiters["b"] = await queue(gate, never, Urgency(0, tenant="b"))
+    order = await release_order(gate, waiters)
+    assert order.index("b") <= 1, order
 
 
 async def test_without_aging_priority_alone_orders() -> None:
