@@ -14,6 +14,9 @@ The service time is measured first (a few requests, unloaded).
 All load is open loop (one request every ``1 / rate`` s per stream, streaming completions; TTFT
 is the time to the first SSE event with text):
 
+The loaded phases are reported whole and without their first ``--warmup`` s (10: the onset,
+when the C slots free at the start are taken at once and the prefills work off that burst).
+
 * (a) fairness: tenant B alone at its share of capacity (``--share``, 0.5); then B again while
   tenant A floods at ``--flood`` (10) times its share for ``--duration`` s. Target: B's TTFT p99
   within 1.5x of alone, none of B's requests refused.
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -66,6 +68,7 @@ DEFAULT_WORKER_ARGS = (
     "--layers", "1", "--bytes-per-token", "64", "--pages", "8192",
 )  # fmt: skip
 WINDOW_S = 10.0
+STEADY = "{phase}, sent after {s:g} s"  # the loaded phases' steady state
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class FlowConfig:
     alone_s: float = 30.0  # each unloaded phase
     calibrate_s: float = 8.0
     calibrate_rate: float = 1.0
+    warmup_s: float = 10.0  # of each loaded phase: its onset, reported apart
     prefills: int = 4
     max_concurrent: int = 48
     queue_timeout_s: float = 10.0
@@ -184,9 +188,11 @@ def _fairness(bench: _Bench, capacity: float) -> tuple[list[StreamSummary], floa
     b = Stream("B", KEYS["tenant-b"], b_rate)
     alone = bench.phase([b], cfg.alone_s, seed=10)
     flood = bench.phase([b, Stream("A", KEYS["tenant-a"], a_rate)], cfg.duration_s, seed=20)
+    steady = [o for o in flood if o.sent_s >= cfg.warmup_s]
     summaries = [
         summarize(alone, "B", "(a) B alone", b_rate),
         summarize(flood, "B", "(a) A flooding", b_rate),
+        summarize(steady, "B", STEADY.format(phase="(a) A flooding", s=cfg.warmup_s), b_rate),
         summarize(flood, "A", "(a) A flooding", a_rate),
     ]
     return summaries, throughput(flood, cfg.duration_s, skip_s=bench.service_s * 2)
@@ -200,9 +206,13 @@ def _priority(bench: _Bench, capacity: float) -> tuple[list[StreamSummary], list
     unloaded = bench.phase([interactive], cfg.alone_s, seed=30)
     batch = Stream("batch", KEYS["batch"], batch_rate, priority=1)
     loaded = bench.phase([interactive, batch], cfg.duration_s, seed=40)
+    steady = [o for o in loaded if o.sent_s >= cfg.warmup_s]
     summaries = [
         summarize(unloaded, "interactive", "(b) unloaded", i_rate),
         summarize(loaded, "interactive", "(b) 2x capacity", i_rate),
+        summarize(
+            steady, "interactive", STEADY.format(phase="(b) 2x capacity", s=cfg.warmup_s), i_rate
+        ),
         summarize(loaded, "batch", "(b) 2x capacity", batch_rate),
     ]
     batch_windows = windows(loaded, "batch", WINDOW_S, cfg.duration_s)
@@ -221,10 +231,16 @@ def run_bench(cfg: FlowConfig) -> FlowReport:
     def find(phase: str, label: str) -> StreamSummary | None:
         return next((s for s in summaries if s.phase == phase and s.label == label), None)
 
+    flooded = STEADY.format(phase="(a) A flooding", s=cfg.warmup_s)
+    loaded = STEADY.format(phase="(b) 2x capacity", s=cfg.warmup_s)
     verdicts = [
         fairness_verdict(find("(a) B alone", "B"), find("(a) A flooding", "B")),
+        fairness_verdict(find("(a) B alone", "B"), find(flooded, "B"), steady=True),
         priority_verdict(
             find("(b) unloaded", "interactive"), find("(b) 2x capacity", "interactive")
+        ),
+        priority_verdict(
+            find("(b) unloaded", "interactive"), find(loaded, "interactive"), steady=True
         ),
         starvation_verdict(batch_windows, WINDOW_S),
     ]
@@ -250,6 +266,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
     p.add_argument("--duration", type=float, default=defaults.duration_s, help="loaded phases, s")
     p.add_argument("--alone", type=float, default=defaults.alone_s, help="unloaded phases, s")
     p.add_argument("--calibrate", type=float, default=defaults.calibrate_s, help="s")
+    p.add_argument("--warmup", type=float, default=defaults.warmup_s, help="onset left out, s")
     p.add_argument("--prefills", type=int, default=defaults.prefills)
     p.add_argument("--max-concurrent", type=int, default=defaults.max_concurrent)
     p.add_argument("--queue-timeout", type=float, default=defaults.queue_timeout_s)
@@ -266,6 +283,8 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
     for name in ("prefills", "max_concurrent", "prompt_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.warmup < args.duration:
+        p.error("--warmup must be at least 0 and less than --duration")
     if args.priority_aging < 0:
         p.error("--priority-aging must be 0 (off) or positive")
     extra = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
@@ -275,6 +294,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
         duration_s=args.duration,
         alone_s=args.alone,
         calibrate_s=args.calibrate,
+        warmup_s=args.warmup,
         prefills=args.prefills,
         max_concurrent=args.max_concurrent,
         queue_timeout_s=args.queue_timeout,
@@ -296,4 +316,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -118,22 +118,31 @@ def _ratio(loaded: StreamSummary | None, alone: StreamSummary | None) -> float:
     return loaded.ttft_ms.p99 / alone.ttft_ms.p99 if alone.ttft_ms.p99 > 0 else math.nan
 
 
-def fairness_verdict(alone: StreamSummary | None, flooded: StreamSummary | None) -> Verdict:
-    """(a): the other tenant's TTFT p99 under the flood within 1.5x of alone, none refused."""
+def fairness_verdict(
+    alone: StreamSummary | None, flooded: StreamSummary | None, steady: bool = False
+) -> Verdict:
+    """(a): the other tenant's TTFT p99 under the flood within 1.5x of alone, none refused
+    (``steady``: the flood's onset left out)."""
     ratio = _ratio(flooded, alone)
     refused = flooded.sent - flooded.completed if flooded is not None else 0
     passed = ratio <= FAIRNESS_TARGET and refused == 0
     measured = f"{ratio:.2f}x" + (f", {refused} not served" if refused else "")
-    return Verdict("(a) B TTFT p99, A flooding / B alone", measured, "<= 1.5x", passed)
+    figure = "(a) B TTFT p99, A flooding / B alone" + (" (steady)" if steady else " (whole)")
+    return Verdict(figure, measured, "<= 1.5x", passed)
 
 
-def priority_verdict(unloaded: StreamSummary | None, loaded: StreamSummary | None) -> Verdict:
-    """(b): interactive TTFT p99 at 2x capacity within 2x of unloaded, none refused."""
+def priority_verdict(
+    unloaded: StreamSummary | None, loaded: StreamSummary | None, steady: bool = False
+) -> Verdict:
+    """(b): interactive TTFT p99 at 2x capacity within 2x of unloaded, none refused
+    (``steady``: the overload's onset left out)."""
     ratio = _ratio(loaded, unloaded)
     refused = loaded.sent - loaded.completed if loaded is not None else 0
     passed = ratio <= PRIORITY_TARGET and refused == 0
     measured = f"{ratio:.2f}x" + (f", {refused} not served" if refused else "")
-    return Verdict("(b) interactive TTFT p99, 2x capacity / unloaded", measured, "<= 2x", passed)
+    figure = "(b) interactive TTFT p99, 2x capacity / unloaded"
+    figure += " (steady)" if steady else " (whole)"
+    return Verdict(figure, measured, "<= 2x", passed)
 
 
 def starvation_verdict(batch_windows: Sequence[int], window_s: float) -> Verdict:
@@ -163,12 +172,14 @@ def _row(s: StreamSummary) -> str:
 def render(report: FlowReport) -> str:
     """The markdown report: the setting, the streams, the verdicts."""
     cfg = report.config
+    worker_args = cfg.get("worker_args")
+    args = " ".join(map(str, worker_args)) if isinstance(worker_args, list | tuple) else ""
     lines = [
         f"flow_control: pd-cluster {cfg.get('prefills')}P1D --engine {cfg.get('engine')}, router "
         f"--max-concurrent-requests {cfg.get('max_concurrent')} --queue-timeout "
         f"{cfg.get('queue_timeout_s')} --priority-aging {cfg.get('priority_aging_s')}; "
         f"prompt {cfg.get('prompt_tokens')} tokens, max_tokens {cfg.get('max_tokens')}; "
-        f"worker args: {' '.join(map(str, cfg.get('worker_args') or ())) or '(defaults)'}",
+        f"worker args: {args or '(defaults)'}",
         f"capacity: {report.capacity_rps:.2f} req/s (= {cfg.get('max_concurrent')} slots / "
         f"{report.service_s:.2f} s per request, measured unloaded); completions during the "
         f"flood (a) {report.flood_throughput_rps:.2f} req/s, at 2x capacity (b) "
