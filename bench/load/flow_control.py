@@ -9,17 +9,22 @@ router with ``--api-keys`` (four tenants of weight 1: ``tenant-a``, ``tenant-b``
 ``interactive``, ``batch``), ``--max-concurrent-requests C`` and simulated workers whose
 requests take a known time (``--compute-s-per-token``, ``--decode-s-per-token``): the engines
 never refuse, so the router's C slots are the fleet's capacity, ``C / service time`` requests/s.
-The service time is measured first (a few requests, unloaded).
+The service time is measured first (a few requests, unloaded). Each request asks for
+``--max-tokens`` (16) +- ``--spread`` (50%) tokens, uniform, as real outputs differ in length:
+with one length for all, the requests admitted together at the onset would end together, and
+the next ones be admitted together, forever, in waves that queue at the prefills.
 
 All load is open loop (one request every ``1 / rate`` s per stream, streaming completions; TTFT
 is the time to the first SSE event with text):
 
-The loaded phases are reported whole and without their first ``--warmup`` s (10: the onset,
+The loaded phases are reported whole and without their first ``--warmup`` s (20: the onset,
 when the C slots free at the start are taken at once and the prefills work off that burst).
 
-* (a) fairness: tenant B alone at its share of capacity (``--share``, 0.5); then B again while
-  tenant A floods at ``--flood`` (10) times its share for ``--duration`` s. Target: B's TTFT p99
-  within 1.5x of alone, none of B's requests refused.
+* (a) fairness: tenant B alone at ``--b-load`` (0.4) of capacity, within its share (half:
+  equal weights); then B again while tenant A floods at ``--flood`` (10) times its share for
+  ``--duration`` s. Target: B's TTFT p99 within 1.5x of alone, none of B's requests refused.
+  (B at its whole share would be as loaded as the fleet: its own requests would queue behind
+  each other as soon as the capacity under load dips below the unloaded measurement.)
 * (b) priority: interactive (``X-Priority: -1``) alone at ``--interactive`` (0.25) of capacity;
   then with batch (``X-Priority: 1``) flooding so that the total offered is ``--overload`` (2)
   times capacity, for ``--duration`` s. Targets: interactive TTFT p99 within 2x of unloaded;
@@ -68,6 +73,7 @@ DEFAULT_WORKER_ARGS = (
     "--layers", "1", "--bytes-per-token", "64", "--pages", "8192",
 )  # fmt: skip
 WINDOW_S = 10.0
+TWO_TENANTS_SHARE = 0.5  # of capacity: tenant A's and tenant B's, of equal weights
 STEADY = "{phase}, sent after {s:g} s"  # the loaded phases' steady state
 
 
@@ -78,17 +84,18 @@ class FlowConfig:
     alone_s: float = 30.0  # each unloaded phase
     calibrate_s: float = 8.0
     calibrate_rate: float = 1.0
-    warmup_s: float = 10.0  # of each loaded phase: its onset, reported apart
+    warmup_s: float = 20.0  # of each loaded phase: its onset, reported apart
     prefills: int = 4
     max_concurrent: int = 48
     queue_timeout_s: float = 10.0
     priority_aging_s: float = 30.0
-    share: float = 0.5  # B's offered rate, of capacity
-    flood: float = 10.0  # A's offered rate, of its share
+    b_load: float = 0.4  # B's offered rate, of capacity (its share is half)
+    flood: float = 10.0  # A's offered rate, of its share (half of capacity)
     interactive: float = 0.25  # interactive's offered rate, of capacity
     overload: float = 2.0  # interactive + batch, of capacity
     prompt_tokens: int = 1024
     max_tokens: int = 16
+    spread: float = 0.5  # each request's max_tokens: max_tokens * (1 +- spread), uniform
     worker_args: tuple[str, ...] = DEFAULT_WORKER_ARGS
     ready_timeout_s: float = 90.0
     json_out: Path | None = None
@@ -167,6 +174,7 @@ class _Bench:
             drain_s=drain_s,
             prompt_tokens=self.cfg.prompt_tokens,
             max_tokens=self.cfg.max_tokens,
+            spread=self.cfg.spread,
             seed=seed,
         )
 
@@ -183,8 +191,8 @@ class _Bench:
 
 def _fairness(bench: _Bench, capacity: float) -> tuple[list[StreamSummary], float]:
     cfg = bench.cfg
-    b_rate = cfg.share * capacity
-    a_rate = cfg.flood * cfg.share * capacity
+    b_rate = cfg.b_load * capacity
+    a_rate = cfg.flood * TWO_TENANTS_SHARE * capacity
     b = Stream("B", KEYS["tenant-b"], b_rate)
     alone = bench.phase([b], cfg.alone_s, seed=10)
     flood = bench.phase([b, Stream("A", KEYS["tenant-a"], a_rate)], cfg.duration_s, seed=20)
@@ -272,17 +280,23 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
     p.add_argument("--queue-timeout", type=float, default=defaults.queue_timeout_s)
     p.add_argument("--priority-aging", type=float, default=defaults.priority_aging_s)
     p.add_argument("--flood", type=float, default=defaults.flood, help="A's rate / its share")
+    p.add_argument("--b-load", type=float, default=defaults.b_load, help="B's rate / capacity")
     p.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
     p.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    p.add_argument(
+        "--spread", type=float, default=defaults.spread, help="max_tokens drawn +- this fraction"
+    )
     p.add_argument("--json", type=Path, default=None, metavar="OUT")
     p.add_argument("worker_args", nargs=argparse.REMAINDER, help="after --: pd-worker args")
     args = p.parse_args(argv)
-    for name in ("duration", "alone", "calibrate", "queue_timeout", "flood"):
+    for name in ("duration", "alone", "calibrate", "queue_timeout", "flood", "b_load"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     for name in ("prefills", "max_concurrent", "prompt_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.spread < 1:
+        p.error("--spread must be at least 0 and below 1")
     if not 0 <= args.warmup < args.duration:
         p.error("--warmup must be at least 0 and less than --duration")
     if args.priority_aging < 0:
@@ -300,8 +314,10 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
         queue_timeout_s=args.queue_timeout,
         priority_aging_s=args.priority_aging,
         flood=args.flood,
+        b_load=args.b_load,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
+        spread=args.spread,
         worker_args=tuple(extra) or defaults.worker_args,
         json_out=args.json,
     )

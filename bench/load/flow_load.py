@@ -81,6 +81,11 @@ class _Target:
     model: str
     prompt_tokens: int
     max_tokens: int
+    spread: float  # max_tokens drawn from max_tokens * [1 - spread, 1 + spread]
+
+    def draw_max_tokens(self, rng: random.Random) -> int:
+        low = max(1, round(self.max_tokens * (1 - self.spread)))
+        return rng.randint(low, max(low, round(self.max_tokens * (1 + self.spread))))
 
 
 async def _read_stream(response: aiohttp.ClientResponse, started: float) -> float | None:
@@ -101,17 +106,15 @@ async def _read_stream(response: aiohttp.ClientResponse, started: float) -> floa
 
 
 async def _one(
-    session: aiohttp.ClientSession, target: _Target, stream: Stream, body_prompt: str, t0: float
+    session: aiohttp.ClientSession,
+    target: _Target,
+    stream: Stream,
+    body: dict[str, object],
+    t0: float,
 ) -> Outcome:
     headers = {"Authorization": f"Bearer {stream.key}"}
     if stream.priority is not None:
         headers["X-Priority"] = str(stream.priority)
-    body = {
-        "model": target.model,
-        "prompt": body_prompt,
-        "max_tokens": target.max_tokens,
-        "stream": True,
-    }
     started = time.perf_counter()
     sent = started - t0
     try:
@@ -144,8 +147,13 @@ async def _send_stream(
         delay = t0 + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        body_prompt = prompt(rng, target.prompt_tokens)
-        task = asyncio.create_task(_one(session, target, stream, body_prompt, t0))
+        body = {
+            "model": target.model,
+            "prompt": prompt(rng, target.prompt_tokens),
+            "max_tokens": target.draw_max_tokens(rng),
+            "stream": True,
+        }
+        task = asyncio.create_task(_one(session, target, stream, body, t0))
         tasks.append((stream.label, task))
     return tasks
 
@@ -186,11 +194,13 @@ def run_phase(
     drain_s: float,
     prompt_tokens: int,
     max_tokens: int,
+    spread: float = 0.0,
     seed: int = 0,
 ) -> list[Outcome]:
     """Run ``streams`` against the router at ``url`` (loopback only) for ``duration_s`` seconds
-    and at most ``drain_s`` more; every request's outcome."""
+    and at most ``drain_s`` more; every request's outcome. Each request asks for
+    ``max_tokens * (1 +- spread)`` tokens (uniform), so completions do not stay in step."""
     if not url.startswith(f"http://{LOOPBACK}:"):
         raise ValueError(f"only {LOOPBACK} is loaded: {url}")
-    target = _Target(url, model, prompt_tokens, max_tokens)
+    target = _Target(url, model, prompt_tokens, max_tokens, spread)
     return asyncio.run(_phase(target, streams, duration_s, drain_s, seed))

@@ -178,7 +178,8 @@ def render(report: FlowReport) -> str:
         f"flow_control: pd-cluster {cfg.get('prefills')}P1D --engine {cfg.get('engine')}, router "
         f"--max-concurrent-requests {cfg.get('max_concurrent')} --queue-timeout "
         f"{cfg.get('queue_timeout_s')} --priority-aging {cfg.get('priority_aging_s')}; "
-        f"prompt {cfg.get('prompt_tokens')} tokens, max_tokens {cfg.get('max_tokens')}; "
+        f"prompt {cfg.get('prompt_tokens')} tokens, max_tokens {cfg.get('max_tokens')} "
+        f"+- {100 * float(str(cfg.get('spread', 0.0))):.0f}%; "
         f"worker args: {args or '(defaults)'}",
         f"capacity: {report.capacity_rps:.2f} req/s (= {cfg.get('max_concurrent')} slots / "
         f"{report.service_s:.2f} s per request, measured unloaded); completions during the "
