@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -125,18 +126,31 @@ def _cluster(cfg: FlowConfig) -> Iterator[_Served]:
     with tempfile.TemporaryDirectory(prefix="pd-flow-") as where:
         keys = Path(where) / "keys.yaml"
         keys.write_text(keys_file_text())
-        argv = cluster_argv(
+        child, url = _start(cfg, keys, Path(where) / "logs")
+        with child:
+            yield _Served(child, url, _model(child, url))
+
+
+def _start(cfg: FlowConfig, keys: Path, logs: Path) -> tuple[Child, str]:
+    """pd-cluster started; a second try when the first did not start (a port another process
+    took between pd-cluster's pick and its bind: this machine runs other jobs)."""
+
+    def argv(attempt: int) -> list[str]:
+        return cluster_argv(
             prefills=cfg.prefills,
             decodes=1,
             port=free_port(),
             engine=cfg.engine,
             ready_timeout_s=cfg.ready_timeout_s,
-            flags=[*router_flags(cfg, keys), "--log-dir", str(Path(where) / "logs")],
+            flags=[*router_flags(cfg, keys), "--log-dir", str(logs / str(attempt))],
             worker_args=cfg.worker_args,
         )
-        child, url = start_cluster(argv, cfg.ready_timeout_s)
-        with child:
-            yield _Served(child, url, _model(child, url))
+
+    try:
+        return start_cluster(argv(0), cfg.ready_timeout_s)
+    except BenchError as exc:
+        print(f"flow_control: pd-cluster did not start, again: {exc}", file=sys.stderr)
+    return start_cluster(argv(1), cfg.ready_timeout_s)
 
 
 @dataclass(frozen=True)
