@@ -78,7 +78,7 @@ def summarize(
     completed = [o for o in mine if o.completed]
     if completed:
         statuses["200"] = len(completed)
-    errors = [o.error for o in mine if o.status not in (200, 429, 503) or o.error and not o.status]
+    errors = [o.error for o in mine if not o.completed and o.status not in (429, 503)]
     ttfts = [o.ttft_s for o in completed if o.ttft_s is not None]
     return StreamSummary(
         label,

@@ -148,13 +148,14 @@ def test_summaries_count_statuses_and_time_completed_requests_only() -> None:
         _ok("B", 1.0, 0.4, 2.0),
         Outcome("B", 2.0, 429, None, None, "queue timeout"),
         Outcome("B", 3.0, 0, None, None, "ClientError: reset"),
+        Outcome("B", 4.0, 200, None, None, "the stream ended without text"),
         _ok("A", 0.0, 9.0, 10.0),
     ]
     summary = summarize(outcomes, "B", "(a)", 2.0)
-    assert (summary.sent, summary.completed, summary.refused) == (4, 2, 1)
-    assert summary.statuses == {"0": 1, "200": 2, "429": 1}
+    assert (summary.sent, summary.completed, summary.refused) == (5, 2, 1)
+    assert summary.statuses == {"0": 1, "200": 2, "429": 1}  # the empty stream: not a 200
     assert summary.ttft_ms.p50 == pytest.approx(300.0)
-    assert summary.errors == ["ClientError: reset"]
+    assert summary.errors == ["ClientError: reset", "the stream ended without text"]
 
 
 def test_windows_count_completions_by_when_they_ended() -> None:
