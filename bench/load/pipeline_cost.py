@@ -3,7 +3,8 @@ kernel, no load generator sharing the cores, so a change of a few µs shows.
 
     python -m bench.load.pipeline_cost [--engines vllm-mooncake,sglang] [--modes non-stream,stream]
         [--requests 10000] [--concurrency 32] [--tokens 16] [--repeats 5]
-        [--compare-commit REV | --compare-pythonpath DIR] [--ledger] [--json OUT]
+        [--compare-commit REV | --compare-pythonpath DIR] [--ledger] [--flow-control]
+        [--json OUT]
 
 Each build of the router (this checkout; the compare build; with ``--ledger``, this checkout
 with one feature switched off at a time) runs in a process of its own
@@ -14,6 +15,12 @@ event-loop turn. What it measures is everything the router does per request but 
 server and client: parsing, admission, routing, the legs' plan and bookkeeping, breakers,
 receipts, metrics. Runs are interleaved (each repeat runs every build, the order rotated);
 each build's figure is the median over its repeats of its runs' median batch.
+
+``--flow-control`` adds ``flow-control``: this checkout with client API keys (``--api-keys``, a
+keys file of ``FLOW_TENANTS`` tenants, each with request, token and in-flight limits too high
+ever to refuse; the callers present keys spread across the tenants) and the admission queue in
+use (``--max-concurrent-requests`` at half the callers, so half of them wait and the queue
+orders them by tenant): its ratio against ``ours`` (all of that off) is issue 25's CPU figure.
 
 ``bench.load.peers --floors`` measures the rest (the server and the client on sockets) and the
 total against the Rust peers.
@@ -45,7 +52,10 @@ __all__ = ["CostConfig", "CostReport", "main", "run_all"]
 CHILD = Path(__file__).with_name("pipeline_cost_child.py")
 ENGINES = ("vllm-mooncake", "sglang")  # the concurrent shapes (the stubs answer those)
 MODES = {"non-stream": False, "stream": True}
-OURS, OLD = "ours", "old"
+OURS, OLD, FLOW = "ours", "old", "flow-control"
+FLOW_PREFIX = "flow-"  # the flow-control builds: flow-control, flow-keys, flow-queue
+FLOW_TENANTS = 4
+FLOW_TARGET = 1.10  # issue 25: flow control's CPU per request at most +10%
 CHILD_TIMEOUT_S = 300.0
 
 
@@ -59,6 +69,7 @@ class CostConfig:
     repeats: int = 5
     batches: int = 3
     ledger: bool = False
+    flow_control: bool = False
     compare_commit: str | None = None
     compare_pythonpath: str | None = None
     json_out: Path | None = None
@@ -69,6 +80,41 @@ class CostBuild:
     name: str
     source: str  # PYTHONPATH of its ``router``
     features_off: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # more of its environment
+    caller_args: tuple[str, ...] = ()  # more of the child's command line
+
+
+def flow_keys(tenants: int = FLOW_TENANTS) -> list[str]:
+    """The callers' keys, one per tenant."""
+    return [f"sk-cost-tenant-{i}-0123456789abcdef" for i in range(tenants)]
+
+
+def flow_keys_text(keys: Sequence[str]) -> str:
+    """The keys file (YAML): a tenant per key, limits that never refuse, equal weights."""
+    lines = ["tenants:"]
+    for i, key in enumerate(keys):
+        lines += [
+            f"  tenant-{i}:",
+            f"    keys: [{key}]",
+            "    requests_per_minute: 1000000000",
+            "    tokens_per_minute: 1000000000000",
+            "    max_concurrent: 1000000",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def flow_builds(cfg: CostConfig, keys_path: Path, keys: Sequence[str]) -> list[CostBuild]:
+    """This checkout with keys, limits and the admission queue in use (module docstring), and
+    with each half alone: keys and limits (``flow-keys``), the queue (``flow-queue``)."""
+    auth = (("PDR_AUTH__API_KEYS", str(keys_path)),)
+    queue = (("PDR_ADMISSION__MAX_CONCURRENT_REQUESTS", str(max(cfg.concurrency // 2, 1))),)
+    caller = ("--keys", ",".join(keys))
+    here = str(REPO_ROOT)
+    return [
+        CostBuild(FLOW, here, env=auth + queue, caller_args=caller),
+        CostBuild(f"{FLOW_PREFIX}keys", here, env=auth, caller_args=caller),
+        CostBuild(f"{FLOW_PREFIX}queue", here, env=queue),
+    ]
 
 
 class CostRow(msgspec.Struct, frozen=True):
@@ -91,8 +137,12 @@ class _Runs:
     routers: dict[str, str] = field(default_factory=dict)
 
 
-def plan_builds(cfg: CostConfig, compare: str | None) -> list[CostBuild]:
+def plan_builds(
+    cfg: CostConfig, compare: str | None, keys_path: Path | None = None
+) -> list[CostBuild]:
     builds = [CostBuild(OURS, str(REPO_ROOT))]
+    if cfg.flow_control and keys_path is not None:
+        builds += flow_builds(cfg, keys_path, flow_keys())
     if compare is not None:
         builds.append(CostBuild(OLD, compare))
     if cfg.ledger:
@@ -116,7 +166,7 @@ def child_argv(
 
 def run_child(argv: Sequence[str], build: CostBuild) -> dict[str, object]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env |= {"PYTHONPATH": build.source, **feature_env(build.features_off)}
+    env |= {"PYTHONPATH": build.source, **feature_env(build.features_off), **dict(build.env)}
     try:
         done = subprocess.run(
             argv, env=env, capture_output=True, timeout=CHILD_TIMEOUT_S, check=False
@@ -146,7 +196,8 @@ def run_engine(
             for index, mode in enumerate(cfg.modes):
                 shift = (repeat + index) % len(builds)
                 for build in [*builds[shift:], *builds[:shift]]:
-                    result = run_child(child_argv(cfg, engine, ports, MODES[mode]), build)
+                    argv = [*child_argv(cfg, engine, ports, MODES[mode]), *build.caller_args]
+                    result = run_child(argv, build)
                     batches = [float(x) for x in result["us"]]  # type: ignore[attr-defined]
                     us = median(batches) or 0.0
                     runs.us.setdefault((engine, mode, build.name), []).append(us)
@@ -161,8 +212,13 @@ def run_all(cfg: CostConfig, say: Callable[[str], None]) -> CostReport:
     peers_cfg = PeersConfig(
         compare_commit=cfg.compare_commit, compare_pythonpath=cfg.compare_pythonpath
     )
-    with compare_source(peers_cfg) as compare:
-        builds = plan_builds(cfg, compare)
+    with (
+        compare_source(peers_cfg) as compare,
+        tempfile.TemporaryDirectory(prefix="pd-pipeline-keys-") as keys_dir,
+    ):
+        keys_path = Path(keys_dir) / "keys.yaml"
+        keys_path.write_text(flow_keys_text(flow_keys()))
+        builds = plan_builds(cfg, compare, keys_path)
         for engine in cfg.engines:
             runs = run_engine(cfg, engine, builds, say)
             routers |= runs.routers
@@ -189,7 +245,10 @@ def render(report: CostReport) -> str:
             lines.append(
                 f"| {engine} | {mode} | {or_na(new)} | {or_na(old)} | {or_na(ratio, '.2f')} |"
             )
-    ledger = [n for n in names if n not in (OURS, OLD)]
+    flow = [n for n in names if n.startswith(FLOW_PREFIX)]
+    if flow:
+        lines += _flow_lines(us, cells, flow)
+    ledger = [n for n in names if n not in (OURS, OLD) and n not in flow]
     if ledger:
         lines += ["", "ledger, µs per request: ours - ours with it off"]
         rows = [["feature off", *(f"{e} {m}" for e, m in cells)]]
@@ -198,6 +257,31 @@ def render(report: CostReport) -> str:
             rows.append([name, *costs])
         lines += text_table(rows, left=1)
     return "\n".join(lines)
+
+
+def _flow_lines(
+    us: dict[tuple[str, str, str], float | None],
+    cells: Sequence[tuple[str, str]],
+    flow: Sequence[str],
+) -> list[str]:
+    """The flow-control builds against ``ours`` (all of it off), and the verdict."""
+    lines = [
+        "",
+        f"flow control on / off, CPU per request (target {FLOW} / {OURS} <= {FLOW_TARGET:.2f}):",
+        f"| engine | mode | {OURS} µs | {' | '.join(f'{n} µs | ratio' for n in flow)} | verdict |",
+        "|---|---|---|" + "---|---|" * len(flow) + "---|",
+    ]
+    for engine, mode in cells:
+        off = us.get((engine, mode, OURS))
+        cells_out = [or_na(off)]
+        for name in flow:
+            on = us.get((engine, mode, name))
+            cells_out += [or_na(on), or_na(None if on is None or not off else on / off, ".3f")]
+        on = us.get((engine, mode, FLOW))
+        ratio = None if on is None or not off else on / off
+        verdict = "n/a" if ratio is None else "pass" if ratio <= FLOW_TARGET else "FAIL"
+        lines.append(f"| {engine} | {mode} | {' | '.join(cells_out)} | {verdict} |")
+    return lines
 
 
 def _cost(ours: float | None, off: float | None) -> str:
@@ -214,6 +298,11 @@ def config_from_args(argv: Sequence[str] | None) -> CostConfig:
     p.add_argument("--repeats", type=int, default=5, help="runs per build, interleaved")
     p.add_argument("--batches", type=int, default=3, help="measured batches per run")
     p.add_argument("--ledger", action="store_true", help="also ours with each feature off")
+    p.add_argument(
+        "--flow-control",
+        action="store_true",
+        help="also ours with API keys, tenant limits and the admission queue in use",
+    )
     p.add_argument("--compare-commit", default=None, metavar="REV")
     p.add_argument("--compare-pythonpath", default=None, metavar="DIR")
     p.add_argument("--json", type=Path, default=None, metavar="OUT")
@@ -238,6 +327,7 @@ def config_from_args(argv: Sequence[str] | None) -> CostConfig:
         repeats=args.repeats,
         batches=args.batches,
         ledger=args.ledger,
+        flow_control=args.flow_control,
         compare_commit=args.compare_commit,
         compare_pythonpath=args.compare_pythonpath,
         json_out=args.json,

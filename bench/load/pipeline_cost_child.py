@@ -7,7 +7,9 @@ its command line, the lifespan: health probes and bootstrap queries go to the re
 named on this command line). It prints JSON: the CPU µs per request of each measured batch.
 
     PYTHONPATH=TREE python -P pipeline_cost_child.py --engine E --prefill URL PORT --decode URL
-        [--stream] [--requests N] [--concurrency C] [--batches B] [--tokens T]
+        [--stream] [--requests N] [--concurrency C] [--batches B] [--tokens T] [--keys K,...]
+
+With ``--keys``, caller ``i`` presents key ``i % len(keys)`` (``Authorization: Bearer``).
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ class _Caller:
             (b"content-type", b"application/json"),
             (b"content-length", str(len(self._body)).encode()),
         ]
+        self._keys = [key for key in args.keys.split(",") if key]
         self.statuses: dict[int, int] = {}
 
     async def _send(self, message: dict[str, Any]) -> None:
@@ -201,12 +204,19 @@ class _Caller:
 
         return receive
 
-    def _scope(self) -> dict[str, Any]:
+    def headers(self, user: int) -> list[tuple[bytes, bytes]]:
+        """Caller ``user``'s headers: with keys, its key's ``Authorization`` too."""
+        if not self._keys:
+            return self._headers
+        key = self._keys[user % len(self._keys)]
+        return [*self._headers, (b"authorization", b"Bearer " + key.encode())]
+
+    def _scope(self, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
         scope: dict[str, Any] = {
             "type": "http",
             "method": "POST",
             "path": "/v1/completions",
-            "headers": self._headers,
+            "headers": headers,
             "state": dict(self._state),
         }
         if self._whole is not None:
@@ -215,9 +225,10 @@ class _Caller:
             scope[self._client_gone] = asyncio.get_running_loop().create_future()
         return scope
 
-    async def user(self, count: int) -> None:
+    async def user(self, count: int, user: int = 0) -> None:
+        headers = self.headers(user)
         for _ in range(count):
-            await self._app(self._scope(), self._receiver(), self._send)
+            await self._app(self._scope(headers), self._receiver(), self._send)
 
 
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -232,12 +243,12 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     await _stub_workers(lifespan.state["ctx"].pool, args.tokens)
     caller = _Caller(app, lifespan.state, args)
     per_user = max(args.requests // args.concurrency, 1)
-    await asyncio.gather(*(caller.user(20) for _ in range(args.concurrency)))  # warm up
+    await asyncio.gather(*(caller.user(20, i) for i in range(args.concurrency)))  # warm up
     batches = []
     for _ in range(args.batches):
         gc.collect()
         begun = time.process_time()
-        await asyncio.gather(*(caller.user(per_user) for _ in range(args.concurrency)))
+        await asyncio.gather(*(caller.user(per_user, i) for i in range(args.concurrency)))
         batches.append(1e6 * (time.process_time() - begun) / (per_user * args.concurrency))
     await lifespan.stop()
     return {"us": batches, "statuses": caller.statuses, "router": router.__file__}
@@ -253,6 +264,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--keys", default="", help="comma-separated API keys, one per caller")
     args = parser.parse_args()
     tune_gc = _import("router.server.gc_schedule:tune_gc")
     if tune_gc is not None:
