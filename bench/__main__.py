@@ -40,6 +40,9 @@ BENCHMARKS = (
         "load.pipeline_cost_child", "one build's in-process figure (load.pipeline_cost runs it)"
     ),
     Benchmark("load.cluster_ttft", "end-to-end TTFT: pd-cluster 1P1D vs a co-located worker"),
+    Benchmark(
+        "load.flow_control", "tenants and priorities under overload: TTFT through pd-cluster"
+    ),
     Benchmark("load.clients", "upstream HTTP client cost: httpx, httpx + lean pool, aiohttp"),
     Benchmark("load.loadgen", "the closed-loop HTTP/1.1 load generator (load.run drives it)"),
     Benchmark("load.workers", "router processes (--workers N): req/s, scaling, CPU/req each"),
