@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +29,12 @@ from router.kv_cache.event_feed import KVEventFeed
 from router.kv_cache.index import KVBlockIndex
 from router.kv_cache.prefix_tree import ApproxPrefixTree
 from router.load_board import LoadBoard, board_path
+from router.observability.agreement import AgreementBoard
 from router.observability.metrics import RouterMetrics
 from router.observability.pair_ledger import PairLedger
 from router.observability.recent_traffic import RecentTraffic
 from router.observability.request_accounting import RequestAccounting
+from router.observability.routing_states import RoutingStates, routing_states
 from router.observability.siblings import Siblings
 from router.observability.state_metrics import RouterStateCollector
 from router.observability.tracing import Tracer, build_tracer
@@ -87,6 +89,9 @@ class Telemetry:
     accounting: RequestAccounting
     tracer: Tracer | None
     siblings: Siblings | None = None  # router --workers N: the other processes of this host
+    # predicted against actual cached tokens per prefill rank (this process's requests)
+    agreement: AgreementBoard = field(default_factory=AgreementBoard)
+    states: RoutingStates | None = None  # EXACT / DEGRADED / FALLBACK per prefill rank and pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,11 +200,12 @@ def _build_fleet(
 
 
 def _build_telemetry(
-    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics
+    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics, kv: KVCacheView
 ) -> Telemetry:
     observability = settings.observability
     pairs = PairLedger(observability.suspect_window_s, lambda: _live_ids(pool))
     traffic = RecentTraffic(observability.traffic_window_s, observability.traffic_bucket_s)
+    agreement = AgreementBoard(observability.agreement_window)
     return Telemetry(
         metrics=metrics,
         pairs=pairs,
@@ -207,7 +213,10 @@ def _build_telemetry(
         # the traffic window still exists (the status page shows it empty) when it is off
         accounting=RequestAccounting(metrics, traffic if settings.features.traffic else None),
         tracer=build_tracer(settings.tracing),
-    )
+        agreement=agreement,
+        states=routing_states(settings, lambda: pool.prefill, kv.feed, kv.index, agreement,
+                              partial(metrics.count, metrics.routing_state_transitions)),
+    )  # fmt: skip
 
 
 def _build_parts(
@@ -228,13 +237,12 @@ def _build_parts(
     policies = partial(build_policies, settings.policy, cache, index, tree)
     featurizer = Featurizer(open_token_source(cache), metrics.tokenize_seconds.observe)
     kv = KVCacheView(index=index, feed=KVEventFeed(lambda: pool.prefill, index, tree, cache))
-    telemetry = _build_telemetry(settings, pool, metrics)
+    telemetry = _build_telemetry(settings, pool, metrics, kv)
     fleet.prober.on_back = circuits.worker_back
     discovery = fleet.discovery
+    state = (telemetry.pairs, index, kv.feed, lambda: discovery.status, circuits)
     metrics.registry.register(
-        RouterStateCollector(
-            pool, telemetry.pairs, index, kv.feed, lambda: discovery.status, circuits
-        )
+        RouterStateCollector(pool, *state, telemetry.agreement, telemetry.states)
     )
     pipeline = Pipeline(
         pool,
@@ -252,6 +260,7 @@ def _build_parts(
         receipts=settings.features.receipts,
         session_settings=settings.session,
         model_aliases=settings.policy.model_aliases,
+        agreement=telemetry.agreement,
     )
     outlier = OutlierDetector(
         pool,
@@ -345,6 +354,7 @@ async def open_context(
         pod_watcher = await _open_pod_watcher(settings, fleet.registry)
         features = settings.features
         tasks = [fleet.discovery.run(), parts.kv.feed.run()]
+        tasks += [parts.telemetry.states.run()] if parts.telemetry.states is not None else []
         tasks += [fleet.prober.run()] if features.health else []
         tasks += [parts.load_monitor.run()] if features.engine_load else []
         tasks += [parts.outlier.run()] if features.outliers else []

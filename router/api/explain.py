@@ -7,7 +7,8 @@ precise ``cache_aware`` also the matched blocks per cache tier, ``cached_blocks_
 their tier-weighted worth, ``credited_blocks``) and the route the router would choose now. With
 session affinity on, also the pin table's size and bounds and, when the request names its
 session (``X-Session-Id``, ``--session-header``), that session's pin (explain neither pins nor
-refreshes it). Admin auth, like the rest of ``/admin``.
+refreshes it). ``agreement``: each prefill rank's recent predicted against actual cached tokens
+(``router.observability.agreement``). Admin auth, like the rest of ``/admin``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from registry.settings import RegistrySettings
 from router.api.completions_doc import error_response
 from router.api.deps import get_context
 from router.api.openai import read_headers
+from router.api.routing_health import recent_agreement
 from router.errors import InvalidRequest
 from router.schemas import Endpoint, RequestLimits, parse_request
 
@@ -73,6 +75,8 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
             "endpoint": endpoint.value,
             "engine": ctx.settings.engine.value,
             **chooser.explain(features, session),
+            # predicted against actual cached tokens, per prefill rank, over its recent window
+            "agreement": recent_agreement(ctx),
         }
         return JSONResponse(answer)
 
