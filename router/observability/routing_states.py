@@ -35,12 +35,14 @@ from router.settings import ObservabilitySettings, RouterSettings
 from router.workers import Worker
 
 __all__ = ["DEFAULT_POOL", "RankState", "RoutingInputs", "RoutingState", "RoutingStates"]
-__all__ += ["routing_states"]
+__all__ += ["GAPPED", "SILENT", "routing_states"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_POOL = "default"  # the pool of prefills that name no model
 POLL_S = 1.0
+GAPPED = "KV events gapped"  # how the reasons of the feed's two troubles begin
+SILENT = "KV events silent"
 _SEVERITY = {"exact": 0, "fallback": 1, "degraded": 2}
 
 
@@ -182,7 +184,7 @@ class RoutingStates:
         stale_s = settings.events_stale_s
         if now - seen[1] < stale_s:
             why = (
-                f"KV events gapped {now - seen[1]:.0f}s ago (lost {stats.lost}, publisher "
+                f"{GAPPED} {now - seen[1]:.0f}s ago (lost {stats.lost}, publisher "
                 f"restarts {stats.restarts}, index purges {stats.purges} so far)"
             )
             return RoutingState.DEGRADED, why, summary
@@ -190,7 +192,7 @@ class RoutingStates:
         computed = None if agreement is None else agreement.last_computed_at
         if computed is not None and stats.last_batch_at < computed and now - computed >= stale_s:
             why = (
-                f"KV events silent: the engine computed prompt tokens {now - computed:.0f}s ago "
+                f"{SILENT}: the engine computed prompt tokens {now - computed:.0f}s ago "
                 f"and no event batch arrived since"
             )
             return RoutingState.DEGRADED, why, summary

@@ -81,12 +81,14 @@ def samples(url: str, prefix: str) -> dict[tuple[str, tuple[tuple[str, str], ...
     }
 
 
-def warm_turns(cluster: CacheCluster, turns: int = 6) -> None:
-    """A conversation's turns: each prompt extends the last, so all but the first hit."""
+def warm_turns(cluster: CacheCluster, turns: int = 6, *, events: bool = True) -> None:
+    """A conversation's turns: each prompt extends the last, so all but the first hit;
+    ``events``: wait for the prefill's KV events before the second turn."""
     complete(cluster, PREFIX)
     for turn in range(1, turns):
         # the events of the turn before arrive before the next is routed: a precise prediction
-        wait_until(lambda: _indexed(cluster), 5.0, "the prefill's KV events indexed")
+        if events:
+            wait_until(lambda: _indexed(cluster), 5.0, "the prefill's KV events indexed")
         complete(cluster, PREFIX + " turn" * turn)
 
 
