@@ -21,6 +21,7 @@ from registry.service import RegistryService
 from router.adapters import build_adapter
 from router.fleet.circuit_breaker import Circuits, build_circuits
 from router.fleet.discovery import Discovery
+from router.fleet.engine_cache import EngineCaches
 from router.fleet.engine_load import EngineLoadMonitor
 from router.fleet.health import HealthProber
 from router.fleet.outlier import OutlierDetector
@@ -189,7 +190,10 @@ def _build_fleet(
     service = RegistryService(store)
     prober = HealthProber(pool, settings.engine, settings.health, tables)
     discovery = Discovery(pool, service, settings, prober)
-    load_monitor = EngineLoadMonitor(pool, settings.engine, settings.load)
+    policy = settings.policy.prefill_policy or settings.policy.policy
+    load_monitor = EngineLoadMonitor(
+        pool, settings.engine, settings.load, read_caches=policy == "cache_aware"
+    )
     fleet = FleetView(
         registry=service,
         discovery=discovery,
@@ -200,7 +204,11 @@ def _build_fleet(
 
 
 def _build_telemetry(
-    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics, kv: KVCacheView
+    settings: RouterSettings,
+    pool: UpstreamPool,
+    metrics: RouterMetrics,
+    kv: KVCacheView,
+    caches: EngineCaches,
 ) -> Telemetry:
     observability = settings.observability
     pairs = PairLedger(observability.suspect_window_s, lambda: _live_ids(pool))
@@ -215,7 +223,8 @@ def _build_telemetry(
         tracer=build_tracer(settings.tracing),
         agreement=agreement,
         states=routing_states(settings, lambda: pool.prefill, kv.feed, kv.index, agreement,
-                              partial(metrics.count, metrics.routing_state_transitions)),
+                              partial(metrics.count, metrics.routing_state_transitions),
+                              caches),
     )  # fmt: skip
 
 
@@ -237,7 +246,7 @@ def _build_parts(
     policies = partial(build_policies, settings.policy, cache, index, tree)
     featurizer = Featurizer(open_token_source(cache), metrics.tokenize_seconds.observe)
     kv = KVCacheView(index=index, feed=KVEventFeed(lambda: pool.prefill, index, tree, cache))
-    telemetry = _build_telemetry(settings, pool, metrics, kv)
+    telemetry = _build_telemetry(settings, pool, metrics, kv, load_monitor.caches)
     fleet.prober.on_back = circuits.worker_back
     discovery = fleet.discovery
     state = (telemetry.pairs, index, kv.feed, lambda: discovery.status, circuits)

@@ -59,6 +59,10 @@ class AgreementSummary:
     miscounted_chat: int  # ... of them chat (or conversation) requests
     compared_chat: int
     short: int  # requests whose prompt is shorter than ``block_tokens``
+    # predicted cached and prompt tokens over every request whose answer had usage (reported
+    # cached tokens or not): against the engine's own counters when it reports none
+    predicted_all: int = 0
+    prompt_all: int = 0
 
     @property
     def error_ratio(self) -> float | None:
@@ -157,9 +161,11 @@ class RankAgreement:
         and still agree; ``block_tokens``: a prompt shorter than this counts as short."""
         reported = predicted = cached = prompt = abs_error = within = 0
         compared = miscounted = miscounted_chat = compared_chat = short = 0
+        predicted_all = prompt_all = 0
         for p, a, n, own, chat, precise in self.window:
             if n == UNKNOWN:  # the answer had no usage at all
                 continue
+            predicted_all, prompt_all = predicted_all + p, prompt_all + n
             if n < block_tokens:
                 short += 1
             if precise and own != UNKNOWN:
@@ -177,7 +183,7 @@ class RankAgreement:
             within += error <= tolerance * n
         return AgreementSummary(
             len(self.window), reported, predicted, cached, prompt, abs_error, within,
-            compared, miscounted, miscounted_chat, compared_chat, short,
+            compared, miscounted, miscounted_chat, compared_chat, short, predicted_all, prompt_all,
         )  # fmt: skip
 
 

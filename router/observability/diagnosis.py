@@ -106,18 +106,57 @@ def _rank_causes(
         causes.append(_silent_or_missing(states, location, stats is not None))
     else:
         causes += _feed_causes(judged)
-    reported = inputs.index.block_size_of(location)
-    expected = settings.engine_block_size
-    if expected is not None and reported is not None and reported != expected:
-        causes.append(
-            ("block_size_mismatch",
-             f"the KV events report blocks of {reported} tokens; --engine-block-size is "
-             f"{expected}")
-        )  # fmt: skip
+    causes += _block_size_causes(states, location)
     summary = judged.agreement
     if summary is not None and summary.requests >= settings.agreement_min_requests:
         causes += _window_causes(summary, states, stats is not None)
+        if summary.reported == 0:
+            causes += _counter_causes(summary, states, location)
     return causes
+
+
+def _block_size_causes(states: RoutingStates, location: tuple[str, int]) -> list[tuple[str, str]]:
+    """The block size the rank's events report and the one its engine's metrics report
+    (``vllm:cache_config_info``), against the configured one, and against each other."""
+    events = states.inputs.index.block_size_of(location)
+    cache = states.engine_cache(location)
+    engine = None if cache is None else cache.block_size
+    expected = states.settings.engine_block_size
+    sources = (("the KV events report blocks of", events), ("vllm:cache_config_info says", engine))
+    if expected is not None:
+        told = [
+            f"{source} {size} tokens" for source, size in sources if size not in (None, expected)
+        ]
+        if told:
+            return [
+                ("block_size_mismatch", f"{'; '.join(told)}; --engine-block-size is {expected}")
+            ]
+        return []
+    if events is not None and engine is not None and events != engine:
+        told = [f"{source} {size} tokens" for source, size in sources]
+        return [("block_size_mismatch", "; ".join(told))]
+    return []
+
+
+def _counter_causes(
+    summary: AgreementSummary, states: RoutingStates, location: tuple[str, int]
+) -> list[tuple[str, str]]:
+    """An engine that reports no cached tokens per request: its own counters' hit rate over
+    the last load polls against the predicted one over the window."""
+    cache = states.engine_cache(location)
+    measured = None if cache is None else cache.hit_rate()
+    if measured is None or not summary.prompt_all:
+        return []
+    rate, looked_up = measured
+    predicted = summary.predicted_all / summary.prompt_all
+    if rate * 2 < predicted and predicted - rate > states.settings.agreement_tolerance:
+        return [
+            ("hits_below_prediction",
+             f"the router predicted {predicted:.1%} of the prompt tokens cached over the last "
+             f"{summary.requests} requests; the engine's own counters say {rate:.1%} of "
+             f"{looked_up:.0f} tokens looked up")
+        ]  # fmt: skip
+    return []
 
 
 def _silent_or_missing(
@@ -129,6 +168,11 @@ def _silent_or_missing(
         return (
             "events_silent",
             f"no KV event ever arrived, yet the engine reported {hits} cached prompt tokens",
+        )
+    if followed and states.computed_at(location) is not None:
+        return (
+            "events_silent",
+            "no KV event ever arrived, yet the engine's counters say it computed prompt tokens",
         )
     if followed:
         return "no_kv_events", "the KV event stream is followed but no event arrived yet"
@@ -199,9 +243,13 @@ def report(states: RoutingStates, pairs: PairLedger) -> dict[str, Any]:
     """``GET /admin/diagnosis``: each pool's and rank's state (with the rank's agreement) and
     every finding with its evidence and remedy."""
     ranks = []
-    for judged in states.ranks.values():
+    for location, judged in states.ranks.items():
         row = judged.as_dict()
         row["agreement"] = None if judged.agreement is None else judged.agreement.as_dict()
+        cache = states.engine_cache(location)
+        measured = None if cache is None else cache.hit_rate()
+        # the engine's own prefix-cache counters over the last load polls (None: not read)
+        row["engine_hit_rate"] = None if measured is None else round(measured[0], 4)
         ranks.append(row)
     findings = diagnose(states, pairs)
     return {

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
+from router.fleet.engine_cache import EngineCache
 from router.kv_cache.event_feed import FeedStats, KVEventFeed
 from router.kv_cache.index import KVBlockIndex
 from router.observability.agreement import DEFAULT_BLOCK_TOKENS, AgreementBoard, AgreementSummary
@@ -79,6 +80,12 @@ class FeedEvidence(Protocol):
     def evidence(self, location: tuple[str, int]) -> FeedStats | None: ...
 
 
+class EngineCacheView(Protocol):
+    """The engines' own prefix-cache counters (``router.fleet.engine_cache.EngineCaches``)."""
+
+    def get(self, location: tuple[str, int]) -> EngineCache | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingInputs:
     """What the states are judged from, besides the settings."""
@@ -89,6 +96,7 @@ class RoutingInputs:
     board: AgreementBoard
     predicts: bool  # the prefill policy predicts the cache (cache_aware)
     tokenizes: bool  # the router has the prompts' token ids (--tokenizer, --render-url)
+    caches: EngineCacheView | None = None  # the engines' counters (None: not read)
 
 
 class RoutingStates:
@@ -188,8 +196,7 @@ class RoutingStates:
                 f"restarts {stats.restarts}, index purges {stats.purges} so far)"
             )
             return RoutingState.DEGRADED, why, summary
-        agreement = inputs.board.get(location)
-        computed = None if agreement is None else agreement.last_computed_at
+        computed = self.computed_at(location)
         if computed is not None and stats.last_batch_at < computed and now - computed >= stale_s:
             why = (
                 f"{SILENT}: the engine computed prompt tokens {now - computed:.0f}s ago "
@@ -210,6 +217,26 @@ class RoutingStates:
             why = f"predictions off: mean error {told} (tolerance {tolerance:.0%})"
             return RoutingState.DEGRADED, why, summary
         return RoutingState.EXACT, f"KV events flowing; predictions agree: error {told}", summary
+
+    def computed_at(self, location: tuple[str, int]) -> float | None:
+        """When the engine last computed prompt tokens (stored new blocks): its answers' word
+        or its own counters', the later; None: not known."""
+        agreement = self.inputs.board.get(location)
+        caches = self.inputs.caches
+        cache = None if caches is None else caches.get(location)
+        times = [
+            at
+            for at in (
+                None if agreement is None else agreement.last_computed_at,
+                None if cache is None else cache.last_computed_at,
+            )
+            if at is not None
+        ]
+        return max(times) if times else None
+
+    def engine_cache(self, location: tuple[str, int]) -> EngineCache | None:
+        caches = self.inputs.caches
+        return None if caches is None else caches.get(location)
 
     def summary(self, location: tuple[str, int]) -> AgreementSummary | None:
         agreement = self.inputs.board.get(location)
@@ -254,10 +281,11 @@ def routing_states(
     index: KVBlockIndex,
     board: AgreementBoard,
     on_transition: Callable[[str, str], None],
+    caches: EngineCacheView | None = None,
 ) -> RoutingStates:
     """The router's routing states, judged from its settings' policy and token source."""
     policy = settings.policy
     predicts = (policy.prefill_policy or policy.policy) == "cache_aware"
     tokenizes = settings.cache.tokenizer is not None or settings.cache.render_url is not None
-    inputs = RoutingInputs(prefills, feed, index, board, predicts, tokenizes)
+    inputs = RoutingInputs(prefills, feed, index, board, predicts, tokenizes, caches)
     return RoutingStates(inputs, settings.observability, on_transition)

@@ -18,6 +18,7 @@ from router.observability.agreement import AgreementBoard
 from router.observability.diagnosis import diagnose
 from router.observability.pair_ledger import PairLedger
 from router.server.doctor import doctor, render
+from testkit.polling import wait_until
 from tests.router.observability.test_routing_agreement import (
     PREFIX,
     complete,
@@ -165,6 +166,34 @@ def test_gapped_events_and_recomputing_pairs_are_named() -> None:
         "    remedy: " + found[1]["remedy"],
         "2 findings.",
     ]
+
+
+def test_the_engines_metrics_name_the_block_size(tokenizer_dir: Path) -> None:
+    # vLLM's vllm:cache_config_info{block_size} and its events both disagree with the setting
+    observability = {"engine_block_size": 32}
+    with precise_cluster(tokenizer_dir, observability=observability, engine="vllm-mooncake") as c:
+        warm_turns(c, turns=2)
+        wait_until(lambda: "vllm:cache_config_info" in ask(c)[1], 10.0, "the engine's block size")
+        _, text = ask(c)
+    assert (
+        "FINDING block_size_mismatch: the KV events report blocks of 16 tokens; "
+        "vllm:cache_config_info says 16 tokens; --engine-block-size is 32"
+    ) in text
+
+
+def test_an_engine_that_reports_no_cached_tokens_is_judged_by_its_counters(
+    tokenizer_dir: Path,
+) -> None:
+    # no cached tokens per request, and the engine never finds its blocks: its own
+    # prefix-cache counters (sglang:cached_tokens_total / prompt_tokens_total) say so
+    prefill = {"report_cached_tokens": False, "rehash_each_request": True}
+    with precise_cluster(tokenizer_dir, prefill=prefill) as cluster:
+        warm_turns(cluster)
+        wait_until(lambda: "hits_below_prediction" in causes(cluster), 10.0, "the counters read")
+        status, text = ask(cluster)
+    assert status == 1
+    assert "the engine's own counters say 0.0% of" in text
+    assert "FINDING cached_tokens_unreported" in text
 
 
 def test_the_command_exits_2_when_it_cannot_ask() -> None:

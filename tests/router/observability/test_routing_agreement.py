@@ -36,9 +36,10 @@ def precise_cluster(
     prefill: dict[str, Any] | None = None,
     router_tokenizer: Path | None = None,
     observability: dict[str, Any] | None = None,
+    engine: str = "sglang",
 ) -> Iterator[CacheCluster]:
-    """1P1D of simulated SGLang workers; the prefill publishes KV events, the router follows
-    them and tokenizes with ``router_tokenizer`` (default: the engines' own)."""
+    """1P1D of simulated workers speaking ``engine``; the prefill publishes KV events, the
+    router follows them and tokenizes with ``router_tokenizer`` (default: the engines' own)."""
     live, replay = free_port_run(1), free_port_run(1)
     router = {
         "policy": {"policy": "cache_aware"},
@@ -48,10 +49,11 @@ def precise_cluster(
             "kv_events_replay_port": replay,
         },
         "observability": {"agreement_min_requests": 4, **(observability or {})},
+        "load": {"interval_s": 0.2},  # the engines' counters, read with their load
     }
     options = {"kv_events": events_config(live, replay), **(prefill or {})}
     with cache_cluster(
-        "sglang", prefill=options, common={"tokenizer": str(tokenizer)}, router_settings=router
+        engine, prefill=options, common={"tokenizer": str(tokenizer)}, router_settings=router
     ) as cluster:
         yield cluster
 
