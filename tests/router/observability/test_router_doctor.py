@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from router.kv_cache.event_feed import FeedStats
 from router.observability.agreement import AgreementBoard
@@ -194,6 +195,34 @@ def test_an_engine_that_reports_no_cached_tokens_is_judged_by_its_counters(
     assert status == 1
     assert "the engine's own counters say 0.0% of" in text
     assert "FINDING cached_tokens_unreported" in text
+
+
+@pytest.mark.parametrize(
+    ("predicted", "tokenizes", "expected"),
+    [
+        (0, True, ["hits_above_prediction"]),  # the index misses what the engine holds
+        (160, False, ["no_token_ids"]),  # precise needs token ids
+    ],
+)
+def test_window_and_setting_causes_are_named(
+    predicted: int, tokenizes: bool, expected: list[str]
+) -> None:
+    worker, feed, board = _prefill(), Feed(), AgreementBoard()
+    stats = feed.stats[(worker.id, 0)] = FeedStats("tcp://127.0.0.1:5557", None, batches=1)
+    stats.last_batch_at = 99.0
+    rank = board.rank(worker.id, 0, worker.public_url)
+    for _ in range(4):
+        rank.record(predicted, 160, 200, 200, False, True)
+    states = _states(worker, feed, board, _transitions(), tokenizes=tokenizes)
+    states.evaluate(now=100.0)
+    assert [finding.cause for finding in diagnose(states, PairLedger())] == expected
+
+
+def test_load_only_routing_is_no_finding() -> None:
+    worker, feed, board = _prefill(), Feed(), AgreementBoard()
+    states = _states(worker, feed, board, _transitions(), predicts=False)
+    states.evaluate(now=100.0)
+    assert diagnose(states, PairLedger()) == []
 
 
 def test_the_command_exits_2_when_it_cannot_ask() -> None:
