@@ -4,8 +4,9 @@
   policy does not predict the cache, no token ids (no ``--tokenizer`` / ``--render-url``), no KV
   event stream, or no event received yet;
 - ``degraded``: events are followed but cannot be trusted now: batches were lost, the publisher
-  restarted or the index was purged within ``events_stale_s``; the engine reported computing
-  prompt tokens ``events_stale_s`` ago and no batch arrived since (a silent stream); or the
+  restarted or the index was purged within ``events_stale_s``; the engine computed prompt
+  tokens (its answers or its counters say) more than ``events_stale_s`` after the last batch,
+  and none came in the ``GRACE_S`` since (a silent stream); or the
   rank's recent predictions are off (``agreement_tolerance``, over at least
   ``agreement_min_requests`` reported requests);
 - ``exact``: events flowing and predictions agreeing (or too few requests yet to say).
@@ -44,6 +45,7 @@ DEFAULT_POOL = "default"  # the pool of prefills that name no model
 POLL_S = 1.0
 GAPPED = "KV events gapped"  # how the reasons of the feed's two troubles begin
 SILENT = "KV events silent"
+GRACE_S = 2.0  # after an answer, how long its blocks' event batch may take to arrive
 _SEVERITY = {"exact": 0, "fallback": 1, "degraded": 2}
 
 
@@ -197,10 +199,12 @@ class RoutingStates:
             )
             return RoutingState.DEGRADED, why, summary
         computed = self.computed_at(location)
-        if computed is not None and stats.last_batch_at < computed and now - computed >= stale_s:
+        last = stats.last_batch_at
+        # its blocks' batch comes just before or after an answer: none within stale_s of it
+        if computed is not None and computed - last > stale_s and now - computed >= GRACE_S:
             why = (
-                f"{SILENT}: the engine computed prompt tokens {now - computed:.0f}s ago "
-                f"and no event batch arrived since"
+                f"{SILENT}: the engine computed prompt tokens {now - computed:.0f}s ago, the "
+                f"last event batch came {now - last:.0f}s ago"
             )
             return RoutingState.DEGRADED, why, summary
         return self._by_agreement(summary)

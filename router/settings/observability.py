@@ -64,8 +64,9 @@ class ObservabilitySettings(BaseModel):
     """requests with reported cached tokens a rank's window needs before its agreement (and
     the doctor's findings from it) counts"""
     events_stale_s: PositiveFloat = Field(default=30.0, json_schema_extra=TUNING)
-    """a rank whose engine reported computing prompt tokens this many seconds ago without any
-    KV event batch since has a silent event stream (DEGRADED)"""
+    """a rank whose engine computed prompt tokens this many seconds after its last KV event batch,
+    with none since, has a silent event stream; one whose batches were lost (or its publisher
+    restarted) this many seconds ago or less is gapped (both DEGRADED)"""
     engine_block_size: int | None = Field(
         default=None, ge=1, json_schema_extra=cli("--engine-block-size")
     )

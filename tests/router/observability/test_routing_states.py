@@ -178,15 +178,19 @@ def test_a_silent_stream_degrades_the_rank() -> None:
     worker, feed, board, transitions = _prefill(), Feed(), AgreementBoard(), _transitions()
     _flowing(feed, worker, at=10.0)
     states = _states(worker, feed, board, transitions)
-    board.rank(worker.id, 0, URL).last_computed_at = 20.0  # computed after the last batch
-    states.evaluate(now=45.0)
-    assert _rank(states)["state"] == "exact"  # not yet events_stale_s
-    states.evaluate(now=51.0)
-    rank = _rank(states)
-    assert rank["state"] == "degraded"
-    assert rank["reason"] == (
-        "KV events silent: the engine computed prompt tokens 31s ago and no event batch "
-        "arrived since"
+    rank = board.rank(worker.id, 0, URL)
+    rank.last_computed_at = 12.0  # its blocks' batch came just before the answer
+    states.evaluate(now=100.0)
+    assert _rank(states)["state"] == "exact"  # idle since: no news is good news
+    rank.last_computed_at = 45.0  # computed 35 s after the last batch
+    states.evaluate(now=46.0)
+    assert _rank(states)["state"] == "exact"  # its batch may still come
+    states.evaluate(now=48.0)
+    judged = _rank(states)
+    assert judged["state"] == "degraded"
+    assert judged["reason"] == (
+        "KV events silent: the engine computed prompt tokens 3s ago, the last event batch "
+        "came 38s ago"
     )
 
 
