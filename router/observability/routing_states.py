@@ -3,8 +3,9 @@
 - ``fallback``: the rank is routed on the approximate prefix tree or on load only: the prefill
   policy does not predict the cache, no token ids (no ``--tokenizer`` / ``--render-url``), no KV
   event stream, or no event received yet;
-- ``degraded``: events are followed but cannot be trusted now: batches were lost, the publisher
-  restarted or the index was purged within ``events_stale_s``; the engine computed prompt
+- ``degraded``: events are followed but cannot be trusted now: the rank's index was purged
+  (batches lost once followed, a failed subscription) or its publisher restarted within
+  ``events_stale_s``; the engine computed prompt
   tokens (its answers or its counters say) more than ``events_stale_s`` after the last batch,
   and none came in the ``GRACE_S`` since (a silent stream); or the
   rank's recent predictions are off (``agreement_tolerance``, over at least
@@ -187,10 +188,14 @@ class RoutingStates:
         if stats.last_batch_at is None:
             why = "no KV event received yet: routing on the approximate prefix tree"
             return RoutingState.FALLBACK, why, summary
-        trouble = stats.lost + stats.restarts + stats.purges
+        # the index could not be trusted (a purge: batches lost after the start, a failed
+        # subscription) or the publisher started over; a new subscription counts from 0 again
+        trouble = stats.restarts + stats.purges
         seen = self._trouble.get(location)
-        if seen is None or seen[0] != trouble:
-            self._trouble[location] = seen = (trouble, now if seen is not None else -1e18)
+        if seen is None or trouble < seen[0]:
+            self._trouble[location] = seen = (trouble, -1e18 if seen is None else seen[1])
+        elif trouble > seen[0]:
+            self._trouble[location] = seen = (trouble, now)
         stale_s = settings.events_stale_s
         if now - seen[1] < stale_s:
             why = (

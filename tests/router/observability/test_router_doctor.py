@@ -149,7 +149,7 @@ def test_gapped_events_and_recomputing_pairs_are_named() -> None:
     stats = feed.stats[(worker.id, 0)] = FeedStats("tcp://127.0.0.1:5557", None, batches=1)
     stats.last_batch_at = 99.0
     states.evaluate(now=100.0)
-    stats.lost = 2
+    stats.lost, stats.purges = 2, 1
     states.evaluate(now=101.0)
     pairs = PairLedger()
     pairs.served(("p", "d"), "http://p", "http://d")
@@ -160,7 +160,7 @@ def test_gapped_events_and_recomputing_pairs_are_named() -> None:
     assert render(data).splitlines() == [
         f"prefill {worker.public_url}:",
         "  FINDING events_gapped: KV events gapped 0s ago (lost 2, publisher restarts 0, "
-        "index purges 0 so far)",
+        "index purges 1 so far)",
         "    remedy: " + found[0]["remedy"],
         "prefill http://p -> decode http://d:",
         "  FINDING decode_recomputed: 1 of 1 requests' decode computed the prompt itself",

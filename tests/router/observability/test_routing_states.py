@@ -161,12 +161,15 @@ def test_lost_event_batches_degrade_the_rank_for_a_while() -> None:
     stats = _flowing(feed, worker, at=99.0)
     states = _states(worker, feed, AgreementBoard(), transitions)
     states.evaluate(now=100.0)
-    stats.lost, stats.purges = 3, 1
+    stats.lost = 3  # lost before the stream was followed (no purge): not a gap of the index
+    states.evaluate(now=105.0)
+    assert _rank(states)["state"] == "exact"
+    stats.lost, stats.purges = 5, 1
     states.evaluate(now=110.0)
     rank = _rank(states)
     assert rank["state"] == "degraded"
     assert rank["reason"] == (
-        "KV events gapped 0s ago (lost 3, publisher restarts 0, index purges 1 so far)"
+        "KV events gapped 0s ago (lost 5, publisher restarts 0, index purges 1 so far)"
     )
     states.evaluate(now=139.0)
     assert _rank(states)["state"] == "degraded"
