@@ -35,7 +35,7 @@ from router.observability.metrics import RouterMetrics
 from router.observability.pair_ledger import PairLedger
 from router.observability.recent_traffic import RecentTraffic
 from router.observability.request_accounting import RequestAccounting
-from router.observability.routing_states import RoutingStates, routing_states
+from router.observability.routing_states import RoutingStates, predicts_cache, routing_states
 from router.observability.siblings import Siblings
 from router.observability.state_metrics import RouterStateCollector
 from router.observability.tracing import Tracer, build_tracer
@@ -48,7 +48,14 @@ from router.scheduling.tokenizers import open_token_source
 from router.server.bootstrap_listeners import bootstrap_servers, pool_owner_hosts
 from router.server.lifecycle import RouterLifecycle
 from router.settings import AdmissionSettings, RouterSettings
-from router.sharing import host_bus, replica_sync, share_verdicts, sibling_view
+from router.sharing import (
+    host_bus,
+    probe_tasks,
+    replica_sync,
+    share_predictions,
+    share_verdicts,
+    sibling_view,
+)
 from router.tenancy.client_auth import ClientGate, client_gate, serving_clients
 from router.upstream.base import UpstreamPool
 
@@ -72,11 +79,12 @@ class FleetView:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheView:
-    """What the router knows of the prefills' KV caches: the block index and the event feed
-    that fills it."""
+    """What the router knows of the prefills' KV caches: the block index, the event feed that
+    fills it, and the engines' own prefix-cache counters (read with their load)."""
 
     index: KVBlockIndex
     feed: KVEventFeed
+    engines: EngineCaches = field(default_factory=EngineCaches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +97,10 @@ class Telemetry:
     traffic: RecentTraffic
     accounting: RequestAccounting
     tracer: Tracer | None
+    states: RoutingStates  # EXACT / DEGRADED / FALLBACK per prefill rank and pool
     siblings: Siblings | None = None  # router --workers N: the other processes of this host
     # predicted against actual cached tokens per prefill rank (this process's requests)
     agreement: AgreementBoard = field(default_factory=AgreementBoard)
-    states: RoutingStates | None = None  # EXACT / DEGRADED / FALLBACK per prefill rank and pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,10 +198,8 @@ def _build_fleet(
     service = RegistryService(store)
     prober = HealthProber(pool, settings.engine, settings.health, tables)
     discovery = Discovery(pool, service, settings, prober)
-    policy = settings.policy.prefill_policy or settings.policy.policy
-    load_monitor = EngineLoadMonitor(
-        pool, settings.engine, settings.load, read_caches=policy == "cache_aware"
-    )
+    load_monitor = EngineLoadMonitor(pool, settings.engine, settings.load,
+                                     read_caches=predicts_cache(settings))  # fmt: skip
     fleet = FleetView(
         registry=service,
         discovery=discovery,
@@ -204,11 +210,7 @@ def _build_fleet(
 
 
 def _build_telemetry(
-    settings: RouterSettings,
-    pool: UpstreamPool,
-    metrics: RouterMetrics,
-    kv: KVCacheView,
-    caches: EngineCaches,
+    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics, kv: KVCacheView
 ) -> Telemetry:
     observability = settings.observability
     pairs = PairLedger(observability.suspect_window_s, lambda: _live_ids(pool))
@@ -224,7 +226,7 @@ def _build_telemetry(
         agreement=agreement,
         states=routing_states(settings, lambda: pool.prefill, kv.feed, kv.index, agreement,
                               partial(metrics.count, metrics.routing_state_transitions),
-                              caches),
+                              kv.engines),
     )  # fmt: skip
 
 
@@ -245,11 +247,11 @@ def _build_parts(
     tree = ApproxPrefixTree(cache.approx_tree_max_chars)
     policies = partial(build_policies, settings.policy, cache, index, tree)
     featurizer = Featurizer(open_token_source(cache), metrics.tokenize_seconds.observe)
-    kv = KVCacheView(index=index, feed=KVEventFeed(lambda: pool.prefill, index, tree, cache))
-    telemetry = _build_telemetry(settings, pool, metrics, kv, load_monitor.caches)
+    feed = KVEventFeed(lambda: pool.prefill, index, tree, cache)
+    kv = KVCacheView(index=index, feed=feed, engines=load_monitor.caches)
+    telemetry = _build_telemetry(settings, pool, metrics, kv)
     fleet.prober.on_back = circuits.worker_back
-    discovery = fleet.discovery
-    state = (telemetry.pairs, index, kv.feed, lambda: discovery.status, circuits)
+    state = (telemetry.pairs, index, kv.feed, lambda: fleet.discovery.status, circuits)
     metrics.registry.register(
         RouterStateCollector(pool, *state, telemetry.agreement, telemetry.states)
     )
@@ -353,19 +355,20 @@ async def open_context(
     clients = client_gate(settings.auth)  # a bad keys file stops the start here
     bus = None
     if sharing is not None:
-        bus = host_bus(sharing, settings, parts.kv.index)
+        bus = host_bus(sharing)
     fleet = parts.fleet
     share_verdicts(parts.pipeline.circuits, parts.pool, bus, fleet.replicas)
+    share_predictions(settings, parts.kv.index, bus, fleet.replicas)
     tables.bind(parts.store)
     pod_watcher = None
     try:
         await fleet.discovery.seed()
         pod_watcher = await _open_pod_watcher(settings, fleet.registry)
         features = settings.features
-        tasks = [fleet.discovery.run(), parts.kv.feed.run()]
-        tasks += [parts.telemetry.states.run()] if parts.telemetry.states is not None else []
-        tasks += [fleet.prober.run()] if features.health else []
-        tasks += [parts.load_monitor.run()] if features.engine_load else []
+        tasks = [fleet.discovery.run(), parts.kv.feed.run(), parts.telemetry.states.run()]
+        host = None if sharing is None or bus is None else (sharing, bus)
+        probing, probes = probe_tasks(settings, parts.pool, fleet.prober, parts.load_monitor, host)
+        tasks += probing
         tasks += [parts.outlier.run()] if features.outliers else []
         tasks += [bus.run()] if bus is not None else []
         tasks += [fleet.replicas.run()] if fleet.replicas is not None else []
@@ -376,7 +379,8 @@ async def open_context(
         listeners = bootstrap_servers(
             tables, settings, pool_owner_hosts(parts.pool), reuse_port=role is not None
         )
-        siblings = sibling_view(role, lifecycle, parts.telemetry.metrics, bus, fleet.replicas)
+        metrics = parts.telemetry.metrics
+        siblings = sibling_view(role, lifecycle, metrics, bus, fleet.replicas, probes)
         answering = siblings.serving() if siblings is not None else contextlib.nullcontext()
         async with listeners, background, answering:
             if role is not None:  # its socket listens once this returns: when it can route

@@ -38,7 +38,7 @@ from router.settings import ObservabilitySettings, RouterSettings
 from router.workers import Worker
 
 __all__ = ["DEFAULT_POOL", "RankState", "RoutingInputs", "RoutingState", "RoutingStates"]
-__all__ += ["GAPPED", "SILENT", "routing_states"]
+__all__ += ["GAPPED", "SILENT", "predicts_cache", "routing_states"]
 
 logger = logging.getLogger(__name__)
 
@@ -293,8 +293,13 @@ def routing_states(
     caches: EngineCacheView | None = None,
 ) -> RoutingStates:
     """The router's routing states, judged from its settings' policy and token source."""
-    policy = settings.policy
-    predicts = (policy.prefill_policy or policy.policy) == "cache_aware"
+    predicts = predicts_cache(settings)
     tokenizes = settings.cache.tokenizer is not None or settings.cache.render_url is not None
     inputs = RoutingInputs(prefills, feed, index, board, predicts, tokenizes, caches)
     return RoutingStates(inputs, settings.observability, on_transition)
+
+
+def predicts_cache(settings: RouterSettings) -> bool:
+    """Whether the prefill policy predicts the cache (``cache_aware``)."""
+    policy = settings.policy
+    return (policy.prefill_policy or policy.policy) == "cache_aware"
