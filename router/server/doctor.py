@@ -95,6 +95,9 @@ def render(data: dict[str, Any]) -> str:
         agreement = _agreement(rank.get("agreement"))
         if agreement is not None:
             lines.append(agreement)
+        if rank.get("engine_hit_rate") is not None:
+            rate = _percent(rank["engine_hit_rate"])
+            lines.append(f"  the engine's own counters (its last load polls): hit rate {rate}")
         lines += _findings(by_rank.pop((rank["worker"], rank["dp_rank"]), []))
     for (worker, _), rest in by_rank.items():  # pairs, and ranks no longer judged
         for finding in rest:
