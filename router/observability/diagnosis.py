@@ -45,8 +45,8 @@ CAUSES: dict[str, str] = {
     "no_token_ids": "precise routing needs the prompts' token ids: give the router the engine's "
     "tokenizer (--tokenizer) or its render endpoint (--render-url)",
     "cached_tokens_unreported": "the prefill's answer reports no cached tokens, so predictions "
-    "cannot be checked: start vLLM with --enable-prompt-tokens-details, SGLang with "
-    "--enable-cache-report",
+    "are checked only against the engine's counters, not request by request: start vLLM with "
+    "--enable-prompt-tokens-details, SGLang with --enable-cache-report",
     "prompts_shorter_than_a_block": "most prompts are shorter than one KV block: nothing of them "
     "can be cached or predicted (a smaller engine block size caches them)",
     "decode_recomputed": "the decode computed the prompt itself: the KV transfer did nothing; "
