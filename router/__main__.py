@@ -28,6 +28,7 @@ from router.server.connection_caps import (
     raise_open_file_limit,
 )
 from router.server.cores import process_count
+from router.server.doctor import doctor
 from router.server.gc_schedule import collect_periodically, tune_gc
 from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.server.lifecycle import RouterLifecycle
@@ -135,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if given[:2] == ["config", "show"]:  # the effective settings, secrets redacted
         sys.stdout.write(show_settings(parse_args(given[2:])))
         return
+    if given[:1] == ["doctor"]:  # ask a running router why routing does (not) work
+        raise SystemExit(doctor(given[1:]))
     role = ProcessRole.take_from(os.environ)
     settings = parse_args(given)
     configure_logging(settings.logging.level)

@@ -22,6 +22,7 @@ from router.api.explain import explain_routes
 from router.api.live_view import live_view
 from router.api.openai import HOT_ROUTES, handle_completion
 from router.api.passthrough import PASSTHROUGH_ROUTES, handle_passthrough
+from router.api.routing_health import diagnosis_routes
 from router.context import open_context
 from router.errors import InvalidRequest, RouterError, error_body
 from router.process_role import ProcessRole
@@ -134,6 +135,7 @@ def create_app(settings: RouterSettings, role: ProcessRole | None = None) -> PDR
         )
     )
     api.include_router(explain_routes(settings.registry))
+    api.include_router(diagnosis_routes(settings.registry))
     api.include_router(status.router)
     api.include_router(completions_doc.router)
     api.include_router(conversations_doc.router)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from registry.service import RegistryService
 from router.adapters import build_adapter
 from router.fleet.circuit_breaker import Circuits, build_circuits
 from router.fleet.discovery import Discovery
+from router.fleet.engine_cache import EngineCaches
 from router.fleet.engine_load import EngineLoadMonitor
 from router.fleet.health import HealthProber
 from router.fleet.outlier import OutlierDetector
@@ -29,10 +30,12 @@ from router.kv_cache.event_feed import KVEventFeed
 from router.kv_cache.index import KVBlockIndex
 from router.kv_cache.prefix_tree import ApproxPrefixTree
 from router.load_board import LoadBoard, board_path
+from router.observability.agreement import AgreementBoard
 from router.observability.metrics import RouterMetrics
 from router.observability.pair_ledger import PairLedger
 from router.observability.recent_traffic import RecentTraffic
 from router.observability.request_accounting import RequestAccounting
+from router.observability.routing_states import RoutingStates, predicts_cache, routing_states
 from router.observability.siblings import Siblings
 from router.observability.state_metrics import RouterStateCollector
 from router.observability.tracing import Tracer, build_tracer
@@ -76,11 +79,12 @@ class FleetView:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheView:
-    """What the router knows of the prefills' KV caches: the block index and the event feed
-    that fills it."""
+    """What the router knows of the prefills' KV caches: the block index, the event feed that
+    fills it, and the engines' own prefix-cache counters (read with their load)."""
 
     index: KVBlockIndex
     feed: KVEventFeed
+    engines: EngineCaches = field(default_factory=EngineCaches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +97,10 @@ class Telemetry:
     traffic: RecentTraffic
     accounting: RequestAccounting
     tracer: Tracer | None
+    states: RoutingStates  # EXACT / DEGRADED / FALLBACK per prefill rank and pool
     siblings: Siblings | None = None  # router --workers N: the other processes of this host
+    # predicted against actual cached tokens per prefill rank (this process's requests)
+    agreement: AgreementBoard = field(default_factory=AgreementBoard)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +198,8 @@ def _build_fleet(
     service = RegistryService(store)
     prober = HealthProber(pool, settings.engine, settings.health, tables)
     discovery = Discovery(pool, service, settings, prober)
-    load_monitor = EngineLoadMonitor(pool, settings.engine, settings.load)
+    load_monitor = EngineLoadMonitor(pool, settings.engine, settings.load,
+                                     read_caches=predicts_cache(settings))  # fmt: skip
     fleet = FleetView(
         registry=service,
         discovery=discovery,
@@ -202,11 +210,12 @@ def _build_fleet(
 
 
 def _build_telemetry(
-    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics
+    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics, kv: KVCacheView
 ) -> Telemetry:
     observability = settings.observability
     pairs = PairLedger(observability.suspect_window_s, lambda: _live_ids(pool))
     traffic = RecentTraffic(observability.traffic_window_s, observability.traffic_bucket_s)
+    agreement = AgreementBoard(observability.agreement_window)
     return Telemetry(
         metrics=metrics,
         pairs=pairs,
@@ -214,7 +223,11 @@ def _build_telemetry(
         # the traffic window still exists (the status page shows it empty) when it is off
         accounting=RequestAccounting(metrics, traffic if settings.features.traffic else None),
         tracer=build_tracer(settings.tracing),
-    )
+        agreement=agreement,
+        states=routing_states(settings, lambda: pool.prefill, kv.feed, kv.index, agreement,
+                              partial(metrics.count, metrics.routing_state_transitions),
+                              kv.engines),
+    )  # fmt: skip
 
 
 def _build_parts(
@@ -234,14 +247,13 @@ def _build_parts(
     tree = ApproxPrefixTree(cache.approx_tree_max_chars)
     policies = partial(build_policies, settings.policy, cache, index, tree)
     featurizer = Featurizer(open_token_source(cache), metrics.tokenize_seconds.observe)
-    kv = KVCacheView(index=index, feed=KVEventFeed(lambda: pool.prefill, index, tree, cache))
-    telemetry = _build_telemetry(settings, pool, metrics)
+    feed = KVEventFeed(lambda: pool.prefill, index, tree, cache)
+    kv = KVCacheView(index=index, feed=feed, engines=load_monitor.caches)
+    telemetry = _build_telemetry(settings, pool, metrics, kv)
     fleet.prober.on_back = circuits.worker_back
-    discovery = fleet.discovery
+    state = (telemetry.pairs, index, kv.feed, lambda: fleet.discovery.status, circuits)
     metrics.registry.register(
-        RouterStateCollector(
-            pool, telemetry.pairs, index, kv.feed, lambda: discovery.status, circuits
-        )
+        RouterStateCollector(pool, *state, telemetry.agreement, telemetry.states)
     )
     pipeline = Pipeline(
         pool,
@@ -259,6 +271,7 @@ def _build_parts(
         receipts=settings.features.receipts,
         session_settings=settings.session,
         model_aliases=settings.policy.model_aliases,
+        agreement=telemetry.agreement,
     )
     outlier = OutlierDetector(
         pool,
@@ -352,7 +365,7 @@ async def open_context(
         await fleet.discovery.seed()
         pod_watcher = await _open_pod_watcher(settings, fleet.registry)
         features = settings.features
-        tasks = [fleet.discovery.run(), parts.kv.feed.run()]
+        tasks = [fleet.discovery.run(), parts.kv.feed.run(), parts.telemetry.states.run()]
         host = None if sharing is None or bus is None else (sharing, bus)
         probing, probes = probe_tasks(settings, parts.pool, fleet.prober, parts.load_monitor, host)
         tasks += probing

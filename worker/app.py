@@ -185,7 +185,10 @@ async def _answer(
     if extra_s_per_token and worker.config.role != "prefill":
         await asyncio.sleep(extra_s_per_token * sum(r.completion_tokens for r in results))
     choices = [_choice(i, r, chat) for i, r in enumerate(results)]
-    answer = {**base, "object": kind, "choices": choices, "usage": _usage(results, chat)}
+    usage = _usage(results, chat)
+    if not worker.config.report_cached_tokens:  # vLLM without --enable-prompt-tokens-details
+        del usage["prompt_tokens_details"]
+    answer = {**base, "object": kind, "choices": choices, "usage": usage}
     if "kv_transfer_params" in body:
         answer["kv_transfer_params"] = None  # vLLM >= 0.16's MooncakeConnector returns none
     return JSONResponse(answer)

@@ -70,6 +70,9 @@ def vllm_block_hasher(seed: str | None) -> BlockHasher:
     return keys
 
 
-def block_hasher(protocol: str, seed: str | None = None) -> BlockHasher:
-    """The hash function of the engine that speaks ``protocol`` (``sglang`` or ``vllm-*``)."""
+def block_hasher(protocol: str, seed: str | None = None, *, rehash: bool = False) -> BlockHasher:
+    """The hash function of the engine that speaks ``protocol`` (``sglang`` or ``vllm-*``);
+    ``rehash``: a fresh seed per call instead (a fault: the cache never hits)."""
+    if rehash:
+        return lambda tokens, size: vllm_block_hasher(os.urandom(8).hex())(tokens, size)
     return sglang_block_keys if protocol == "sglang" else vllm_block_hasher(seed)

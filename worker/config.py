@@ -49,6 +49,12 @@ class WorkerConfig:
     decode_s_per_token: float = 0.0  # simulated time per generated token after the first
     tokenizer: str | None = None  # a Hugging Face tokenizer directory (None: bytes)
     hash_seed: str | None = None  # vLLM block hash root seed (None: random per process)
+    # a fault to diagnose: every request hashes its blocks with a fresh seed, so the prefix cache
+    # never hits, yet every block is stored and published (KV events flow, hits stay at 0)
+    rehash_each_request: bool = False
+    # whole answers carry usage.prompt_tokens_details (False: as vLLM without
+    # --enable-prompt-tokens-details, SGLang without --enable-cache-report)
+    report_cached_tokens: bool = True
     kv_events: KVEventsConfig | None = None  # --kv-events-config
     tiers: TierConfig = field(default_factory=TierConfig)  # --hicache-* (default: none)
 

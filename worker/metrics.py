@@ -12,7 +12,8 @@ vLLM (``vllm-mooncake``), labels ``model_name`` and ``engine`` (the DP rank as a
   vLLM), counters ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (prompt
   tokens looked up in the prefix cache / served from it), ``vllm:prompt_tokens_by_source_total``
   (``source`` = ``local_compute``, ``local_cache_hit``, ``external_kv_transfer``) and the
-  histogram ``vllm:time_to_first_token_seconds``.
+  histogram ``vllm:time_to_first_token_seconds``, the info gauge ``vllm:cache_config_info``
+  (``block_size``).
 
 SGLang (``sglang``), labels ``model_name`` and ``dp_rank``: ``sglang:num_running_reqs``,
   ``sglang:num_queue_reqs`` (the waiting queue: for KV pages or the forward pass),
@@ -182,6 +183,18 @@ class _RankCollector(Collector):
             yield family
         if self._vllm:
             yield self._by_source(snaps)
+            yield self._cache_config(snaps)
+
+    def _cache_config(self, snaps: Sequence[RankSnapshot]) -> Metric:
+        """vLLM's info gauge of its CacheConfig: the block size, per engine."""
+        family = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "enable_prefix_caching", "engine"],
+        )
+        for snap in snaps:
+            family.add_metric([str(snap.page_size), "True", str(snap.rank)], 1.0)
+        return family
 
     def _by_source(self, snaps: Sequence[RankSnapshot]) -> Metric:
         family = CounterMetricFamily(

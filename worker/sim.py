@@ -87,7 +87,9 @@ class SimWorker:
         self.metrics = WorkerMetrics(
             config.protocol, config.model, self.snapshots, tiers=config.tiers.enabled
         )
-        hasher: BlockHasher = block_hasher(config.protocol, config.hash_seed)
+        hasher: BlockHasher = block_hasher(
+            config.protocol, config.hash_seed, rehash=config.rehash_each_request
+        )
         self._server = RequestServer(config, self.ranks, hasher, self.metrics)
         self._engine_factory = engine
         self._page_store = page_store or self._open_store

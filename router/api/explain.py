@@ -9,8 +9,9 @@ session affinity on, also the pin table's size and bounds and, when the request 
 session (``X-Session-Id``, ``--session-header``), that session's pin (explain neither pins nor
 refreshes it). ``admission``: the request's tenant (``?tenant=NAME``, one of ``--api-keys``),
 priority, deadline and weight as the admission queue would take them, and its place: admitted at
-once, or ``queue_position`` waiters ahead of it (an estimate: no later arrivals). Admin auth,
-like the rest of ``/admin``.
+once, or ``queue_position`` waiters ahead of it (an estimate: no later arrivals).
+``agreement``: each prefill rank's recent predicted against actual cached tokens
+(``router.observability.agreement``). Admin auth, like the rest of ``/admin``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from registry.settings import RegistrySettings
 from router.api.completions_doc import error_response
 from router.api.deps import get_context
 from router.api.openai import read_headers
+from router.api.routing_health import recent_agreement
 from router.api.urgency import request_urgency
 from router.context import AppContext
 from router.errors import InvalidRequest
@@ -79,6 +81,8 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
             "engine": ctx.settings.engine.value,
             "admission": _admission(ctx, parsed, request),
             **chooser.explain(features, session),
+            # predicted against actual cached tokens, per prefill rank, over its recent window
+            "agreement": recent_agreement(ctx),
         }
         return JSONResponse(answer)
 

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from registry.models import redact_url
 from router.api.completions_doc import error_response
 from router.api.deps import Context
+from router.api.routing_health import routing_view
 from router.context import AppContext
 from router.errors import NoWorkerAvailable, UpstreamError, error_body
 from router.workers import Role, Worker
@@ -54,7 +55,9 @@ async def ready(ctx: Context) -> JSONResponse:
     seconds until the next trial); URLs are shown without credentials (this route needs no
     auth). An open breaker does not make the router not ready: it is retried by itself. With
     `--replica-listen`, `replicas` says what this replica hears of its peers; one cut off from
-    a peer stays ready (it routes on its own state) and says why it is `degraded`.
+    a peer stays ready (it routes on its own state) and says why it is `degraded`. `routing`:
+    each prefill rank's and pool's routing state (`exact`, `degraded`, `fallback`) and why; a
+    degraded routing state does not make the router not ready.
     """
     pool = ctx.pool
     registry = ctx.fleet.discovery.status
@@ -82,6 +85,8 @@ async def ready(ctx: Context) -> JSONResponse:
             }
             for pair in ctx.telemetry.pairs.suspects()
         ],
+        # routing on the cache: EXACT / DEGRADED / FALLBACK per prefill rank and pool, and why
+        "routing": routing_view(ctx),
     }
     return JSONResponse(body, status_code=200 if ready else 503)
 

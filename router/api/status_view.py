@@ -60,6 +60,7 @@ import time
 from typing import Any
 
 from registry.models import redact_url
+from router.api.routing_health import routing_view
 from router.context import AppContext
 from router.kv_cache.event_feed import KVEventFeed
 from router.kv_cache.index import KVBlockIndex
@@ -103,6 +104,8 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
         # this process's session pin table (None: session affinity off)
         "sessions": None if ctx.pipeline.sessions is None else ctx.pipeline.sessions.pins.stats(),
         "tenants": _tenants(ctx),
+        # EXACT / DEGRADED / FALLBACK per prefill rank and pool, with the reasons
+        "routing": routing_view(ctx),
     }
 
 

@@ -30,9 +30,10 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.fleet.engine_cache import EngineCaches
 from router.settings import EngineProtocol, LoadSettings
 from router.upstream.base import NODELAY
-from router.workers import EngineLoad, Worker, WorkerPool
+from router.workers import EngineLoad, Role, Worker, WorkerPool
 
 __all__ = [
     "EngineLoadMonitor",
@@ -226,8 +227,18 @@ class EngineLoadMonitor:
     connection refused, no answer in time) is unknown at DEBUG until it first answers.
     """
 
-    def __init__(self, pool: WorkerPool[Any], engine: EngineProtocol, settings: LoadSettings):
+    def __init__(
+        self,
+        pool: WorkerPool[Any],
+        engine: EngineProtocol,
+        settings: LoadSettings,
+        *,
+        read_caches: bool = False,
+    ) -> None:
+        """``read_caches``: also read an SGLang prefill's ``/metrics`` beside its ``/v1/loads``
+        for its prefix-cache counters (vLLM's come with its load, always)."""
         self._pool = pool
+        self._read_caches = read_caches
         self._settings = settings
         self._client = httpx.AsyncClient(
             timeout=settings.timeout_s,
@@ -238,6 +249,7 @@ class EngineLoadMonitor:
         self._metrics_only: set[str] = set()  # SGLang workers whose /v1/loads answered 404
         self._known: dict[str, bool] = {}  # worker id -> whether its last read succeeded
         self._answered: set[str] = set()  # workers that have answered a read at least once
+        self.caches = EngineCaches()  # the prefills' prefix-cache counters, from /metrics
 
     async def run(self) -> None:
         """Read every worker's load now and then every ``interval_s`` until cancelled."""
@@ -255,6 +267,7 @@ class EngineLoadMonitor:
         self._metrics_only &= ids
         self._known = {wid: known for wid, known in self._known.items() if wid in ids}
         self._answered &= ids
+        self.caches.prune(ids)
         await asyncio.gather(*(self.poll(worker) for worker in workers))
 
     async def poll(self, worker: Worker) -> None:
@@ -279,16 +292,27 @@ class EngineLoadMonitor:
         await self._client.aclose()
 
     async def _read_vllm(self, worker: Worker) -> RankLoads:
-        return parse_vllm_metrics((await self._get(worker, "/metrics")).text)
+        return parse_vllm_metrics(self._cache_counters(worker, await self._get(worker, "/metrics")))
 
     async def _read_sglang(self, worker: Worker) -> RankLoads:
         if worker.id not in self._metrics_only:
             response = await self._get(worker, "/v1/loads?include=core,disagg", missing_ok=True)
             if response.status_code != 404:
+                if self._read_caches and worker.role is Role.PREFILL:
+                    self._cache_counters(worker, await self._get(worker, "/metrics"))
                 return parse_sglang_loads(response.content)
             logger.info("SGLang worker %s has no /v1/loads: reading /metrics", worker.public_url)
             self._metrics_only.add(worker.id)
-        return parse_sglang_metrics((await self._get(worker, "/metrics")).text)
+        return parse_sglang_metrics(
+            self._cache_counters(worker, await self._get(worker, "/metrics"))
+        )
+
+    def _cache_counters(self, worker: Worker, response: httpx.Response) -> str:
+        """A prefill's ``/metrics`` text, its prefix-cache counters recorded on the way."""
+        text = response.text
+        if worker.role is Role.PREFILL:
+            self.caches.record(worker.id, worker.dp_size, text, time.monotonic())
+        return text
 
     async def _get(self, worker: Worker, path: str, *, missing_ok: bool = False) -> httpx.Response:
         try:

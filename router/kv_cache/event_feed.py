@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,7 @@ class FeedStats:
     lost: int = 0  # batches the publisher sent that never arrived
     restarts: int = 0  # times the publisher started over (seq went back)
     purges: int = 0  # times the location was cleared because it could not be trusted
+    last_batch_at: float | None = None  # time.monotonic() of the last batch applied
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -131,6 +133,11 @@ class KVEventFeed:
         """The stream's counters for a location, None when it is not followed."""
         follow = self._follows.get(location)
         return None if follow is None else follow.stats.as_dict()
+
+    def evidence(self, location: Location) -> FeedStats | None:
+        """The stream's own counters and last batch time (None: not followed); read only."""
+        follow = self._follows.get(location)
+        return None if follow is None else follow.stats
 
     async def run(self) -> None:
         """Reconcile with the pool forever."""
@@ -253,6 +260,7 @@ class KVEventFeed:
             if follow.started:  # a gap before the first batch only hides older blocks
                 self._purge(follow, f"{lost} event batch(es) were lost")
         follow.started = True
+        stats.last_batch_at = time.monotonic()
         if item.replayed:
             stats.replayed += 1
         else:

@@ -156,6 +156,13 @@ class RouterMetrics:
 
     def _declare_pools(self, registry: CollectorRegistry) -> None:
         """Model pools and tenants: labelled by configured or served names only."""
+        self.routing_state_transitions = Counter(
+            "pdr_routing_state_transitions",
+            "Routing state transitions, by scope (rank: a prefill DP rank; pool: a model's "
+            "prefills) and the state entered (exact, degraded, fallback)",
+            ["scope", "to"],
+            registry=registry,
+        )
         self.model_requests = Counter(
             "pdr_model_requests",
             "Requests routed to a model's pool, by model: the served names (declared or read "
@@ -223,6 +230,9 @@ class RouterMetrics:
         for scope in ("worker", "pair"):
             for to in ("open", "half_open", "closed"):
                 self._child(self.circuit_transitions, (scope, to))
+        for scope in ("rank", "pool"):
+            for to in ("exact", "degraded", "fallback"):
+                self._child(self.routing_state_transitions, (scope, to))
 
     def _child(self, metric: Counter | Histogram, labels: Labels) -> Counter | Histogram:
         key = (id(metric), labels)

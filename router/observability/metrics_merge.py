@@ -78,6 +78,10 @@ GAUGE_POLICIES: Mapping[str, Policy] = MappingProxyType(
             "pdr_worker_circuit_open",
             "pdr_pd_pair_circuit_open",
             "pdr_pd_pair_suspect",
+            # each process judges the routing states from its own requests: a state any
+            # process is in shows (a rank may then show two)
+            "pdr_routing_state",
+            "pdr_routing_pool_state",
         ),
         # the same fleet state read by every process (engine load reports, the KV index fed by
         # the same events): summing would count it once per process

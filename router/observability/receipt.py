@@ -28,6 +28,10 @@ class RoutingReceipt:
     model: str | None = None  # the pool the request went to (a served name; None: the fleet)
     wants_usage: bool = False  # a tenant's token limit: read the answer's usage
     used_tokens: int | None = None  # the tokens the answer's usage reports (when wanted)
+    # prompt tokens the prefill policy predicted cached at the chosen rank (None: no prediction)
+    predicted_cached_tokens: int | None = None
+    # prompt tokens the prefill's answer reports cached (None: not reported, or no prefill leg)
+    cached_tokens: int | None = None
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """``x-pdr-prefill`` (URL, or ``skipped:<reason>``), ``x-pdr-prefill-dp-rank``,

@@ -1,8 +1,9 @@
 """The end of one completion request: its metrics, the recent-traffic window and a log line.
 
 Called once per request with its final status and routing receipt. The debug line carries the
-same facts as the ``x-pdr-*`` headers plus the stage timings (the request id comes from the
-logging filter).
+same facts as the ``x-pdr-*`` headers plus the stage timings and ``cached=ACTUAL/PREDICTED``: the
+prompt tokens the prefill reported cached and those the policy predicted (the request id comes
+from the logging filter).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ logger = logging.getLogger(__name__)
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}ms"
+
+
+def _count(tokens: int | None) -> str:
+    return "-" if tokens is None else str(tokens)
 
 
 class RequestAccounting:
@@ -57,7 +62,7 @@ class RequestAccounting:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s status=%d prefill=%s dp_rank=%s decode=%s outcome=%s attempts=%d "
-                "route=%dus prefill_leg=%s kv_wait=%s ttft=%s total=%s transfer=%s%s",
+                "route=%dus prefill_leg=%s kv_wait=%s ttft=%s total=%s transfer=%s cached=%s/%s%s",
                 endpoint,
                 status,
                 receipt.prefill or f"skipped:{receipt.skipped}",
@@ -71,5 +76,7 @@ class RequestAccounting:
                 _ms(ttft),
                 _ms(duration),
                 receipt.transfer_ref or "-",
+                _count(receipt.cached_tokens),
+                _count(receipt.predicted_cached_tokens),
                 " RECOMPUTED" if receipt.recomputed else "",
             )

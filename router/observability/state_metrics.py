@@ -12,14 +12,21 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from router.fleet.circuit_breaker import Circuits, CircuitState
 from router.fleet.discovery import RegistryStatus
 from router.kv_cache.event_feed import KVEventFeed
 from router.kv_cache.index import KVBlockIndex
+from router.observability.agreement import ERROR_BUCKETS, AgreementBoard
 from router.observability.pair_ledger import PairLedger
+from router.observability.routing_states import RoutingState, RoutingStates
 from router.upstream.base import UpstreamPool
 from router.workers import Worker
 
@@ -55,8 +62,12 @@ class RouterStateCollector(Collector):
         feed: KVEventFeed,
         registry_status: Callable[[], RegistryStatus],
         circuits: Circuits | None = None,
+        agreement: AgreementBoard | None = None,
+        states: RoutingStates | None = None,
     ) -> None:
         self._pool = pool
+        self._states = states
+        self._agreement = agreement
         self._circuits = circuits
         self._pairs = pairs
         self._index = index
@@ -72,6 +83,10 @@ class RouterStateCollector(Collector):
         yield from self._pair_metrics()
         if self._circuits is not None:
             yield from self._circuit_metrics(self._circuits)
+        if self._agreement is not None:
+            yield from self._agreement_metrics(self._agreement)
+        if self._states is not None:
+            yield from _state_metrics(self._states)
         registry = _gauge("pdr_registry_up", "1 when the worker registry answers, else 0", [])
         registry.add_metric([], 1.0 if self._registry_status().ok else 0.0)
         yield registry
@@ -196,3 +211,58 @@ class RouterStateCollector(Collector):
             for labels, state in states:
                 family.add_metric(list(labels), 0.0 if state is CircuitState.CLOSED else 1.0)
         yield from (workers, pairs)
+
+    def _agreement_metrics(self, board: AgreementBoard) -> Iterator[Metric]:
+        """Predicted against actual cached tokens per prefill rank (cumulative, this process's
+        prefill legs; ``--workers N`` sums them)."""
+        board.prune({w.id for w in self._pool.prefill})
+        labels = ["worker", "dp_rank"]
+        error = HistogramMetricFamily(
+            "pdr_cache_prediction_error_ratio",
+            "Per predicted prefill leg: |cached tokens the engine reported - cached tokens "
+            "predicted at the chosen rank| / prompt tokens (which way: pdr_cache_*_tokens)",
+            labels=labels,
+        )
+        counters = {
+            key: CounterMetricFamily(f"pdr_cache_{key}", doc, labels=labels)
+            for key, doc in (
+                ("predicted_tokens", "Prompt tokens predicted cached at the chosen rank"),
+                ("actual_tokens", "Prompt tokens the prefill's answer reported cached"),
+                ("prompt_tokens", "Prompt tokens of those prefill legs, as the engine counted"),
+                ("unreported", "Predicted prefill legs whose answer reported no cached tokens"),
+            )
+        }
+        for (_, rank), agreement in board.items():
+            values = [agreement.url, str(rank)]
+            counts = [float(sum(agreement.buckets[: i + 1])) for i in range(len(ERROR_BUCKETS))]
+            buckets = [(str(bound), n) for bound, n in zip(ERROR_BUCKETS, counts, strict=True)]
+            buckets.append(("+Inf", float(agreement.reported)))
+            error.add_metric(values, buckets, agreement.error_sum)
+            counters["predicted_tokens"].add_metric(values, float(agreement.predicted_tokens))
+            counters["actual_tokens"].add_metric(values, float(agreement.cached_tokens))
+            counters["prompt_tokens"].add_metric(values, float(agreement.prompt_tokens))
+            counters["unreported"].add_metric(values, float(agreement.unreported))
+        yield from (error, *counters.values())
+
+
+def _state_metrics(states: RoutingStates) -> Iterator[Metric]:
+    """1 for each prefill rank's and pool's routing state at the last evaluation, 0 for the
+    other states (router.observability.routing_states)."""
+    ranks = _gauge(
+        "pdr_routing_state",
+        "1 for the prefill rank's routing state (exact, degraded, fallback), else 0",
+        ["worker", "dp_rank", "state"],
+    )
+    pools = _gauge(
+        "pdr_routing_pool_state",
+        "1 for the pool's routing state (its worst rank's), else 0",
+        ["pool", "state"],
+    )
+    for judged in states.ranks.values():
+        for state in RoutingState:
+            value = 1.0 if judged.state is state else 0.0
+            ranks.add_metric([judged.worker, str(judged.dp_rank), state.value], value)
+    for name, (current, _) in states.pools.items():
+        for state in RoutingState:
+            pools.add_metric([name, state.value], 1.0 if current is state else 0.0)
+    yield from (ranks, pools)

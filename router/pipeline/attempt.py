@@ -24,6 +24,7 @@ from router.errors import (
     UpstreamUnavailable,
 )
 from router.interrupt import ClientDisconnected, Interrupt
+from router.observability.agreement import AgreementBoard
 from router.observability.metrics import RouterMetrics
 from router.observability.receipt import RoutingReceipt
 from router.observability.tracing import TraceSpan
@@ -58,6 +59,8 @@ class AttemptKit:
     settings: UpstreamSettings
     verdicts: Verdicts
     metrics: RouterMetrics
+    # predicted against actual cached tokens per prefill rank (None: not recorded)
+    agreement: AgreementBoard | None = None
 
 
 class Attempt:
@@ -65,9 +68,11 @@ class Attempt:
 
     __slots__ = (
         "_kit",
+        "choice",
         "clock",
         "decode",
         "disconnected",
+        "exact_prompt_tokens",
         "headers",
         "loop",
         "prefill",
@@ -103,6 +108,8 @@ class Attempt:
         self.rank = route.rank
         self.decode = route.decode
         self.prefill_tokens = route.prefill_tokens
+        self.choice = route.choice  # the prefill policy's, with its cache prediction
+        self.exact_prompt_tokens = route.exact_prompt_tokens
         # a half-open breaker's trial: a 5xx goes to another route, not to the client
         self.trial = bool(route.trials)
         # only a PD stream's decode has a KV-arrival deadline

@@ -29,9 +29,13 @@ import msgspec
 
 from router.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
 from router.interrupt import ClientDisconnected, Interrupt, failure_of, reap
+from router.observability.agreement import UNKNOWN
 from router.pipeline.attempt import Attempt
+from router.pipeline.decode_usage import prompt_usage
 from router.pipeline.prefill_answer import prefill_answer_body, prefill_answer_events
 from router.pipeline.verdicts import error_detail
+from router.scheduling.policies.cache_aware import PRECISE
+from router.schemas import Endpoint
 from router.workers import Worker
 
 __all__ = ["PDAttempt"]
@@ -219,7 +223,27 @@ class PDAttempt(Attempt):
                 )
         self.receipt.prefill_s = time.perf_counter() - started
         self._kit.verdicts.record(worker, None)
+        choice, agreement = self.choice, self._kit.agreement
+        if agreement is not None and choice is not None and choice.predicted:
+            self._agreement(content, choice.cached_tokens, choice.mode == PRECISE)
         return content
+
+    def _agreement(self, answer: bytes, predicted: int, precise: bool) -> None:
+        """The prefill's answer against the prediction: its cached and prompt tokens (its
+        ``usage``) into the receipt and the rank's agreement window."""
+        usage = prompt_usage(answer)
+        cached = UNKNOWN if usage is None or usage.cached_tokens is None else usage.cached_tokens
+        self.receipt.cached_tokens = None if cached == UNKNOWN else cached
+        own = self.exact_prompt_tokens
+        assert self._kit.agreement is not None
+        self._kit.agreement.rank(self.prefill.id, self.rank, self.prefill.public_url).record(
+            predicted,
+            cached,
+            UNKNOWN if usage is None else usage.prompt_tokens,
+            UNKNOWN if own is None else own,
+            self.request.endpoint is not Endpoint.COMPLETIONS,
+            precise,
+        )
 
 
 class _PrefillCompleted(Exception):

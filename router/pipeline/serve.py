@@ -23,6 +23,7 @@ from typing import Any
 from router.adapters import PDAdapter
 from router.errors import NoWorkerAvailable, UpstreamError
 from router.fleet.circuit_breaker import Circuits, build_circuits
+from router.observability.agreement import AgreementBoard
 from router.observability.metrics import RouterMetrics
 from router.observability.pair_ledger import PairLedger
 from router.observability.receipt import RoutingReceipt
@@ -86,10 +87,12 @@ class Pipeline:
         receipts: bool = True,
         session_settings: SessionSettings | None = None,
         model_aliases: Mapping[str, str] | None = None,
+        agreement: AgreementBoard | None = None,
     ) -> None:
         """``policies``: a fresh (prefill, decode) policy pair, for the fleet and for each
         model's pool (``router.scheduling.model_pools``); ``session_settings``: session
-        affinity (default: on, with the default header; an empty header: off)."""
+        affinity (default: on, with the default header; an empty header: off); ``agreement``:
+        where the prefill legs' predicted and actual cached tokens go (None: nowhere)."""
         self._receipts = receipts  # the x-pdr-* response headers
         self.circuits = circuits or build_circuits(health_settings, CircuitBreakerSettings())
         self._adapter = adapter
@@ -117,17 +120,13 @@ class Pipeline:
 
         self.chooser = chooser(None)  # the whole fleet's
         self.models = ModelPools(pool, self.chooser, chooser, model_aliases or {})
+        recompute_min_ratio = (observability or ObservabilitySettings()).recompute_min_ratio
         self._verdicts = Verdicts(
-            pool,
-            adapter,
-            self.circuits,
-            metrics,
-            pairs or PairLedger(),
-            (observability or ObservabilitySettings()).recompute_min_ratio,
+            pool, adapter, self.circuits, metrics, pairs or PairLedger(), recompute_min_ratio,
             on_stale_layout,
-        )
+        )  # fmt: skip
         self._settings = upstream_settings
-        self._kit = AttemptKit(pool, adapter, upstream_settings, self._verdicts, metrics)
+        self._kit = AttemptKit(pool, adapter, upstream_settings, self._verdicts, metrics, agreement)
 
     async def handle(
         self,
@@ -238,5 +237,9 @@ class Pipeline:
         receipt.route_s = route_s
         receipt.prefill_s = receipt.kv_wait_s = receipt.decode_error = None
         receipt.recomputed = False
+        choice = route.choice
+        predicted = route.prefill is not None and choice is not None and choice.predicted
+        receipt.predicted_cached_tokens = choice.cached_tokens if predicted and choice else None
+        receipt.cached_tokens = None
         if self._receipts:
             responder.receipt_headers = receipt.headers()

@@ -56,6 +56,8 @@ class Route:
     prefill_tokens: int = 0
     # half-open breakers whose trial permit this attempt holds (``end_trial`` when it ends)
     trials: tuple[CircuitBreaker, ...] = ()
+    # the prompt's exact token count (its token ids were computed), None: not known exactly
+    exact_prompt_tokens: int | None = None
 
 
 class RouteChooser:
@@ -242,7 +244,10 @@ class RouteChooser:
             choice = self._prefill_policy.choose_prefill(prefills, features or RequestFeatures())
         # the prompt tokens the prefill will compute, when the policy predicts its cache
         uncached = (_uncached_tokens(choice, features) or 0) if choice.predicted else 0
-        return Route(choice.worker, choice.rank, decode, choice, prefill_tokens=uncached)
+        return Route(
+            choice.worker, choice.rank, decode, choice,
+            prefill_tokens=uncached, exact_prompt_tokens=_exact_tokens(features),
+        )  # fmt: skip
 
     def _pinned_prefill(
         self,
@@ -312,6 +317,11 @@ def _uncached_tokens(choice: PrefillChoice | None, features: RequestFeatures | N
     if total is None:
         return None
     return max(total - (choice.cached_tokens if choice is not None else 0), 0)
+
+
+def _exact_tokens(features: RequestFeatures | None) -> int | None:
+    """The prompt's token count when its token ids were computed (None: not exactly known)."""
+    return None if features is None or features.tokens is None else len(features.tokens)
 
 
 def _predicted_cached_tokens(choice: PrefillChoice | None) -> int | None:

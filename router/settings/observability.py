@@ -51,6 +51,27 @@ class ObservabilitySettings(BaseModel):
     """seconds of traffic the status page's request rate, TTFT and errors cover"""
     traffic_bucket_s: PositiveFloat = Field(default=5.0, json_schema_extra=TUNING)
     """the resolution of that window, s"""
+    # routing agreement: predicted against actual cached tokens (router.observability.agreement)
+    agreement_window: int = Field(default=64, ge=1, le=4096, json_schema_extra=TUNING)
+    """requests per prefill DP rank whose predicted and actual cached tokens are kept (the
+    recent agreement, the routing states, the doctor)"""
+    agreement_tolerance: float = Field(
+        default=0.1, gt=0.0, le=1.0, json_schema_extra=cli("--agreement-tolerance")
+    )
+    """the routing state is EXACT while the recent mean error between the predicted and the
+    actual cached tokens stays within this share of the prompt tokens, DEGRADED beyond it"""
+    agreement_min_requests: int = Field(default=8, ge=1, le=4096, json_schema_extra=TUNING)
+    """requests with reported cached tokens a rank's window needs before its agreement (and
+    the doctor's findings from it) counts"""
+    events_stale_s: PositiveFloat = Field(default=30.0, json_schema_extra=TUNING)
+    """a rank whose engine computed prompt tokens this many seconds after its last KV event batch,
+    with none since, has a silent event stream; one whose batches were lost (or its publisher
+    restarted) this many seconds ago or less is gapped (both DEGRADED)"""
+    engine_block_size: int | None = Field(
+        default=None, ge=1, json_schema_extra=cli("--engine-block-size")
+    )
+    """the engines' KV block size (vLLM `--block-size`, SGLang `--page-size`); a rank whose KV
+    events report another one is a finding of `router doctor`; None: not checked"""
 
 
 class TracingSettings(BaseModel):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import threading
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ import zmq.asyncio
 
 from router.scheduling.features import LocalTokenizer
 from router.schemas import Endpoint, parse_request
+from router.server.doctor import doctor
 from testkit.polling import wait_until
 from tests.real_engines.openai_client import SERVED_MODEL, Answer, call
 from tests.real_engines.vllm_engines import (
@@ -500,3 +502,70 @@ def test_router_index_matches_engine_events(engines: Engines, kv_router: KVRoute
         assert ledger.blocks > 0, ledger.summary()
         view = router_prefill_view(kv_router.router, prefill)
         assert view["kv_blocks"] == ledger.blocks, (view, ledger.summary())
+
+
+# --- routing agreement and the doctor (issue 26) ---------------------------------------------
+
+
+def diagnosis(router: Router) -> dict[str, Any]:
+    response = httpx.get(f"{router.url}/admin/diagnosis", timeout=10)
+    assert response.status_code == 200, response.text
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def doctor_output(router: Router) -> tuple[int, str]:
+    out = io.StringIO()
+    return doctor([router.url], out=out), out.getvalue()
+
+
+@timeout(240)
+def test_routing_with_matching_settings_is_exact(engines: Engines, kv_router: KVRouter) -> None:
+    """Turns of a conversation through the router: each prefill leg's cached tokens (vLLM's
+    ``usage.prompt_tokens_details.cached_tokens``, ``--enable-prompt-tokens-details``) agree
+    with the router's prediction within the tolerance; the ranks that served are EXACT and the
+    doctor has no finding."""
+    conversation = Conversation(f"Agree {kv_router.source}")
+    conversation.answered(call(kv_router.router.url, "chat", first_turn(conversation)))
+    for turn in (2, 3, 4):
+        wait_index_agrees(kv_router, engines)
+        conversation.messages.append(
+            {"role": "user", "content": user_text(conversation.name, turn)}
+        )
+        conversation.answered(call(kv_router.router.url, "chat", conversation.body()))
+    rows = [row for row in diagnosis(kv_router.router)["ranks"] if row["agreement"]]
+    assert rows, "no prefill rank recorded an agreement"
+    for row in rows:
+        agreement = row["agreement"]
+        assert agreement["reported"] == agreement["requests"] > 0, row
+        assert agreement["error_ratio"] <= 0.1, row
+        assert agreement["token_count_differs"] == 0, row
+        assert row["state"] == "exact", row
+    assert sum(row["agreement"]["cached_tokens"] for row in rows) > 0  # the history was hit
+    status, text = doctor_output(kv_router.router)
+    print(f"router doctor ({kv_router.source}):\n{text}")  # noqa: T201 - the report shows it
+    assert status == 0, text
+
+
+@timeout(120)
+def test_a_different_block_size_is_diagnosed(engines: Engines) -> None:
+    """A router told the engines use 16-token blocks (they run 32): once it follows their
+    events and reads their metrics, the doctor names the block size, with the numbers the
+    events and vLLM's ``vllm:cache_config_info`` give."""
+    extra = [
+        "--prefill-policy", "cache_aware", "--tokenizer", str(engines.model),
+        "--engine-block-size", "16",
+    ]  # fmt: skip
+    log = engines.log_dir / "router-block-size.log"
+    with run_router("vllm-mooncake", engines.prefills, engines.decode, log, extra) as router:
+        kv = KVRouter(router, "tokenizer")
+        poll(lambda: follows_all_events(router, engines), 30, "the router to follow both streams")
+        wait_index_agrees(kv, engines)  # the replayed events told it their block size
+        poll(lambda: "cache_config_info" in doctor_output(router)[1], 10, "a load poll")
+        status, text = doctor_output(router)
+    print(f"router doctor (block size):\n{text}")  # noqa: T201 - the report shows it
+    assert status == 1, text
+    assert text.count(
+        "FINDING block_size_mismatch: the KV events report blocks of 32 tokens; "
+        "vllm:cache_config_info says 32 tokens; --engine-block-size is 16"
+    ) == len(engines.prefills), text

@@ -88,9 +88,11 @@ def cache_cluster(
     prefill: dict[str, Any] | None = None,
     common: dict[str, Any] | None = None,
     transfer_timeout_s: float = 5.0,
+    router_settings: dict[str, Any] | None = None,
 ) -> Iterator[CacheCluster]:
     """1P1D speaking ``engine``; ``common``: ``WorkerConfig`` fields for every worker,
-    ``prefill``: more for the prefill only (its ``dp`` ranks, KV events, compute time)."""
+    ``prefill``: more for the prefill only (its ``dp`` ranks, KV events, compute time);
+    ``router_settings``: more router settings, by section."""
     network = LoopbackNetwork()
     shared = {"shape": SHAPE, "protocol": engine, **(common or {})}
     with contextlib.ExitStack() as stack:
@@ -118,8 +120,11 @@ def cache_cluster(
             engine,
             [(urls[0], boot)],
             [urls[1]],
-            health={"failure_threshold": 1000},
-            upstream={"max_retries": 0},
+            **{
+                "health": {"failure_threshold": 1000},
+                "upstream": {"max_retries": 0},
+                **(router_settings or {}),
+            },
         )
         router = f"http://127.0.0.1:{stack.enter_context(run_server(create_router(settings)))}"
         wait_until(lambda: httpx.get(f"{router}/ready").status_code == 200, 10.0, "router ready")

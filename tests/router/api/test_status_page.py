@@ -32,6 +32,7 @@ from tests.router.server.test_workers import supervised
 
 SNAPSHOT_KEYS = {
     "generated_at",
+    "routing",
     "engine",
     "policy",
     "ready",

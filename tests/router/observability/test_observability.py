@@ -59,6 +59,7 @@ REQUIRED_ALERTS = {
     "PDRouterQueueing",
     "PDRouterWorkerCircuitOpen",
     "PDRouterPairCircuitOpen",
+    "PDRouterRoutingDegraded",
 }
 LOAD_REQUESTS = 24
 CLUSTER_READY_S = 30.0
