@@ -55,6 +55,7 @@ from tests.real_engines.vllm_engines import (
     run_router,
     start_engines,
     stop,
+    wait_healthy,
     warm_up,
 )
 from transfer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
@@ -578,3 +579,32 @@ def test_a_different_block_size_is_diagnosed(engines: Engines) -> None:
         "FINDING block_size_mismatch: the KV events report blocks of 32 tokens; "
         "vllm:cache_config_info says 32 tokens; --engine-block-size is 16"
     ) == len(engines.prefills), text
+
+
+@timeout(420)
+def test_an_engine_started_with_another_block_size_is_diagnosed(engines: Engines) -> None:
+    """A prefill started with 64-token blocks behind a router configured for the fleet's 32
+    (``--engine-block-size``): the doctor names the block size from what the engine itself
+    says (``vllm:cache_config_info``), before any request."""
+    odd = launch(
+        engines.model, Role.MOONCAKE_PREFILL, "prefill-64", engines.log_dir,
+        extra=("--enable-prefix-caching", "--block-size", str(2 * BLOCK_SIZE)), kv_events=True,
+    )  # fmt: skip
+    try:
+        wait_healthy([odd])
+        extra = [
+            "--prefill-policy", "cache_aware", "--tokenizer", str(engines.model),
+            "--engine-block-size", str(BLOCK_SIZE),
+        ]  # fmt: skip
+        log = engines.log_dir / "router-block-size-64.log"
+        with run_router("vllm-mooncake", odd, engines.decode, log, extra) as router:
+            poll(lambda: "cache_config_info" in doctor_output(router)[1], 60, "a load poll")
+            status, text = doctor_output(router)
+    finally:
+        stop(odd)
+    print(f"router doctor (an engine with 64-token blocks):\n{text}")  # noqa: T201
+    assert status == 1, text
+    assert (
+        f"FINDING block_size_mismatch: vllm:cache_config_info says {2 * BLOCK_SIZE} tokens; "
+        f"--engine-block-size is {BLOCK_SIZE}"
+    ) in text, text
