@@ -45,7 +45,14 @@ from router.scheduling.tokenizers import open_token_source
 from router.server.bootstrap_listeners import bootstrap_servers, pool_owner_hosts
 from router.server.lifecycle import RouterLifecycle
 from router.settings import AdmissionSettings, RouterSettings
-from router.sharing import host_bus, replica_sync, share_verdicts, sibling_view
+from router.sharing import (
+    host_bus,
+    probe_tasks,
+    replica_sync,
+    share_predictions,
+    share_verdicts,
+    sibling_view,
+)
 from router.tenancy.client_auth import ClientGate, client_gate, serving_clients
 from router.upstream.base import UpstreamPool
 
@@ -335,9 +342,10 @@ async def open_context(
     clients = client_gate(settings.auth)  # a bad keys file stops the start here
     bus = None
     if sharing is not None:
-        bus = host_bus(sharing, settings, parts.kv.index)
+        bus = host_bus(sharing)
     fleet = parts.fleet
     share_verdicts(parts.pipeline.circuits, parts.pool, bus, fleet.replicas)
+    share_predictions(settings, parts.kv.index, bus, fleet.replicas)
     tables.bind(parts.store)
     pod_watcher = None
     try:
@@ -345,8 +353,9 @@ async def open_context(
         pod_watcher = await _open_pod_watcher(settings, fleet.registry)
         features = settings.features
         tasks = [fleet.discovery.run(), parts.kv.feed.run()]
-        tasks += [fleet.prober.run()] if features.health else []
-        tasks += [parts.load_monitor.run()] if features.engine_load else []
+        host = None if sharing is None or bus is None else (sharing, bus)
+        probing, probes = probe_tasks(settings, parts.pool, fleet.prober, parts.load_monitor, host)
+        tasks += probing
         tasks += [parts.outlier.run()] if features.outliers else []
         tasks += [bus.run()] if bus is not None else []
         tasks += [fleet.replicas.run()] if fleet.replicas is not None else []
@@ -357,7 +366,8 @@ async def open_context(
         listeners = bootstrap_servers(
             tables, settings, pool_owner_hosts(parts.pool), reuse_port=role is not None
         )
-        siblings = sibling_view(role, lifecycle, parts.telemetry.metrics, bus, fleet.replicas)
+        metrics = parts.telemetry.metrics
+        siblings = sibling_view(role, lifecycle, metrics, bus, fleet.replicas, probes)
         answering = siblings.serving() if siblings is not None else contextlib.nullcontext()
         async with listeners, background, answering:
             if role is not None:  # its socket listens once this returns: when it can route

@@ -4,12 +4,17 @@ replicas elsewhere (``router.fleet.replica_sync``, ``--replica-listen``)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from registry.backends import RegistryStore
 from router.fleet.circuit_breaker import Circuits
+from router.fleet.engine_load import EngineLoadMonitor
+from router.fleet.health import HealthProber
+from router.fleet.host_probes import HostProbes, ProbeRound
 from router.fleet.replica_peers import ReplicaPeers
 from router.fleet.replica_sync import ReplicaSync
 from router.fleet.shared_breakers import BreakerVerdict, share_breakers
@@ -24,7 +29,14 @@ from router.settings import RouterSettings
 from router.sibling_bus import SiblingBus
 from router.upstream.base import UpstreamPool
 
-__all__ = ["host_bus", "replica_sync", "share_verdicts", "sibling_view"]
+__all__ = [
+    "host_bus",
+    "probe_tasks",
+    "replica_sync",
+    "share_predictions",
+    "share_verdicts",
+    "sibling_view",
+]
 
 
 def sibling_view(
@@ -33,6 +45,7 @@ def sibling_view(
     metrics: RouterMetrics,
     bus: SiblingBus | None,
     replicas: ReplicaSync | None = None,
+    probes: HostProbes | None = None,
 ) -> Siblings | None:
     """This process's part of the host's merged views (None: a router on its own)."""
     if role is None:
@@ -50,18 +63,62 @@ def sibling_view(
             "bus": None if bus is None else bus.stats(),
             # --replica-listen: whether this process hears the peers, and publishes the host's
             "replicas": None if replicas is None else replicas.summary(),
+            # the host's probes: whether this process probes for it (the leader), the rounds it
+            # sent or took, and (a follower) its own rounds while the leader was silent
+            "probes": None if probes is None else probes.stats(),
         }
 
     return Siblings(role, metrics.render, describe)
 
 
-def host_bus(role: ProcessRole, settings: RouterSettings, index: KVBlockIndex) -> SiblingBus:
+def host_bus(role: ProcessRole) -> SiblingBus:
     """The host's bus: breaker verdicts (``share_breakers``), and predictions when they are
-    shared."""
-    bus = SiblingBus(role, (Prediction, BreakerVerdict))
-    if settings.cache.share_predictions:
-        SharedPredictions(index, bus)
-    return bus
+    shared (``share_predictions``)."""
+    return SiblingBus(role, (Prediction, BreakerVerdict, ProbeRound))
+
+
+def probe_tasks(
+    settings: RouterSettings,
+    pool: UpstreamPool,
+    prober: HealthProber,
+    load_monitor: EngineLoadMonitor,
+    host: tuple[ProcessRole, SiblingBus] | None,
+) -> tuple[list[Coroutine[Any, Any, None]], HostProbes | None]:
+    """The health probe and engine load loops this process runs: its own (on its own, or the
+    host's leader, process 0, which also publishes them), or following the leader's
+    (``router.fleet.host_probes``); and the host's probes object (None: on its own)."""
+    features = settings.features
+    polls = features.engine_load and settings.load.interval_s > 0
+    own: list[Coroutine[Any, Any, None]] = [prober.run()] if features.health else []
+    own += [load_monitor.run()] if features.engine_load else []
+    if host is None or not (features.health or polls):
+        return own, None
+    role, bus = host
+    intervals = [settings.health.interval_s] if features.health else []
+    intervals += [settings.load.interval_s] if polls else []
+
+    async def probe_round() -> None:
+        rounds = [prober.probe_all()] if features.health else []
+        await asyncio.gather(*rounds, *([load_monitor.poll_all()] if polls else []))
+
+    leader = role.index == 0
+    probes = HostProbes(
+        pool, bus, leader=leader, interval_s=min(intervals), probe=probe_round,
+        on_back=prober.on_back, probed=lambda: not features.health or prober.rounds > 0,
+    )  # fmt: skip
+    return ([*own, probes.run()] if leader else [probes.run()]), probes
+
+
+def share_predictions(
+    settings: RouterSettings,
+    index: KVBlockIndex,
+    host: SiblingBus | None,
+    fleet: ReplicaSync | None,
+) -> None:
+    """With ``PDR_CACHE__SHARE_PREDICTIONS``: the index's predictions go to the siblings and
+    the replica peers, and theirs come into it (``router.kv_cache.shared_predictions``)."""
+    if settings.cache.share_predictions and (host is not None or fleet is not None):
+        SharedPredictions(index, host, fleet)
 
 
 def replica_sync(
@@ -78,7 +135,8 @@ def replica_sync(
     if settings.replicas.listen is None:
         return None
     publishes = role is None or role.index == 0
-    sync = ReplicaSync(settings.replicas, pool.all, publishes=publishes)
+    kinds = (BreakerVerdict, Prediction)
+    sync = ReplicaSync(settings.replicas, pool.all, publishes=publishes, kinds=kinds)
     sync.finder = ReplicaPeers(
         settings.replicas, sync.set_peers, store, settings.registry.ttl_s, register=publishes
     )

@@ -7,7 +7,10 @@ precise ``cache_aware`` also the matched blocks per cache tier, ``cached_blocks_
 their tier-weighted worth, ``credited_blocks``) and the route the router would choose now. With
 session affinity on, also the pin table's size and bounds and, when the request names its
 session (``X-Session-Id``, ``--session-header``), that session's pin (explain neither pins nor
-refreshes it). Admin auth, like the rest of ``/admin``.
+refreshes it). ``admission``: the request's tenant (``?tenant=NAME``, one of ``--api-keys``),
+priority, deadline and weight as the admission queue would take them, and its place: admitted at
+once, or ``queue_position`` waiters ahead of it (an estimate: no later arrivals). Admin auth,
+like the rest of ``/admin``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from registry.settings import RegistrySettings
 from router.api.completions_doc import error_response
 from router.api.deps import get_context
 from router.api.openai import read_headers
+from router.api.urgency import request_urgency
+from router.context import AppContext
 from router.errors import InvalidRequest
-from router.schemas import Endpoint, RequestLimits, parse_request
+from router.schemas import Endpoint, ParsedRequest, RequestLimits, parse_request
 
 __all__ = ["explain_routes"]
 
@@ -72,11 +77,35 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
         answer: dict[str, Any] = {
             "endpoint": endpoint.value,
             "engine": ctx.settings.engine.value,
+            "admission": _admission(ctx, parsed, request),
             **chooser.explain(features, session),
         }
         return JSONResponse(answer)
 
     return routes
+
+
+def _admission(ctx: AppContext, parsed: ParsedRequest, request: Request) -> dict[str, Any]:
+    """The request's tenant (``?tenant=NAME``, one of ``--api-keys``; else none), its urgency
+    as the queue would take it (the body's ``priority``, ``X-Priority``, ``X-Deadline-Ms``, the
+    tenant's defaults) and its place: admitted at once, or how many waiters go first."""
+    tenant = request.query_params.get("tenant")
+    if tenant is not None:
+        clients = ctx.clients
+        if clients is None or tenant not in clients.keys.table.specs:
+            raise InvalidRequest(f"no tenant {tenant[:64]!r} in --api-keys", param="tenant")
+    urgency = request_urgency(ctx, parsed, tenant, request.scope["headers"])
+    place = ctx.admission.place(urgency, parsed.sample_count)
+    limiter = None if ctx.clients is None else ctx.clients.limiter
+    in_flight = None if tenant is None or limiter is None else limiter.in_flight(tenant)
+    return {
+        "tenant": tenant,
+        "priority": urgency.priority,
+        "deadline_ms": None if urgency.deadline_s is None else round(urgency.deadline_s * 1000),
+        "weight": urgency.weight,
+        "tenant_in_flight": in_flight,
+        **place,
+    }
 
 
 def _endpoint_of(body: object) -> Endpoint:

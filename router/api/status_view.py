@@ -14,11 +14,14 @@
       "registry": {"url": "memory://", "ok": true, "error": null, "since": 1700000000.0},
       "kv_events": [{"worker": url, "dp_rank": 0, **FeedStats.as_dict()}, ...],
       "admission": {"inflight": 3, "queued": 0, "limit": 1024,   # limit null: no limit
-                    "max_queued": 2048, "queue_timeout_s": 30.0},
+                    "max_queued": 2048, "queue_timeout_s": 30.0,
+                    "queued_by_priority": {"high": 0, "normal": 0, "low": 0}},
       "circuits": [C, ...],                  # breakers open or half-open, as /ready lists them
       "processes": [P, ...] | null,          # router --workers N: the processes that answered
                                              # (null: a router of one process)
-      "replicas": R | null                   # --replica-listen: the replicas' sync (null: off)
+      "replicas": R | null,                  # --replica-listen: the replicas' sync (null: off)
+      "sessions": {...} | null,              # the session pin table (null: affinity off)
+      "tenants": [T, ...] | null             # --api-keys: its tenants, by name (null: off)
     }
 
     W = {"id", "url", "role", "healthy", "draining", "inflight", "dp_size",
@@ -31,10 +34,15 @@
     P = {"index", "pid", "started" (time.time()), "requests_inflight", "requests_served",
          "joined",                          # it listens on the client port (it can route)
          "bus": {"sent", "received", "dropped", "gaps", "lag_s"} | null,  # router.sibling_bus
-         "replicas": {"publishes", "fresh", "degraded"} | null}  # this process's sync
+         "replicas": {"publishes", "fresh", "degraded"} | null,  # this process's sync
+         "probes": {"leader", "rounds", "fallbacks"} | null}  # router.fleet.host_probes
     R = {"replica", "listen", "publishes", "peer_addresses", "sent", "received", "rejected",
          "degraded": "1 of 1 replica peer(s) not heard within 1s" | null,
          "peers": [{"replica", "fresh", "age_s", "lag_s", "seq", "gaps", "restarts"}]}
+    T = {"name", "priority", "min_priority", "weight",     # from the keys file (null: unset)
+         "requests_per_minute", "tokens_per_minute", "max_concurrent",   # its limits
+         "in_flight": 2,                     # its requests being served in this process
+         "queued": 0}                        # waiting in the admission queue
     C = {"scope": "worker", "role", "worker"} | {"scope": "pair", "prefill", "decode"},
         plus {"state": "open" | "half_open", "reason", "retry_in_s" (null: half-open),
               "open_s", "trial_in_flight"}
@@ -94,7 +102,31 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
         "replicas": None if ctx.fleet.replicas is None else ctx.fleet.replicas.stats(),
         # this process's session pin table (None: session affinity off)
         "sessions": None if ctx.pipeline.sessions is None else ctx.pipeline.sessions.pins.stats(),
+        "tenants": _tenants(ctx),
     }
+
+
+def _tenants(ctx: AppContext) -> list[dict[str, Any]] | None:
+    """The tenants of ``--api-keys`` (None: off) with their limits and what they use now."""
+    clients = ctx.clients
+    if clients is None:
+        return None
+    queued = ctx.admission.queued_by_tenant()
+    limiter = clients.limiter
+    return [
+        {
+            "name": name,
+            "priority": spec.priority,
+            "min_priority": spec.min_priority,
+            "weight": spec.weight,
+            "requests_per_minute": spec.requests_per_minute,
+            "tokens_per_minute": spec.tokens_per_minute,
+            "max_concurrent": spec.max_concurrent,
+            "in_flight": None if limiter is None else limiter.in_flight(name),
+            "queued": queued.get(name, 0),
+        }
+        for name, spec in sorted(clients.keys.table.specs.items())
+    ]
 
 
 def _admission(gate: AdmissionGate, settings: AdmissionSettings) -> dict[str, Any]:
@@ -104,6 +136,7 @@ def _admission(gate: AdmissionGate, settings: AdmissionSettings) -> dict[str, An
         "limit": settings.max_concurrent_requests or None,
         "max_queued": settings.max_queued_requests,
         "queue_timeout_s": settings.queue_timeout_s,
+        "queued_by_priority": gate.queued_by_band,
     }
 
 

@@ -8,6 +8,7 @@ for (``max_tokens``, ``max_completion_tokens`` or ``max_output_tokens``; else
 corrected by the usage the decode reported (a whole answer's ``usage``; a stream's usage event,
 when the client asked for one: else the estimate stands). Over a limit: 429 with
 ``Retry-After`` and the ``x-ratelimit-*`` headers; within, the answer carries them too.
+A tenant's ``min_priority`` caps the body's ``priority`` here, before anything reads it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from router.scheduling.features import estimate_tokens, request_text
 from router.schemas import ParsedRequest
 from router.tenancy.limiter import Admitted
 
-__all__ = ["admit_tenant", "estimated_tokens"]
+__all__ = ["admit_tenant", "cap_priority", "estimated_tokens"]
 
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
@@ -34,7 +35,12 @@ async def admit_tenant(
     """The tenant's admission (raises RateLimited), or None without limits to apply; its
     headers go out with the answer and the answer's usage is read for it."""
     clients = ctx.clients
-    if clients is None or clients.limiter is None:
+    if clients is None:
+        return None
+    spec = clients.keys.table.specs.get(tenant)
+    if spec is not None and spec.min_priority is not None:
+        cap_priority(request, spec.min_priority)
+    if clients.limiter is None:
         return None
     estimate = estimated_tokens(request, clients.default_max_tokens)
     admitted = await clients.limiter.admit(tenant, estimate)
@@ -42,6 +48,14 @@ async def admit_tenant(
         responder.add_headers(admitted.headers)
     receipt.wants_usage = True
     return admitted
+
+
+def cap_priority(request: ParsedRequest, min_priority: int) -> None:
+    """A body ``priority`` more urgent than the tenant's ``min_priority`` is raised to it: the
+    engines that schedule by it (vLLM ``--scheduling-policy priority``) see the capped one."""
+    priority = request.body.get("priority")
+    if isinstance(priority, int) and not isinstance(priority, bool) and priority < min_priority:
+        request.body["priority"] = min_priority
 
 
 def estimated_tokens(request: ParsedRequest, default_max_tokens: int) -> int:

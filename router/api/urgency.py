@@ -2,11 +2,13 @@
 
 The priority (an integer, lower is more urgent, as vLLM's) is the body's ``priority`` (vLLM's
 field, which the engines get as is), else the ``X-Priority`` header, else the tenant's
-``priority`` in the keys file, else ``--default-priority``. ``X-Deadline-Ms`` is how long the
-request may wait in the queue (at most ``--queue-timeout``). A tenant's ``weight`` is its share
-of a saturated fleet. All of it is worked out only for a request that must wait (and, with
-``--forward-priority`` on vLLM engines, for every request: its priority goes into the body), so
-a request admitted at once pays nothing for it; a malformed header is a 400 when it is read.
+``priority`` in the keys file, else ``--default-priority``; never more urgent than the tenant's
+``min_priority`` (``router.api.tenant_admission`` caps the body's field alike).
+``X-Deadline-Ms`` is how long the request may wait in the queue (at most ``--queue-timeout``). A
+tenant's ``weight`` is its share of a saturated fleet. All of it is worked out only for a
+request that must wait (and, with ``--forward-priority`` on vLLM engines, for every request: its
+priority goes into the body), so a request admitted at once pays nothing for it; a malformed
+header is a 400 when it is read.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def request_urgency(
             priority = spec.priority
         else:
             priority = admission.default_priority
+    if spec is not None and spec.min_priority is not None:
+        priority = max(priority, spec.min_priority)  # asked for more than the tenant may
     deadline_s = None
     if raw_deadline is not None:
         deadline_s = _integer(raw_deadline, admission.deadline_header, signed=False) / 1000

@@ -69,6 +69,7 @@ class HealthProber:
         # told when a worker marked down comes back up (the circuit breakers forget it)
         self.on_back: Callable[[Worker], None] | None = None
         self._kept_layouts: set[str] = set()  # prefills kept on their last layout: registry down
+        self.rounds = 0  # rounds over every worker done (router.fleet.host_probes waits for one)
 
     async def run(self) -> None:
         """Probe every worker now and then every ``interval_s`` until cancelled."""
@@ -78,6 +79,7 @@ class HealthProber:
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(worker) for worker in self._pool.all()))
+        self.rounds += 1
 
     async def probe(self, worker: Worker) -> None:
         started = time.monotonic()

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -41,13 +43,14 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from router.fleet.host_counts import add_counts, host_counts
 from router.fleet.shared_breakers import BreakerVerdict
 from router.load_board import LEGS, TOKENS
 from router.settings.replicas import ReplicaSettings, split_address
 from router.workers import Worker, format_host
 from router.zmq_inbox import read_forever
 
-__all__ = ["LoadSnapshot", "PeerState", "ReplicaSync", "VerdictNote"]
+__all__ = ["LoadSnapshot", "Note", "PeerState", "ReplicaSync"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +78,17 @@ class LoadSnapshot(msgspec.Struct, array_like=True, tag="loads"):
     workers: dict[str, tuple[list[int], list[int]]]
 
 
-class VerdictNote(msgspec.Struct, array_like=True, tag="verdict"):
-    """A breaker verdict of one replica, in the same sequence as its snapshots (a lost one is
-    counted in ``gaps``; the peer's own breaker still opens on its own failures)."""
+class Note(msgspec.Struct, array_like=True, tag="note"):
+    """One replica's advice, in the same sequence as its snapshots (a lost one is counted in
+    ``gaps`` and costs what not sharing it costs): ``body`` is one of the kinds the sync was
+    made for, a tagged struct: a breaker verdict (the peer's own breaker still opens on its own
+    failures), a predicted KV entry (``router.kv_cache.shared_predictions``; it expires anyway)."""
 
     replica: str
     epoch: float
     seq: int
     sent: float
-    verdict: BreakerVerdict
+    body: msgspec.Raw
 
 
 @dataclass
@@ -126,7 +131,9 @@ class ReplicaSync:
         workers: Callable[[], Iterable[Worker]],
         *,
         publishes: bool = True,
+        kinds: tuple[type[msgspec.Struct], ...] = (BreakerVerdict,),
     ) -> None:
+        """``kinds``: the tagged structs that travel as notes (``publish``, ``on``)."""
         assert settings.listen is not None and settings.token is not None
         self._settings = settings
         self._workers = workers
@@ -140,8 +147,10 @@ class ReplicaSync:
         self._epoch = time.time()
         self._seq = 0
         self._encode = msgspec.msgpack.Encoder().encode
-        self._decode = msgspec.msgpack.Decoder(LoadSnapshot | VerdictNote).decode
-        self._on_verdict: Callable[[BreakerVerdict], None] | None = None
+        self._decode = msgspec.msgpack.Decoder(LoadSnapshot | Note).decode
+        union: Any = functools.reduce(operator.or_, kinds)
+        self._body = msgspec.msgpack.Decoder(union).decode
+        self._handlers: dict[type[msgspec.Struct], Callable[[Any], None]] = {}
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -250,20 +259,24 @@ class ReplicaSync:
         if not self.publishes:
             return
         self._seq += 1
-        workers = {w.id: _host_counts(w) for w in self._workers()}
+        workers = {w.id: host_counts(w) for w in self._workers()}
         own = self._settings.id, self._epoch, self._seq, time.time()
         self._send(LoadSnapshot(*own, self.own_units(), workers))
 
-    def publish(self, body: BreakerVerdict) -> None:
-        """Tell the peers a breaker verdict (``router.fleet.shared_breakers``)."""
+    def publish(self, body: msgspec.Struct) -> None:
+        """Tell the peers a note (a breaker verdict, ``router.fleet.shared_breakers``; a
+        prediction); only the publishing process sends."""
+        if not self.publishes:
+            return
         self._seq += 1
-        self._send(VerdictNote(self._settings.id, self._epoch, self._seq, time.time(), body))
+        raw = msgspec.Raw(self._encode(body))
+        self._send(Note(self._settings.id, self._epoch, self._seq, time.time(), raw))
 
-    def on(self, kind: type[BreakerVerdict], handler: Callable[[BreakerVerdict], None]) -> None:
-        """Call ``handler`` with each peer's breaker verdict."""
-        self._on_verdict = handler
+    def on(self, kind: type[msgspec.Struct], handler: Callable[[Any], None]) -> None:
+        """Call ``handler`` with each peer's note of type ``kind``."""
+        self._handlers[kind] = handler
 
-    def _send(self, message: LoadSnapshot | VerdictNote) -> None:
+    def _send(self, message: LoadSnapshot | Note) -> None:
         if not self.publishes:
             return
         payload = self._encode(message)
@@ -281,6 +294,9 @@ class ReplicaSync:
             return
         try:
             message = self._decode(payload)
+            body: msgspec.Struct | None = None
+            if isinstance(message, Note):
+                body = self._body(message.body)
         except msgspec.DecodeError as exc:
             self.rejected += 1
             logger.warning("a replica's message could not be read: %s", exc)
@@ -292,10 +308,10 @@ class ReplicaSync:
         if isinstance(message, LoadSnapshot):
             peer.units, peer.workers = message.units, message.workers
             self._sum()
-        elif self._on_verdict is not None:
-            self._on_verdict(message.verdict)
+        elif body is not None and (handler := self._handlers.get(type(body))) is not None:
+            handler(body)
 
-    def _in_sequence(self, message: LoadSnapshot | VerdictNote) -> PeerState | None:
+    def _in_sequence(self, message: LoadSnapshot | Note) -> PeerState | None:
         """The sender's state, its sequence, gaps, restarts and lag noted; None for our own
         message or old news."""
         if message.replica == self._settings.id:
@@ -351,8 +367,8 @@ class ReplicaSync:
                 if mine is None:
                     totals[worker_id] = (list(legs), list(tokens))
                     continue
-                _add(mine[0], legs)
-                _add(mine[1], tokens)
+                add_counts(mine[0], legs)
+                add_counts(mine[1], tokens)
         self._totals, self._peer_units = totals, units
 
 
@@ -366,31 +382,6 @@ def _bound_connections(socket: zmq.Socket[bytes], stale_s: float) -> None:
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, limit_ms)
     socket.setsockopt(zmq.CONNECT_TIMEOUT, limit_ms)
     socket.setsockopt(zmq.HANDSHAKE_IVL, limit_ms)
-
-
-def _host_counts(worker: Worker) -> tuple[list[int], list[int]]:
-    """A worker's legs and pending tokens per rank on this host (every process's with ``router
-    --workers N``: the load board's), the peers' left out."""
-    legs = _on_host(worker, LEGS, worker.rank_inflight)
-    return legs, _on_host(worker, TOKENS, worker.rank_pending_tokens)
-
-
-def _on_host(worker: Worker, board_field: int, own: list[int]) -> list[int]:
-    board = worker.host_load
-    if board is None:
-        return list(own)
-    counts = []
-    for rank, mine in enumerate(own):
-        host = board.count(rank, board_field)
-        counts.append(mine if host is None else host)  # (a rank not on the board: ours alone)
-    return counts
-
-
-def _add(into: list[int], values: list[int]) -> None:
-    if len(values) > len(into):
-        into.extend([0] * (len(values) - len(into)))
-    for index, value in enumerate(values):
-        into[index] += value
 
 
 def _endpoint(address: str) -> str:

@@ -131,6 +131,29 @@ class AdmissionGate:
     def queued(self) -> int:
         return self._queue.size
 
+    @property
+    def queued_by_band(self) -> dict[str, int]:
+        """Queued requests per priority band (``PRIORITY_BANDS``)."""
+        return dict(zip(PRIORITY_BANDS, self._queue.by_band, strict=True))
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        """Queued requests per tenant (``""``: those without one)."""
+        return self._queue.waiting_by_tenant()
+
+    def place(self, urgency: Urgency, sequences: int = 1) -> dict[str, Any]:
+        """Where a request of ``urgency`` would go if it arrived now: admitted at once, or
+        queued behind ``queue_position`` waiters (``WaitQueue.position``: an estimate)."""
+        units = min(sequences, self._limit)
+        at_once = self._used() + units <= self._limit and not self._queue.size
+        position = 0 if at_once else self._queue.position(urgency, units)
+        return {
+            "admitted_at_once": at_once,
+            "queue_position": position,
+            "queued": self.queued,
+            # full: it would take the least urgent waiter's place, or get 429 if none is less so
+            "queue_full": not at_once and self.queued >= self._max_queued,
+        }
+
     def try_acquire(self, sequences: int = 1) -> bool:
         """The fast path: take a unit per sequence when they are free and nobody waits."""
         units = min(sequences, self._limit)

@@ -106,11 +106,59 @@ class WaitQueue:
         """A waiter for ``future`` as it would be queued now (not queued yet)."""
         now = self.clock()
         priority = max(-MAX_PRIORITY, min(MAX_PRIORITY, urgency.priority))
-        aged = int((now - self._origin) // self.aging_s) if self.aging_s > 0 else 0
         self._seq += 1
         deadline = math.inf if urgency.deadline_s is None else now + urgency.deadline_s
         band = 0 if priority < 0 else 1 if priority == 0 else 2
-        return Waiter(future, units, urgency, priority + aged, self._seq, deadline, now, band)
+        cls = self._class_of(priority, now)
+        return Waiter(future, units, urgency, cls, self._seq, deadline, now, band)
+
+    def waiting_by_tenant(self) -> dict[str, int]:
+        """The live waiters of each tenant that has some (``ANONYMOUS``: those without one)."""
+        return {name: tenant.waiting for name, tenant in self._tenants.items() if tenant.waiting}
+
+    def position(self, urgency: Urgency, units: int = 1) -> int:
+        """How many of the waiters would be admitted before a request of ``urgency`` (taking
+        ``units``) that arrived now: the queue's order played out on a copy of its counters
+        (``first``, ``admit``), assuming no later arrivals and nobody leaving. A scan of the
+        queue, for ``/admin/explain``."""
+        now = self.clock()
+        cls = self._class_of(max(-MAX_PRIORITY, min(MAX_PRIORITY, urgency.priority)), now)
+        deadline = math.inf if urgency.deadline_s is None else now + urgency.deadline_s
+        counters = {name: tenant.counter for name, tenant in self._tenants.items()}
+        virtual = self._virtual
+        own = self._tenants.get(urgency.tenant)
+        if own is None or not own.waiting:
+            counters[urgency.tenant] = max(counters.get(urgency.tenant, virtual), virtual)
+        probe = (deadline, self._seq + 1, units, urgency.weight)
+        ahead = 0
+        for waiter_cls in sorted(c for c in self._classes if c <= cls):
+            tenants = {
+                name: sorted(
+                    (e[0], e[1], e[2].units, e[2].urgency.weight) for e in heap if not e[2].gone
+                )
+                for name, heap in self._classes[waiter_cls].items()
+            }
+            if waiter_cls == cls:
+                tenants.setdefault(urgency.tenant, []).append(probe)
+                tenants[urgency.tenant].sort()
+            tenants = {name: entries for name, entries in tenants.items() if entries}
+            while tenants:
+                name = min(tenants, key=counters.__getitem__)  # the first of equals, as first()
+                entry = tenants[name].pop(0)
+                if entry is probe:
+                    return ahead
+                virtual = max(virtual, counters[name])
+                counters[name] += entry[2] / entry[3]
+                ahead += 1
+                if not tenants[name]:
+                    del tenants[name]
+        return ahead
+
+    def _class_of(self, priority: int, now: float) -> int:
+        """A (clamped) priority's class for a waiter arriving at ``now``: aged by the whole
+        ``aging_s`` periods since the queue's origin."""
+        aged = int((now - self._origin) // self.aging_s) if self.aging_s > 0 else 0
+        return priority + aged
 
     def push(self, waiter: Waiter) -> None:
         tenants = self._classes.get(waiter.cls)

@@ -70,8 +70,9 @@ class CacheAwareSettings(BaseModel):
     """seconds the entries a routing decision predicts live unless the engine's events
     confirm them"""
     share_predictions: bool = Field(default=False, json_schema_extra=TUNING)
-    """`--workers N`: each process also applies the entries its siblings predict (off by
-    default: measured worse on the shared-prefix workload, docs/operations/processes.md)"""
+    """each process also applies the entries its siblings (`--workers N`) and its replica
+    peers (`--replica-listen`) predict (off by default: measured worse on the shared-prefix
+    workload, docs/operations/processes.md)"""
     # SMG's cache_threshold
     cache_threshold: float = Field(
         default=0.3, ge=0.0, le=1.0, json_schema_extra=cli("--cache-threshold")

@@ -7,6 +7,7 @@ loader) names the tenants and their keys::
       team-a:
         keys: ["sk-team-a-0123456789abcdef", "sha256:9f86d081884c7d65..."]
         priority: 0   # optional: its requests' default priority (lower is more urgent)
+        min_priority: 0  # optional: the most urgent priority its requests may ask for
         weight: 2     # optional: its share of a saturated fleet against the others' (1)
 
 A key is given in plain text (at least ``MIN_KEY_CHARS`` characters) or as ``sha256:`` and the
@@ -74,6 +75,9 @@ class TenantSpec(BaseModel):
     # admission (router.pipeline.admission_queue): the priority of its requests that name none
     # (lower is more urgent; None: --default-priority) and its share of a saturated fleet
     priority: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    # the most urgent priority its requests may ask for (X-Priority, the body's ``priority``):
+    # a lower one is raised to it, in the queue and in the body the engines get (None: any)
+    min_priority: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     weight: float = Field(default=1.0, gt=0, le=1_000_000)
 
     @field_validator("keys")

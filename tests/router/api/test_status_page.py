@@ -45,12 +45,20 @@ SNAPSHOT_KEYS = {
     "processes",
     "replicas",
     "sessions",
+    "tenants",
 }
 WORKER_KEYS = {
     *("id", "url", "role", "healthy", "draining", "ejected", "inflight", "dp_size", "ranks"),
     *("full_retry_in_s", "circuit"),
 }
-ADMISSION_KEYS = {"inflight", "queued", "limit", "max_queued", "queue_timeout_s"}
+ADMISSION_KEYS = {
+    "inflight",
+    "queued",
+    "limit",
+    "max_queued",
+    "queue_timeout_s",
+    "queued_by_priority",
+}
 BREAKER_KEYS = {"state", "reason", "retry_in_s", "open_s", "trial_in_flight"}
 DECODE_RANK_KEYS = {"dp_rank", "inflight", "engine"}
 PREFILL_RANK_KEYS = DECODE_RANK_KEYS | {"pending_prefill_tokens", "kv_blocks"}
@@ -104,7 +112,9 @@ def test_status_data_describes_the_cluster(make_cluster: FakeClusterFactory) -> 
         "limit": 1024,
         "max_queued": 2048,
         "queue_timeout_s": 30.0,
+        "queued_by_priority": {"high": 0, "normal": 0, "low": 0},
     }
+    assert data["tenants"] is None  # no --api-keys
 
 
 def test_status_page_is_self_contained_html(make_cluster: FakeClusterFactory) -> None:
@@ -224,6 +234,7 @@ async def test_snapshot_shows_admission_against_its_limits_and_open_pair_breaker
             "limit": 1,
             "max_queued": 4,
             "queue_timeout_s": 9.0,
+            "queued_by_priority": {"high": 0, "normal": 1, "low": 0},
         }
         ctx.admission.release()  # the slot passes to the queued request
         await waiting
