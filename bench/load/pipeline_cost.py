@@ -22,6 +22,9 @@ ever to refuse; the callers present keys spread across the tenants) and the admi
 use (``--max-concurrent-requests`` at half the callers, so half of them wait and the queue
 orders them by tenant): its ratio against ``ours`` (all of that off) is issue 25's CPU figure.
 
+With ``--compare-commit`` (or ``--compare-pythonpath``) too, ``flow-keys-old`` is the compare
+tree with the same keys and limits: what a change to the keys path saved, measured interleaved.
+
 ``bench.load.peers --floors`` measures the rest (the server and the client on sockets) and the
 total against the Rust peers.
 """
@@ -35,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -145,6 +148,9 @@ def plan_builds(
         builds += flow_builds(cfg, keys_path, flow_keys())
     if compare is not None:
         builds.append(CostBuild(OLD, compare))
+        if cfg.flow_control and keys_path is not None:  # the compare tree's keys and limits
+            keys = next(b for b in builds if b.name == f"{FLOW_PREFIX}keys")
+            builds.append(replace(keys, name=f"{FLOW_PREFIX}keys-{OLD}", source=compare))
     if cfg.ledger:
         here = str(REPO_ROOT)
         builds += [CostBuild(f"no-{f.lower()}", here, (f,)) for f in FEATURES]

@@ -122,6 +122,11 @@ def test_flow_control_builds_use_keys_and_queue(tmp_path: Path) -> None:
     assert "PDR_AUTH__API_KEYS" not in dict(builds["flow-queue"].env)
     assert not builds["ours"].env and not builds["ours"].caller_args
     assert [b.name for b in plan_builds(CostConfig(), None, tmp_path / "k.yaml")] == ["ours"]
+    compared = {b.name: b for b in plan_builds(cfg, "/old/tree", tmp_path / "k.yaml")}
+    assert set(compared) == {*builds, "old", "flow-keys-old"}
+    assert compared["flow-keys-old"].source == "/old/tree"
+    assert compared["flow-keys-old"].env == builds["flow-keys"].env
+    assert compared["flow-keys-old"].caller_args == builds["flow-keys"].caller_args
     assert pipeline_cost.config_from_args(["--flow-control"]).flow_control
 
 

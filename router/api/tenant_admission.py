@@ -61,12 +61,10 @@ def cap_priority(request: ParsedRequest, min_priority: int) -> None:
 def estimated_tokens(request: ParsedRequest, default_max_tokens: int) -> int:
     """Prompt plus output tokens the request may use, before any of it is known."""
     body = request.body
-    output = next(
-        (
-            value
-            for field in _OUTPUT_FIELDS
-            if isinstance(value := body.get(field), int) and not isinstance(value, bool)
-        ),
-        default_max_tokens,
-    )
+    output = default_max_tokens
+    for field in _OUTPUT_FIELDS:
+        value = body.get(field)
+        if isinstance(value, int) and not isinstance(value, bool):
+            output = value
+            break
     return estimate_tokens(request_text(request) or "") + max(output, 0) * request.sample_count

@@ -190,15 +190,30 @@ def _last_in_sse(tail: bytes, read: Callable[[Any], T | None]) -> T | None:
     return None
 
 
+class _Totals(msgspec.Struct):
+    """Only what ``used_tokens`` reads of an answer: the rest is skipped, not built."""
+
+    type: Any = None
+    usage: Any = None
+    response: Any = None  # a Responses answer's ``response.completed`` event
+
+
+_decode_totals = msgspec.json.Decoder(_Totals).decode
+
+
 def used_tokens(body: bytes) -> int | None:
     """The tokens a whole answer's ``usage`` counts (prompt and output), for a tenant's token
     limit: ``total_tokens``, else prompt plus completion (input plus output) tokens."""
     if b'"usage"' not in body:
         return None
     try:
-        return _total_of(_decode(body))
-    except msgspec.DecodeError:
+        answer = _decode_totals(body)
+    except msgspec.DecodeError:  # not JSON, or not an object (a ValidationError)
         return None
+    if answer.type == "response.completed":
+        response = answer.response
+        return _usage_total(response.get("usage") if isinstance(response, dict) else None)
+    return _usage_total(answer.usage)
 
 
 def used_tokens_in_sse(tail: bytes) -> int | None:
@@ -209,7 +224,10 @@ def used_tokens_in_sse(tail: bytes) -> int | None:
 def _total_of(data: Any) -> int | None:
     if isinstance(data, dict) and data.get("type") == "response.completed":
         data = data.get("response")
-    usage = data.get("usage") if isinstance(data, dict) else None
+    return _usage_total(data.get("usage") if isinstance(data, dict) else None)
+
+
+def _usage_total(usage: Any) -> int | None:
     if not isinstance(usage, dict):
         return None
     total = usage.get("total_tokens")

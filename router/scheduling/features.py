@@ -40,7 +40,7 @@ __all__ = [
 
 def estimate_tokens(text: str) -> int:
     """A prompt's token count when no tokenizer is at hand: UTF-8 bytes / 4."""
-    return len(text.encode()) // 4
+    return (len(text) if text.isascii() else len(text.encode())) // 4
 
 
 @dataclass(slots=True)

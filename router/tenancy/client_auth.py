@@ -64,6 +64,8 @@ class ClientGate:
 
 
 def _bearer(authorization: str) -> str | None:
+    if authorization.startswith("Bearer "):  # the usual spelling: the same key, found sooner
+        return authorization[7:].strip()
     scheme, _, key = authorization.strip().partition(" ")
     return key.strip() if scheme.lower() == "bearer" else None
 

@@ -13,9 +13,10 @@ response; what it reads itself, to wait before a retry, is ``retry-after-ms`` an
 
 from __future__ import annotations
 
+import functools
 import math
 
-__all__ = ["duration", "ratelimit_headers"]
+__all__ = ["duration", "ratelimit_headers", "ratelimit_names"]
 
 
 def duration(seconds: float) -> str:
@@ -24,6 +25,8 @@ def duration(seconds: float) -> str:
     if seconds < 1:
         return f"{max(0, math.ceil(seconds * 1000))}ms"
     millis = math.ceil(seconds * 1000)
+    if millis < 60_000:  # the usual one: within a minute's window
+        return f"{millis / 1000:.3f}".rstrip("0").rstrip(".") + "s"
     hours, millis = divmod(millis, 3_600_000)
     minutes, millis = divmod(millis, 60_000)
     secs = f"{millis / 1000:.3f}".rstrip("0").rstrip(".")
@@ -38,8 +41,19 @@ def ratelimit_headers(
     limit_type: str, limit: int, remaining: int, reset_s: float
 ) -> tuple[tuple[bytes, bytes], ...]:
     """The three headers of one limit (``limit_type``: ``requests`` or ``tokens``)."""
+    limit_name, remaining_name, reset_name = ratelimit_names(limit_type)
     return (
-        (f"x-ratelimit-limit-{limit_type}".encode(), str(limit).encode()),
-        (f"x-ratelimit-remaining-{limit_type}".encode(), str(max(0, remaining)).encode()),
-        (f"x-ratelimit-reset-{limit_type}".encode(), duration(reset_s).encode()),
+        (limit_name, str(limit).encode()),
+        (remaining_name, str(max(0, remaining)).encode()),
+        (reset_name, duration(reset_s).encode()),
+    )
+
+
+@functools.cache
+def ratelimit_names(limit_type: str) -> tuple[bytes, bytes, bytes]:
+    """The names of one limit's headers: limit, remaining, reset."""
+    return (
+        f"x-ratelimit-limit-{limit_type}".encode(),
+        f"x-ratelimit-remaining-{limit_type}".encode(),
+        f"x-ratelimit-reset-{limit_type}".encode(),
     )

@@ -108,6 +108,7 @@ class TenantLimiter:
         the new limits."""
         self._limits = dict(limits)
         self._default = default
+        self.windows.forget()
 
     def in_flight(self, tenant: str) -> int:
         """The requests of ``tenant``'s bucket in flight in this process."""
@@ -140,7 +141,9 @@ class TenantLimiter:
             self._release(bucket)
             raise
         now = time.time()
-        headers = tuple(h for c in (requests, tokens) if c is not None for h in c.headers(now))
+        headers = () if requests is None else requests.headers(now)
+        if tokens is not None:
+            headers += tokens.headers(now)
         return Admitted(headers, self, bucket, tokens)
 
     async def aclose(self) -> None:

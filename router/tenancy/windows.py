@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
-from limits import RateLimitItem, RateLimitItemPerMinute
+from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage, Storage
 from limits.aio.strategies import FixedWindowRateLimiter
 from limits.errors import StorageError
@@ -35,12 +35,12 @@ from limits.limits import safe_string
 from limits.storage import storage_from_string
 
 from router.errors import RateLimited
-from router.tenancy.headers import ratelimit_headers
+from router.tenancy.headers import duration, ratelimit_headers, ratelimit_names
 
 if TYPE_CHECKING:
     import redis.asyncio
 
-__all__ = ["REFUND_MARGIN_S", "Charge", "Windows"]
+__all__ = ["REFUND_MARGIN_S", "Charge", "Window", "Windows"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,25 +60,48 @@ class PerMinute(RateLimitItemPerMinute):
 
 
 @dataclass(frozen=True, slots=True)
-class Charge:
-    """What one admission put on one window: ``cost`` units of ``limit_type`` (``requests``,
-    ``tokens``) for ``bucket``, in the window that ends at ``reset_at`` (``time.time()``)."""
+class Window:
+    """``bucket``'s window of ``limit`` ``limit_type`` (``requests``, ``tokens``) a minute, made
+    once and kept (``Windows.window``): its ``limits`` item and storage key, and what its
+    ``x-ratelimit-*`` headers need that does not change (the names, the limit)."""
 
     limit_type: str
-    item: RateLimitItem
     bucket: str
+    limit: int
+    item: PerMinute
+    key: str
+    expiry: int  # seconds
+    names: tuple[bytes, bytes, bytes]
+    limit_value: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What one admission put on one window: ``cost`` units, in the window that ends at
+    ``reset_at`` (``time.time()``), which had ``remaining`` units left then."""
+
+    window: Window
     cost: int
     reset_at: float
     remaining: int
 
     def headers(self, now: float) -> tuple[tuple[bytes, bytes], ...]:
-        return ratelimit_headers(
-            self.limit_type, self.item.amount, self.remaining, self.reset_at - now
+        window = self.window
+        limit_name, remaining_name, reset_name = window.names
+        return (
+            (limit_name, window.limit_value),
+            (remaining_name, str(self.remaining).encode()),
+            (reset_name, duration(self.reset_at - now).encode()),
         )
 
 
 class Windows:
-    """The windows of every tenant in one storage; ``namespace`` prefixes its keys."""
+    """The windows of every tenant in one storage; ``namespace`` prefixes its keys.
+
+    With ``memory://`` a charge calls the storage's ``incr`` itself (one a limit, two when
+    refused) and reads the window's end from the storage's own expiry for the key: the same
+    counts and ends as ``limits``' fixed-window strategy, which the other storages go through
+    (``hit``, then ``get_window_stats``) for its one atomic script a call on Redis."""
 
     def __init__(self, storage_url: str, *, namespace: str) -> None:
         self.namespace = namespace
@@ -96,7 +119,32 @@ class Windows:
         self.storage = cast(
             Storage, storage_from_string("async+" + url, wrap_exceptions=True, **options)
         )
+        self._memory = self.storage if isinstance(self.storage, MemoryStorage) else None
         self._strategy = FixedWindowRateLimiter(self.storage)
+        self._windows: dict[tuple[str, str, int], Window] = {}
+
+    def window(self, limit_type: str, bucket: str, limit: int) -> Window:
+        """``bucket``'s window of ``limit`` ``limit_type`` a minute (made on first use)."""
+        window = self._windows.get((limit_type, bucket, limit))
+        if window is None:
+            item = PerMinute(limit, namespace=self.namespace)
+            window = Window(
+                limit_type,
+                bucket,
+                limit,
+                item,
+                item.key_for(bucket, limit_type),
+                item.get_expiry(),
+                ratelimit_names(limit_type),
+                str(limit).encode(),
+            )
+            self._windows[(limit_type, bucket, limit)] = window
+        return window
+
+    def forget(self) -> None:
+        """Drop the windows made so far (new limits: those of the old ones may never come
+        back); the counts stay in the storage, under the same keys."""
+        self._windows.clear()
 
     async def charge(self, limit_type: str, bucket: str, limit: int, cost: int) -> Charge | None:
         """Put ``cost`` (at least 1) on ``bucket``'s window of ``limit`` a minute; raises
@@ -104,19 +152,27 @@ class Windows:
         is given back at once: for that moment the window looks fuller than it is, to this
         tenant only). None when the storage failed: the limit is not enforced for this request
         (fail open, logged) rather than failing it."""
-        item = PerMinute(limit, namespace=self.namespace)
+        window = self.window(limit_type, bucket, limit)
         cost = max(cost, 1)
+        memory = self._memory
         try:
-            fits = await self._strategy.hit(item, bucket, limit_type, cost=cost)
-            if not fits:
-                await self.storage.incr(item.key_for(bucket, limit_type), item.get_expiry(), -cost)
-            stats = await self._strategy.get_window_stats(item, bucket, limit_type)
+            if memory is not None:
+                count = await memory.incr(window.key, window.expiry, cost)
+                fits = count <= limit
+                if not fits:
+                    count = await memory.incr(window.key, window.expiry, -cost)
+                remaining = max(0, limit - count)
+                # what the storage's ``get_expiry`` answers, without the call: the window's end
+                expires = memory.expirations.get(window.key)
+                reset_at = time.time() if expires is None else expires
+            else:
+                fits, remaining, reset_at = await self._hit(window, cost)
         except StorageError as exc:
             logger.warning("tenant limits not enforced: the %s storage failed: %s", limit_type, exc)
             return None
         if not fits:
-            raise self._refusal(limit_type, limit, cost, stats.reset_time, stats.remaining)
-        return Charge(limit_type, item, bucket, cost, stats.reset_time, stats.remaining)
+            raise self._refusal(limit_type, limit, cost, reset_at, remaining)
+        return Charge(window, cost, reset_at, remaining)
 
     async def adjust(self, charge: Charge, delta: int) -> None:
         """Add ``delta`` to what ``charge`` put on its window: an overrun (> 0) always counts,
@@ -128,19 +184,28 @@ class Windows:
             delta = max(delta, -charge.cost)
         if delta == 0:
             return
-        key = charge.item.key_for(charge.bucket, charge.limit_type)
+        window = charge.window
         try:
-            await self.storage.incr(key, charge.item.get_expiry(), delta)
+            await self.storage.incr(window.key, window.expiry, delta)
         except StorageError as exc:
             logger.warning(
-                "tenant %s usage not corrected: the storage failed: %s", charge.limit_type, exc
+                "tenant %s usage not corrected: the storage failed: %s", window.limit_type, exc
             )
 
     async def aclose(self) -> None:
         if self._pool is not None:
             await self._pool.aclose()
-        elif isinstance(self.storage, MemoryStorage) and self.storage.timer is not None:
-            self.storage.timer.cancel()
+        elif self._memory is not None and self._memory.timer is not None:
+            self._memory.timer.cancel()
+
+    async def _hit(self, window: Window, cost: int) -> tuple[bool, int, float]:
+        """``limits``' strategy (a shared storage): fits, remaining, the window's end."""
+        item, bucket, limit_type = window.item, window.bucket, window.limit_type
+        fits = await self._strategy.hit(item, bucket, limit_type, cost=cost)
+        if not fits:
+            await self.storage.incr(window.key, window.expiry, -cost)
+        stats = await self._strategy.get_window_stats(item, bucket, limit_type)
+        return fits, stats.remaining, stats.reset_time
 
     def _refusal(
         self, limit_type: str, limit: int, cost: int, reset_at: float, remaining: int

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from router.pipeline.decode_usage import PromptUsage, prompt_usage
+from router.pipeline.decode_usage import PromptUsage, prompt_usage, used_tokens
 
 TEXT = {"choices": [{"index": 0, "text": " tok" * 200, "finish_reason": "length"}]}
 
@@ -54,3 +54,31 @@ def test_prompt_usage(answer: dict[str, object], expected: PromptUsage | None) -
 def test_no_usage_or_no_json_is_none() -> None:
     assert prompt_usage(msgspec.json.encode(TEXT)) is None
     assert prompt_usage(b'{"usage": ') is None
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({**TEXT, "usage": {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21}}, 21),
+        ({**TEXT, "usage": {"prompt_tokens": 5, "completion_tokens": 16}}, 21),
+        ({"usage": {"input_tokens": 3, "output_tokens": 4}}, 7),  # Messages, Responses
+        ({"usage": {"prompt_tokens": 5, "completion_tokens": "16"}}, None),
+        ({"usage": {"total_tokens": 9.0}}, None),
+        ({"usage": None}, None),
+        ({"usage": [1, 2]}, None),
+        ({"type": "response.completed", "response": {"usage": {"total_tokens": 12}}}, 12),
+        ({"type": "response.completed", "usage": {"total_tokens": 3}}, None),  # the response's
+        ({"type": "response.completed", "response": "usage"}, None),
+        ({"type": "message", "response": {"usage": {"total_tokens": 12}}, "usage": None}, None),
+        ({"type": 1, "usage": {"total_tokens": 8}}, 8),
+        (["usage"], None),  # not an object
+    ],
+)
+def test_used_tokens(body: object, expected: int | None) -> None:
+    assert used_tokens(msgspec.json.encode(body)) == expected
+
+
+def test_used_tokens_of_no_usage_or_no_json_is_none() -> None:
+    assert used_tokens(msgspec.json.encode(TEXT)) is None
+    assert used_tokens(b'{"usage": {"total_tokens": 3}') is None
+    assert used_tokens(b'{"choices": [}, "usage": {"total_tokens": 3}}') is None

@@ -180,6 +180,36 @@ async def test_a_reload_keeps_requests_in_flight_and_window_counts(
     await held[2].finish(1)
     fourth = await limiter.admit("acme", 1)  # 4 of the (new) 5 this minute: the count was kept
     assert header(fourth, "x-ratelimit-remaining-requests") == "1"
+    assert header(fourth, "x-ratelimit-limit-requests") == "5"
+
+
+async def test_the_reset_headers_follow_the_window(make_limiter: MakeLimiter, clock: Clock) -> None:
+    limiter = make_limiter({"acme": TenantLimits(requests_per_minute=10, tokens_per_minute=100)})
+    first = await limiter.admit("acme", 30)
+    assert header(first, "x-ratelimit-reset-requests") == "1m0s"
+    assert header(first, "x-ratelimit-reset-tokens") == "1m0s"
+    clock.advance(20.5)
+    second = await limiter.admit("acme", 30)
+    assert header(second, "x-ratelimit-reset-requests") == "39.5s"
+    assert header(second, "x-ratelimit-reset-tokens") == "39.5s"
+    assert header(second, "x-ratelimit-remaining-requests") == "8"
+    assert header(second, "x-ratelimit-remaining-tokens") == "40"
+    clock.advance(39.4)
+    with pytest.raises(RateLimited) as refused:  # 60 of 100 tokens used: 50 more do not fit
+        await limiter.admit("acme", 50)
+    assert header(refused.value, "x-ratelimit-reset-tokens") == "100ms"
+    assert header(refused.value, "x-ratelimit-remaining-tokens") == "40"
+    clock.advance(0.1)  # a new window: full again, a minute to go
+    third = await limiter.admit("acme", 30)
+    assert header(third, "x-ratelimit-reset-requests") == "1m0s"
+    assert header(third, "x-ratelimit-reset-tokens") == "1m0s"
+    assert header(third, "x-ratelimit-remaining-requests") == "9"
+    assert header(third, "x-ratelimit-remaining-tokens") == "70"
+    clock.advance(30)
+    await third.finish(10)  # 20 given back in the window it was charged in
+    fourth = await limiter.admit("acme", 30)
+    assert header(fourth, "x-ratelimit-reset-tokens") == "30s"
+    assert header(fourth, "x-ratelimit-remaining-tokens") == "60"
 
 
 async def test_unlisted_tenants_share_the_default(make_limiter: MakeLimiter) -> None:
@@ -206,7 +236,10 @@ def test_limits_are_positive() -> None:
     ("seconds", "text"),
     [
         (0.85, "850ms"),
+        (1, "1s"),
         (6, "6s"),
+        (59.9985, "59.999s"),
+        (59.9994, "1m0s"),
         (2.4841, "2.485s"),
         (90.5, "1m30.5s"),
         (360, "6m0s"),
