@@ -21,6 +21,8 @@ from router.workers import EngineLoad, Role, Worker, WorkerPool
 from testkit.fake_engine import FakeConfig, FakeEngine
 from testkit.polling import await_until, wait_until
 from testkit.servers import free_port, http_process, run_servers
+from testkit.tasks import running
+from tests.router.kv_cache.test_shared_predictions import two_buses
 from tests.router.server.test_workers import joined, processes_of
 
 PREFILL = "http://127.0.0.1:9001"
@@ -52,29 +54,15 @@ async def host(
 ) -> AsyncIterator[tuple[list[WorkerPool[None]], list[HostProbes], Probes]]:
     """Process 0 (the leader) and process 1 (a follower), each with its pool and the real bus;
     the follower's own probe rounds are counted."""
-    roles = [
-        ProcessRole(index=i, count=2, supervisor_pid=0, run_dir=str(tmp_path), port=0)
-        for i in range(2)
-    ]
-    buses = [SiblingBus(role, (ProbeRound,)) for role in roles]
-    pools = [pool(), pool()]
-    own = Probes()
-    probes = [
-        HostProbes(pools[i], buses[i], leader=i == 0, interval_s=INTERVAL_S, probe=own)
-        for i in range(2)
-    ]
-    tasks = [
-        asyncio.create_task(task)
-        for task in (*(b.run() for b in buses), *(p.run() for p in probes))
-    ]
-    try:
-        yield pools, probes, own
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for bus in buses:
-            bus.close()
+    async with two_buses(tmp_path, (ProbeRound,)) as buses:
+        pools = [pool(), pool()]
+        own = Probes()
+        probes = [
+            HostProbes(pools[i], buses[i], leader=i == 0, interval_s=INTERVAL_S, probe=own)
+            for i in range(2)
+        ]
+        async with running(*(p.run() for p in probes)):
+            yield pools, probes, own
 
 
 async def test_the_leaders_verdicts_layouts_models_and_loads_reach_the_follower(
@@ -187,33 +175,23 @@ async def test_a_restarted_leader_tells_nothing_before_its_first_round_of_probes
     tmp_path: Path,
 ) -> None:
     """Its workers are not known yet, not down: the followers keep their own verdicts."""
-    roles = [
-        ProcessRole(index=i, count=2, supervisor_pid=0, run_dir=str(tmp_path), port=0)
-        for i in range(2)
-    ]
-    buses = [SiblingBus(role, (ProbeRound,)) for role in roles]
     lead, follow = pool(), pool()
     follow.decode[0].mark_up()  # the follower found it up
     probed = False
-    leader = HostProbes(
-        lead, buses[0], leader=True, interval_s=INTERVAL_S, probe=Probes(), probed=lambda: probed
-    )
-    follower = HostProbes(follow, buses[1], leader=False, interval_s=INTERVAL_S, probe=Probes())
-    tasks = [asyncio.create_task(c) for c in (*(b.run() for b in buses), leader.run())]
-    try:
-        async with asyncio.timeout(10):
-            while buses[1].received == 0:  # noqa: ASYNC110 - the bus joined: a round would come
-                buses[0].publish(ProbeRound([]))
-                await asyncio.sleep(INTERVAL_S)
-        rounds = follower.rounds
-        await asyncio.sleep(4 * INTERVAL_S)  # rounds it would have sent
-        assert (leader.rounds, follower.rounds) == (0, rounds)
-        assert follow.decode[0].healthy
-        probed = True  # its first round done: the decode it found down goes down
-        await await_until(lambda: not follow.decode[0].healthy, 10, "the leader's verdict")
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for bus in buses:
-            bus.close()
+    async with two_buses(tmp_path, (ProbeRound,)) as buses:
+        leader = HostProbes(
+            lead, buses[0], leader=True, interval_s=INTERVAL_S, probe=Probes(),
+            probed=lambda: probed,
+        )  # fmt: skip
+        follower = HostProbes(follow, buses[1], leader=False, interval_s=INTERVAL_S, probe=Probes())
+        async with running(leader.run()):
+            async with asyncio.timeout(10):
+                while buses[1].received == 0:  # noqa: ASYNC110 - the bus joined: a round would come
+                    buses[0].publish(ProbeRound([]))
+                    await asyncio.sleep(INTERVAL_S)
+            rounds = follower.rounds
+            await asyncio.sleep(4 * INTERVAL_S)  # rounds it would have sent
+            assert (leader.rounds, follower.rounds) == (0, rounds)
+            assert follow.decode[0].healthy
+            probed = True  # its first round done: the decode it found down goes down
+            await await_until(lambda: not follow.decode[0].healthy, 10, "the leader's verdict")

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import msgspec
 from pydantic import SecretStr
 
 from router.fleet.replica_sync import ReplicaSync
@@ -20,6 +21,7 @@ from router.process_role import ProcessRole
 from router.settings import ReplicaSettings
 from router.sibling_bus import SiblingBus
 from testkit.servers import free_port
+from testkit.tasks import running
 
 BLOCK = 16
 TOKEN = "replica-test-token-0123"
@@ -35,15 +37,15 @@ def fresh_keys(n: int = 4) -> list[int]:
 
 
 @asynccontextmanager
-async def two_buses(tmp_path: Path) -> AsyncIterator[list[SiblingBus]]:
-    buses = [SiblingBus(role(tmp_path, i), (Prediction,)) for i in range(2)]
-    tasks = [asyncio.create_task(bus.run()) for bus in buses]
+async def two_buses(
+    tmp_path: Path, kinds: tuple[type[msgspec.Struct], ...] = (Prediction,)
+) -> AsyncIterator[list[SiblingBus]]:
+    """The buses of processes 0 and 1 of a host, running."""
+    buses = [SiblingBus(role(tmp_path, i), kinds) for i in range(2)]
     try:
-        yield buses
+        async with running(*(bus.run() for bus in buses)):
+            yield buses
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         for bus in buses:
             bus.close()
 
@@ -96,13 +98,10 @@ async def replicas(*processes: tuple[str, bool]) -> AsyncIterator[list[ReplicaSy
         )
         kinds = (BreakerVerdict, Prediction)
         syncs.append(ReplicaSync(settings, list, publishes=publishes, kinds=kinds))
-    tasks = [asyncio.create_task(sync.run()) for sync in syncs]
     try:
-        yield syncs
+        async with running(*(sync.run() for sync in syncs)):
+            yield syncs
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         for sync in syncs:
             sync.close()
 
