@@ -105,6 +105,7 @@ def probe_tasks(
     probes = HostProbes(
         pool, bus, leader=leader, interval_s=min(intervals), probe=probe_round,
         on_back=prober.on_back, probed=lambda: not features.health or prober.rounds > 0,
+        caches=load_monitor.caches,
     )  # fmt: skip
     return ([*own, probes.run()] if leader else [probes.run()]), probes
 

@@ -20,7 +20,9 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-__all__ = ["READINGS", "EngineCache", "EngineCaches", "parse_cache_lines"]
+import msgspec
+
+__all__ = ["READINGS", "CacheReading", "EngineCache", "EngineCaches", "parse_cache_lines"]
 
 READINGS = 64  # readings kept per rank (one per load poll)
 _HITS = ("vllm:prefix_cache_hits_total", "sglang:cached_tokens_total")
@@ -29,6 +31,13 @@ _CONFIG = "vllm:cache_config_info"
 _PREFIXES = (*_HITS, *_QUERIES, _CONFIG)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 MAX_RANKS = 1024  # DP indexes read from one engine at most
+
+
+class CacheReading(msgspec.Struct, array_like=True):
+    """A rank's block size and its last (read time, hits, queries), as one process read them."""
+
+    block_size: int | None
+    last: tuple[float, float, float] | None
 
 
 @dataclass(slots=True)
@@ -111,6 +120,22 @@ class EngineCaches:
 
     def get(self, location: tuple[str, int]) -> EngineCache | None:
         return self._ranks.get(location)
+
+    def latest(self, location: tuple[str, int]) -> CacheReading | None:
+        """The rank's block size and last reading (what ``router --workers N``'s process 0
+        passes on to the others, ``router.fleet.host_probes``); None: nothing read."""
+        cache = self._ranks.get(location)
+        if cache is None or (not cache.readings and cache.block_size is None):
+            return None
+        return CacheReading(cache.block_size, cache.readings[-1] if cache.readings else None)
+
+    def take(self, location: tuple[str, int], reading: CacheReading) -> None:
+        """Another process's reading of the rank (once: an older or the same one is skipped)."""
+        cache = self._ranks.setdefault(location, EngineCache())
+        cache.block_size = reading.block_size or cache.block_size
+        last = reading.last
+        if last is not None and (not cache.readings or last[0] > cache.readings[-1][0]):
+            cache.record(*last)
 
     def prune(self, live_ids: Collection[str]) -> None:
         for key in [key for key in self._ranks if key[0] not in live_ids]:

@@ -4,9 +4,10 @@ per process: an engine gets the probes and ``/metrics`` reads of one router, wha
 Process 0 (the **leader**) probes and reads as a router on its own does, and publishes on the
 host's bus (``router.sibling_bus``), every ``interval_s`` (the shorter of ``--health-interval``
 and ``--load-interval``) once its first round of probes is done (a restarted leader knows
-nothing before: it tells nothing), a ``ProbeRound``: each worker's health verdict, DP layout (engine
-ids), learned models and engine load readings. The other processes (**followers**) take each
-round into their own workers: a worker the leader found down goes down (its requests are told,
+nothing before: it tells nothing), a ``ProbeRound``: each worker's health verdict, DP layout
+(engine ids), learned models, engine load readings and the prefills' prefix-cache counters
+(``router.fleet.engine_cache``). The other processes (**followers**) take each round into their
+own workers: a worker the leader found down goes down (its requests are told,
 ``Worker.signal_loss``), one it found up comes back (not before the end of an ejection this
 process made, ``router.fleet.outlier``), new engine ids are a restart, the load readings keep
 their read time and freshness. A follower probes by itself once when it starts (it knows the
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from router.fleet.engine_cache import CacheReading, EngineCaches
 from router.workers import EngineLoad, LoadReading, Role, Worker, WorkerPool
 
 __all__ = ["LEADER_TIMEOUTS", "HostProbes", "ProbeRound"]
@@ -52,6 +54,9 @@ class WorkerView(msgspec.Struct, array_like=True):
     engine_ids: list[str]
     models: list[str] | None  # learned from its /v1/models (None: declared, or none learned)
     loads: list[RankReading | None]
+    caches: list[
+        CacheReading | None
+    ]  # its prefix-cache counters per rank (router.fleet.engine_cache)
 
 
 class ProbeRound(msgspec.Struct, array_like=True, tag="probe_round"):
@@ -78,6 +83,7 @@ class HostProbes:
         probe: Callable[[], Awaitable[None]],
         on_back: Callable[[Worker], None] | None = None,
         probed: Callable[[], bool] = lambda: True,
+        caches: EngineCaches | None = None,
     ) -> None:
         """``probed``: whether the leader's own probes made a round yet (before, its workers'
         verdicts are not known, not down: it publishes none)."""
@@ -88,6 +94,7 @@ class HostProbes:
         self._probe = probe
         self._on_back = on_back
         self._probed = probed
+        self._caches = caches  # the engines' prefix-cache counters, read with their load
         self.heard_at = time.monotonic()  # the last round (a follower's start counts as one)
         self.rounds = 0  # rounds taken (a follower) or sent (the leader)
         self.fallbacks = 0  # a follower's own probe rounds
@@ -113,7 +120,8 @@ class HostProbes:
 
     def publish(self) -> None:
         self.rounds += 1
-        self._channel.publish(ProbeRound([_view(worker) for worker in self._pool.all()]))
+        caches = self._caches
+        self._channel.publish(ProbeRound([_view(w, caches) for w in self._pool.all()]))
 
     def take(self, probe_round: ProbeRound) -> None:
         """A follower: the leader's round, into this process's workers."""
@@ -132,23 +140,30 @@ class HostProbes:
             names = frozenset(view.models)
             if names != worker.models:
                 self._pool.set_models(worker, names, declared=False)
-        if view.healthy and not worker.healthy:
+        self._apply_health(worker, view.healthy)
+        if len(view.loads) == worker.dp_size:
+            worker.engine_load = [None if r is None else _reading(r) for r in view.loads]
+        if self._caches is not None:
+            for rank, cache in enumerate(view.caches):
+                if cache is not None:
+                    self._caches.take((worker.id, rank), cache)
+
+    def _apply_health(self, worker: Worker, healthy: bool) -> None:
+        if healthy and not worker.healthy:
             if worker.ejected and time.monotonic() < worker.ejected_until:
                 return  # this process ejected it: out for its ejection time at least
             logger.info("%s worker %s is now healthy (host probes)", *_name(worker))
             worker.mark_up()
             if self._on_back is not None:
                 self._on_back(worker)
-        elif not view.healthy and worker.healthy:
+        elif not healthy and worker.healthy:
             logger.warning("%s worker %s is now unhealthy (host probes)", *_name(worker))
             worker.mark_down("the host's probes failed")
             if worker.role is Role.PREFILL:
                 worker.set_layout(worker.dp_size, ())
-        if len(view.loads) == worker.dp_size:
-            worker.engine_load = [None if r is None else _reading(r) for r in view.loads]
 
 
-def _view(worker: Worker) -> WorkerView:
+def _view(worker: Worker, caches: EngineCaches | None) -> WorkerView:
     loads = [
         None
         if r is None
@@ -158,8 +173,12 @@ def _view(worker: Worker) -> WorkerView:
         for r in worker.engine_load
     ]
     models = None if worker.models_declared or not worker.models else sorted(worker.models)
+    cached = [
+        None if caches is None else caches.latest((worker.id, rank))
+        for rank in range(worker.dp_size if worker.role is Role.PREFILL else 0)
+    ]
     return WorkerView(
-        worker.id, worker.healthy, worker.dp_size, list(worker.engine_ids), models, loads
+        worker.id, worker.healthy, worker.dp_size, list(worker.engine_ids), models, loads, cached
     )
 
 

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
+from router.fleet.engine_cache import EngineCache, EngineCaches
 from router.fleet.host_probes import LEADER_TIMEOUTS, HostProbes, ProbeRound
 from router.process_role import ProcessRole
 from router.sibling_bus import SiblingBus
@@ -195,3 +196,43 @@ async def test_a_restarted_leader_tells_nothing_before_its_first_round_of_probes
             assert follow.decode[0].healthy
             probed = True  # its first round done: the decode it found down goes down
             await await_until(lambda: not follow.decode[0].healthy, 10, "the leader's verdict")
+
+
+def metrics_text(hits: int, queries: int) -> str:
+    return (
+        f'vllm:prefix_cache_hits_total{{engine="0"}} {hits}\n'
+        f'vllm:prefix_cache_queries_total{{engine="0"}} {queries}\n'
+        'vllm:cache_config_info{block_size="32",engine="0"} 1.0\n'
+    )
+
+
+async def test_the_leaders_prefix_cache_counters_reach_the_follower(tmp_path: Path) -> None:
+    """Only the leader reads the engines' /metrics: the follower's routing states and doctor
+    get the prefills' block size and hit rate from its rounds, each reading once."""
+    lead, follow = pool(), pool()
+    caches = [EngineCaches(), EngineCaches()]
+    prefill = lead.prefill[0]
+    async with two_buses(tmp_path, (ProbeRound,)) as buses:
+        probes = [
+            HostProbes(
+                (lead, follow)[i],
+                buses[i],
+                leader=i == 0,
+                interval_s=INTERVAL_S,
+                probe=Probes(),
+                caches=caches[i],
+            )  # fmt: skip
+            for i in range(2)
+        ]
+        async with running(*(p.run() for p in probes)):
+            caches[0].record(prefill.id, 1, metrics_text(10, 40), time.monotonic())
+            theirs = lambda: caches[1].get((prefill.id, 0))  # noqa: E731
+            await await_until(lambda: theirs() is not None, 10, "the first reading")
+            caches[0].record(prefill.id, 1, metrics_text(40, 100), time.monotonic())
+            await await_until(lambda: (theirs() or EngineCache()).hit_rate() is not None, 10, "")
+            rounds = probes[1].rounds
+            await await_until(lambda: probes[1].rounds >= rounds + 3, 10, "more rounds")
+    cache = theirs()
+    assert cache is not None and cache.block_size == 32
+    assert len(cache.readings) == 2  # the same reading in later rounds is taken once
+    assert cache.hit_rate() == (0.5, 60.0)  # (40 - 10) / (100 - 40)
