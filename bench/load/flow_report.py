@@ -123,12 +123,8 @@ def fairness_verdict(
 ) -> Verdict:
     """(a): the other tenant's TTFT p99 under the flood within 1.5x of alone, none refused
     (``steady``: the flood's onset left out)."""
-    ratio = _ratio(flooded, alone)
-    refused = flooded.sent - flooded.completed if flooded is not None else 0
-    passed = ratio <= FAIRNESS_TARGET and refused == 0
-    measured = f"{ratio:.2f}x" + (f", {refused} not served" if refused else "")
-    figure = "(a) B TTFT p99, A flooding / B alone" + (" (steady)" if steady else " (whole)")
-    return Verdict(figure, measured, "<= 1.5x", passed)
+    figure = "(a) B TTFT p99, A flooding / B alone"
+    return _p99_verdict(figure, alone, flooded, FAIRNESS_TARGET, "<= 1.5x", steady)
 
 
 def priority_verdict(
@@ -136,13 +132,25 @@ def priority_verdict(
 ) -> Verdict:
     """(b): interactive TTFT p99 at 2x capacity within 2x of unloaded, none refused
     (``steady``: the overload's onset left out)."""
-    ratio = _ratio(loaded, unloaded)
-    refused = loaded.sent - loaded.completed if loaded is not None else 0
-    passed = ratio <= PRIORITY_TARGET and refused == 0
-    measured = f"{ratio:.2f}x" + (f", {refused} not served" if refused else "")
     figure = "(b) interactive TTFT p99, 2x capacity / unloaded"
+    return _p99_verdict(figure, unloaded, loaded, PRIORITY_TARGET, "<= 2x", steady)
+
+
+def _p99_verdict(
+    figure: str,
+    baseline: StreamSummary | None,
+    loaded: StreamSummary | None,
+    target: float,
+    target_text: str,
+    steady: bool,
+) -> Verdict:
+    """``loaded``'s TTFT p99 over ``baseline``'s within ``target``, none of it refused."""
+    ratio = _ratio(loaded, baseline)
+    refused = loaded.sent - loaded.completed if loaded is not None else 0
+    passed = ratio <= target and refused == 0
+    measured = f"{ratio:.2f}x" + (f", {refused} not served" if refused else "")
     figure += " (steady)" if steady else " (whole)"
-    return Verdict(figure, measured, "<= 2x", passed)
+    return Verdict(figure, measured, target_text, passed)
 
 
 def starvation_verdict(batch_windows: Sequence[int], window_s: float) -> Verdict:
