@@ -113,6 +113,15 @@ def send(
     )
 
 
+def one_slot_cluster(make_cluster: FakeClusterFactory, tmp_path: Path) -> FakeCluster:
+    """A router of one admission slot with the two tenants' keys, its decode holding every
+    request (the slot stays taken)."""
+    admission = {"max_concurrent_requests": 1}
+    cluster = make_cluster("sglang", admission=admission, auth={"api_keys": keys_file(tmp_path)})
+    cluster.decodes[0].config.hang = True
+    return cluster
+
+
 async def flooded(cluster: FakeCluster, client: httpx.AsyncClient) -> list[asyncio.Task[Any]]:
     """team-a holds the one unit and queues two more of its priority 5; team-b queues one of
     priority 0 (its X-Priority -3 capped by its min_priority)."""
@@ -128,9 +137,7 @@ async def flooded(cluster: FakeCluster, client: httpx.AsyncClient) -> list[async
 async def test_status_data_and_explain_show_tenants_priorities_and_queue_places(
     make_cluster: FakeClusterFactory, tmp_path: Path
 ) -> None:
-    admission = {"max_concurrent_requests": 1}
-    cluster = make_cluster("sglang", admission=admission, auth={"api_keys": keys_file(tmp_path)})
-    cluster.decodes[0].config.hang = True
+    cluster = one_slot_cluster(make_cluster, tmp_path)
     async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
         held = await flooded(cluster, client)
         data = (await client.get("/status/data")).json()
@@ -185,9 +192,7 @@ async def test_a_tenants_min_priority_caps_the_priority_the_engines_get(
 async def test_the_status_page_shows_tenants_and_queues_in_headless_chromium(
     make_cluster: FakeClusterFactory, tmp_path: Path
 ) -> None:
-    admission = {"max_concurrent_requests": 1}
-    cluster = make_cluster("sglang", admission=admission, auth={"api_keys": keys_file(tmp_path)})
-    cluster.decodes[0].config.hang = True
+    cluster = one_slot_cluster(make_cluster, tmp_path)
     async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
         held = await flooded(cluster, client)
         async with Chromium(tmp_path) as browser:

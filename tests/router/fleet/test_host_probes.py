@@ -6,8 +6,6 @@ itself only at its start and while the leader is silent, and an engine behind ``
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -21,10 +19,9 @@ from router.sibling_bus import SiblingBus
 from router.workers import EngineLoad, Role, Worker, WorkerPool
 from testkit.fake_engine import FakeConfig, FakeEngine
 from testkit.polling import await_until, wait_until
-from testkit.servers import free_port, http_process, run_servers
 from testkit.tasks import running
 from tests.router.kv_cache.test_shared_predictions import two_buses
-from tests.router.server.test_workers import joined, processes_of
+from tests.router.server.test_workers import processes_of, supervised
 
 PREFILL = "http://127.0.0.1:9001"
 DECODE = "http://127.0.0.1:9002"
@@ -133,25 +130,17 @@ async def test_a_follower_probes_by_itself_while_the_leader_is_silent(tmp_path: 
 
 
 @contextmanager
-def router_of(processes: int, *extra: str) -> Iterator[tuple[FakeEngine, FakeEngine]]:
-    prefill = FakeEngine("prefill", "sglang", config=FakeConfig(check_kv=False))
-    decode = FakeEngine("decode", "sglang", config=FakeConfig(check_kv=False))
-    with run_servers(prefill.app, decode.app) as (p_port, d_port):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "router", "--engine", "sglang", "--port", str(port)]
-        argv += ["--workers", str(processes), "--health-interval", "0.1", "--load-interval", "0"]
-        argv += [
-            "--prefill",
-            f"http://127.0.0.1:{p_port}",
-            "--decode",
-            f"http://127.0.0.1:{d_port}",
-        ]
-        with http_process([*argv, *extra], url, path="/ready", timeout=30) as process:
-            wait_until(lambda: joined(url) == processes, 20, "every process on the port")
-            wait_until(lambda: _rounds_taken(url) >= 2 or processes == 1, 20, "rounds followed")
-            assert isinstance(process, subprocess.Popen)
-            yield prefill, decode
+def router_of(processes: int) -> Iterator[tuple[FakeEngine, FakeEngine]]:
+    """``router --workers processes`` probing every 0.1 s (no load reads), once its followers
+    took the leader's rounds; its fake prefill and decode."""
+    engines = (
+        FakeEngine("prefill", "sglang", config=FakeConfig(check_kv=False)),
+        FakeEngine("decode", "sglang", config=FakeConfig(check_kv=False)),
+    )
+    faster = ("--health-interval", "0.1", "--load-interval", "0")  # after supervised's 0.2
+    with supervised(*faster, processes=processes, engines=engines) as (url, _):
+        wait_until(lambda: _rounds_taken(url) >= 2 or processes == 1, 20, "rounds followed")
+        yield engines
 
 
 def _rounds_taken(url: str) -> int:

@@ -30,9 +30,14 @@ def supervised(
     processes: int = 2,
     config: FakeConfig | None = None,
     prefill_config: FakeConfig | None = None,
+    engines: tuple[FakeEngine, FakeEngine] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    prefill = FakeEngine("prefill", "sglang", config=prefill_config or FakeConfig(check_kv=False))
-    decode = FakeEngine("decode", "sglang", config=config or FakeConfig(check_kv=False))
+    """``router --workers processes`` in front of a fake prefill and decode (``engines``, or
+    new ones of these configs), every process on the port."""
+    prefill, decode = engines or (
+        FakeEngine("prefill", "sglang", config=prefill_config or FakeConfig(check_kv=False)),
+        FakeEngine("decode", "sglang", config=config or FakeConfig(check_kv=False)),
+    )
     with run_servers(prefill.app, decode.app) as (p_port, d_port):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
