@@ -210,13 +210,14 @@ def _build_fleet(
 
 
 def _build_telemetry(
-    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics, kv: KVCacheView
-) -> Telemetry:
+    settings: RouterSettings, pool: UpstreamPool, metrics: RouterMetrics, kv: KVCacheView,
+    fleet: FleetView, circuits: Circuits,
+) -> Telemetry:  # fmt: skip
     observability = settings.observability
     pairs = PairLedger(observability.suspect_window_s, lambda: _live_ids(pool))
     traffic = RecentTraffic(observability.traffic_window_s, observability.traffic_bucket_s)
     agreement = AgreementBoard(observability.agreement_window)
-    return Telemetry(
+    telemetry = Telemetry(
         metrics=metrics,
         pairs=pairs,
         traffic=traffic,
@@ -228,6 +229,9 @@ def _build_telemetry(
                               partial(metrics.count, metrics.routing_state_transitions),
                               kv.engines),
     )  # fmt: skip
+    state = (pairs, kv.index, kv.feed, lambda: fleet.discovery.status, circuits)
+    metrics.registry.register(RouterStateCollector(pool, *state, agreement, telemetry.states))
+    return telemetry
 
 
 def _build_parts(
@@ -249,12 +253,8 @@ def _build_parts(
     featurizer = Featurizer(open_token_source(cache), metrics.tokenize_seconds.observe)
     feed = KVEventFeed(lambda: pool.prefill, index, tree, cache)
     kv = KVCacheView(index=index, feed=feed, engines=load_monitor.caches)
-    telemetry = _build_telemetry(settings, pool, metrics, kv)
+    telemetry = _build_telemetry(settings, pool, metrics, kv, fleet, circuits)
     fleet.prober.on_back = circuits.worker_back
-    state = (telemetry.pairs, index, kv.feed, lambda: fleet.discovery.status, circuits)
-    metrics.registry.register(
-        RouterStateCollector(pool, *state, telemetry.agreement, telemetry.states)
-    )
     pipeline = Pipeline(
         pool,
         adapter,
@@ -272,6 +272,7 @@ def _build_parts(
         session_settings=settings.session,
         model_aliases=settings.policy.model_aliases,
         agreement=telemetry.agreement,
+        admission=settings.admission,
     )
     outlier = OutlierDetector(
         pool,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from router.leg_stats import LegStats
@@ -20,6 +21,7 @@ class _Counted(Protocol):
     rank_pending_tokens: list[int]
     host_load: HostLoad | None
     legs: LegStats
+    leg_ended: Callable[[], None] | None
 
 
 class LegLoad:
@@ -67,3 +69,5 @@ class LegLoad:
             if self._host is not None:
                 self._host.add(self._slot, LEGS, -1)
                 self._host.add(self._slot, TOKENS, -self.tokens)
+        if worker.leg_ended is not None:  # --queue-at-worker-caps: a place came free
+            worker.leg_ended()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -84,6 +85,7 @@ class Worker:
     # is a candidate for any model (``WorkerPool.set_models``, router.scheduling.model_pools)
     models: frozenset[str] = frozenset()
     models_declared: bool = False  # from its spec or record: never replaced by what it lists
+    leg_ended: Callable[[], None] | None = None  # each leg's end (router.pipeline.worker_queue)
     # Resolved (with the reason) when this prefill is lost: requests waiting for its KV give up.
     _loss: asyncio.Future[str] | None = None
 
@@ -285,11 +287,13 @@ class WorkerPool(Generic[C]):
         self.models: frozenset[str] = frozenset()
         self.wildcards = False
         self._pools: dict[str, tuple[list[Worker], ...]] = {}
+        self.leg_ended: Callable[[], None] | None = None  # set before workers are added
 
     def add(self, worker: Worker, client: C) -> None:
         if self._board is not None:
             worker.host_load = HostLoad(self._board, worker.id, worker.dp_size)
         worker.fleet_load = self._fleet
+        worker.leg_ended = self.leg_ended
         self._workers[worker.id] = worker
         self._clients[worker.id] = client
         self._rebuild()

@@ -12,12 +12,14 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from router.api.request_body import BodyShare, parse_in_turn, read_body
 from router.api.tenant_admission import admit_tenant
-from router.api.urgency import admit_request
+from router.api.urgency import admit_request, request_urgency
 from router.context import AppContext
 from router.errors import (
     InvalidRequest,
@@ -30,6 +32,7 @@ from router.interrupt import ClientDisconnected
 from router.observability.logs import REQUEST_ID
 from router.observability.receipt import RoutingReceipt
 from router.observability.tracing import TraceSpan
+from router.pipeline.admission_queue import Urgency
 from router.pipeline.responder import Responder
 from router.scheduling.session_pins import SessionAsk
 from router.schemas import (
@@ -170,6 +173,7 @@ async def _admit_and_route(
                 routing.receipt,
                 routing.span,
                 routing.session,
+                urgency_of(ctx, request, routing),
             )
         finally:
             if settings.features.admission:
@@ -178,6 +182,16 @@ async def _admit_and_route(
         disconnected.cancel()
         if admitted is not None:  # corrected by the usage the answer reported (if any)
             await admitted.finish(routing.receipt.used_tokens)
+
+
+def urgency_of(
+    ctx: AppContext, request: ParsedRequest, routing: _Routing
+) -> Callable[[], Urgency] | None:
+    """The request's urgency, worked out only if it waits in the worker queue (None: the
+    router has none)."""
+    if ctx.pipeline.worker_queue is None:
+        return None
+    return partial(request_urgency, ctx, request, routing.tenant, routing.client_headers)
 
 
 def authenticate(

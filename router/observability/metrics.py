@@ -215,12 +215,28 @@ class RouterMetrics:
             registry=registry,
         )
 
+        self.worker_queue_depth = Gauge(
+            "pdr_worker_queue_depth",
+            "Admitted requests waiting for a worker below its in-flight cap "
+            "(--queue-at-worker-caps)",
+            registry=registry,
+        )
+        self.worker_queue_wait = Histogram(
+            "pdr_worker_queue_wait_seconds",
+            "Time requests that had to wait spent waiting for a worker below its in-flight cap, "
+            "by priority band",
+            ["priority"],
+            buckets=_STAGE_BUCKETS,
+            registry=registry,
+        )
+
     def _start_known_labels(self) -> None:
         """Known label values start at 0: rate() sees the first failure, dashboards show 0."""
         for reason in ADMISSION_REJECT_REASONS:
             self._child(self.admission_rejected, (reason,))
         for band in PRIORITY_BANDS:
             self._child(self.admission_wait, (band,))
+            self._child(self.worker_queue_wait, (band,))
         for role in ROLES:
             self._child(self.retries, (role,))
             for kind in UPSTREAM_ERROR_KINDS:

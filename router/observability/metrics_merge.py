@@ -60,6 +60,7 @@ GAUGE_POLICIES: Mapping[str, Policy] = MappingProxyType(
             "pdr_requests_inflight",
             "pdr_admission_queue_depth",
             "pdr_admission_queued",
+            "pdr_worker_queue_depth",
             "pdr_event_loop_tasks",
             "pdr_worker_inflight",
             "pdr_prefill_pending_tokens",

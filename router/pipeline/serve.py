@@ -21,18 +21,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from router.adapters import PDAdapter
-from router.errors import NoWorkerAvailable, UpstreamError
+from router.errors import NoWorkerAvailable, UpstreamError, WorkersBusy
 from router.fleet.circuit_breaker import Circuits, build_circuits
 from router.observability.agreement import AgreementBoard
 from router.observability.metrics import RouterMetrics
 from router.observability.pair_ledger import PairLedger
 from router.observability.receipt import RoutingReceipt
 from router.observability.tracing import TraceSpan
+from router.pipeline.admission_queue import NORMAL, Urgency
 from router.pipeline.attempt import Attempt, AttemptKit
 from router.pipeline.pd_attempt import PDAttempt
 from router.pipeline.responder import Responder
 from router.pipeline.sample_split import SampleSplit
 from router.pipeline.verdicts import Verdicts, retryable
+from router.pipeline.worker_queue import queue_at_caps
 from router.scheduling.chooser import Route, RouteChooser
 from router.scheduling.features import Featurizer
 from router.scheduling.model_pools import ModelPools
@@ -41,6 +43,7 @@ from router.scheduling.session_affinity import SessionAffinity
 from router.scheduling.session_pins import SessionAsk
 from router.schemas import ParsedRequest
 from router.settings import (
+    AdmissionSettings,
     CacheAwareSettings,
     CircuitBreakerSettings,
     HealthSettings,
@@ -88,11 +91,14 @@ class Pipeline:
         session_settings: SessionSettings | None = None,
         model_aliases: Mapping[str, str] | None = None,
         agreement: AgreementBoard | None = None,
+        admission: AdmissionSettings | None = None,
     ) -> None:
         """``policies``: a fresh (prefill, decode) policy pair, for the fleet and for each
         model's pool (``router.scheduling.model_pools``); ``session_settings``: session
         affinity (default: on, with the default header; an empty header: off); ``agreement``:
-        where the prefill legs' predicted and actual cached tokens go (None: nowhere)."""
+        where the prefill legs' predicted and actual cached tokens go (None: nowhere);
+        ``admission``: with ``queue_at_worker_caps``, requests wait for a worker below its
+        in-flight cap (``router.pipeline.worker_queue``) instead of 429."""
         self._receipts = receipts  # the x-pdr-* response headers
         self.circuits = circuits or build_circuits(health_settings, CircuitBreakerSettings())
         self._adapter = adapter
@@ -106,17 +112,9 @@ class Pipeline:
         def chooser(model: str | None) -> RouteChooser:
             prefill_policy, decode_policy = policies()
             return RouteChooser(
-                pool,
-                adapter.decode_can_prefill,
-                prefill_policy,
-                decode_policy,
-                metrics,
-                cache,
-                featurizer,
-                self.circuits,
-                self.sessions,
-                model,
-            )
+                pool, adapter.decode_can_prefill, prefill_policy, decode_policy, metrics, cache,
+                featurizer, self.circuits, self.sessions, model,
+            )  # fmt: skip
 
         self.chooser = chooser(None)  # the whole fleet's
         self.models = ModelPools(pool, self.chooser, chooser, model_aliases or {})
@@ -127,6 +125,7 @@ class Pipeline:
         )  # fmt: skip
         self._settings = upstream_settings
         self._kit = AttemptKit(pool, adapter, upstream_settings, self._verdicts, metrics, agreement)
+        self.worker_queue = queue_at_caps(pool, admission, metrics) if admission else None
 
     async def handle(
         self,
@@ -137,12 +136,14 @@ class Pipeline:
         receipt: RoutingReceipt | None = None,
         trace: TraceSpan | None = None,
         session: SessionAsk | None = None,
+        urgency: Callable[[], Urgency] | None = None,
     ) -> None:
         """Serve ``request``; raises RouterError for the caller to render, or ClientDisconnected.
 
         ``receipt`` gets where the request went and how long each stage took (also sent as
         ``x-pdr-*`` response headers); ``trace``: the request's span, when tracing is on;
-        ``session``: the session the request names (its pin is followed and refreshed)."""
+        ``session``: the session the request names (its pin is followed and refreshed);
+        ``urgency``: its place in the worker queue, worked out when it must wait there."""
         self._adapter.check(request)
         chooser = self.models.chooser_for(request)
         receipt = receipt if receipt is not None else RoutingReceipt()
@@ -153,12 +154,12 @@ class Pipeline:
             split = SampleSplit(request, responder, self._settings.max_answer_bytes)
             await split.run(
                 lambda part, sink: self._serve(
-                    chooser, part, headers, sink, disconnected, receipt, trace, session
+                    chooser, part, headers, sink, disconnected, receipt, trace, session, urgency
                 )
             )
             return
         await self._serve(
-            chooser, request, headers, responder, disconnected, receipt, trace, session
+            chooser, request, headers, responder, disconnected, receipt, trace, session, urgency
         )
 
     async def _serve(
@@ -171,6 +172,7 @@ class Pipeline:
         receipt: RoutingReceipt,
         trace: TraceSpan | None,
         session: SessionAsk | None = None,
+        urgency: Callable[[], Urgency] | None = None,
     ) -> None:
         attempts = self._settings.max_retries + 1
         failed: set[str] = set()
@@ -180,7 +182,11 @@ class Pipeline:
         features = await chooser.features(request)
         for attempt in range(1, attempts + 1):
             try:
-                route = chooser.route(failed, features, count=attempt == 1, session=session)
+                if self.worker_queue is None:
+                    route = chooser.route(failed, features, count=attempt == 1, session=session)
+                else:
+                    asked = (failed, features, attempt == 1, session, disconnected, urgency)
+                    route = await self._route_in_turn(chooser, *asked)
             except NoWorkerAvailable as exc:
                 if span is not None:
                     span.fail(exc)
@@ -204,20 +210,60 @@ class Pipeline:
                 may_retry = retryable(exc) or bool(route.trials) and is_worker_fault(exc)
                 if not may_retry or responder.started or attempt == attempts:
                     raise
-                last_error = exc
-                culprit = route.prefill if exc.role == "prefill" else route.decode
-                failed.add((culprit or route.decode).id)
-                self._metrics.count(self._metrics.retries, exc.role)
-                logger.warning(
-                    "attempt %d failed before any byte was sent, retrying: %s",
-                    attempt,
-                    exc.message,
-                )
+                last_error = self._retrying(exc, route, failed, attempt)
             finally:
                 for breaker in route.trials:  # a trial without a verdict frees its permit
                     breaker.end_trial()
             started = time.perf_counter()
             span = trace.child("pdr.route") if trace is not None else None
+
+    def _retrying(
+        self, exc: UpstreamError, route: Route, failed: set[str], attempt: int
+    ) -> UpstreamError:
+        """Note a failed attempt that will be retried (its culprit avoided); returns ``exc``."""
+        culprit = route.prefill if exc.role == "prefill" else route.decode
+        failed.add((culprit or route.decode).id)
+        self._metrics.count(self._metrics.retries, exc.role)
+        logger.warning(
+            "attempt %d failed before any byte was sent, retrying: %s", attempt, exc.message
+        )
+        return exc
+
+    async def _route_in_turn(
+        self,
+        chooser: RouteChooser,
+        failed: set[str],
+        features: Any,
+        first: bool,
+        session: SessionAsk | None,
+        disconnected: asyncio.Future[Any],
+        urgency: Callable[[], Urgency] | None,
+    ) -> Route:
+        """The route choice, waiting in the worker queue (most urgent first) while every
+        candidate is at its in-flight cap or others wait before it; within the queue timeout
+        over all its waits."""
+        queue = self.worker_queue
+        assert queue is not None
+        model = chooser.model
+        busy = False
+        ends = 0.0
+        while True:
+            handed = busy or queue.waiting(model)
+            if handed:
+                now = time.monotonic()
+                ends = ends or now + queue.timeout_s
+                place = NORMAL if urgency is None else urgency()
+                await queue.wait(model, place, disconnected, ends - now)
+            try:
+                route = chooser.route(failed, features, count=first, session=session)
+            except WorkersBusy:  # at the caps (or taken meanwhile: another process)
+                busy = True
+                continue
+            finally:
+                if handed:
+                    queue.routed(model)
+            queue.chosen(route.prefill, route.decode)
+            return route
 
     def _routed(
         self,

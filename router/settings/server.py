@@ -168,6 +168,14 @@ class AdmissionSettings(BaseModel):
         json_schema_extra=cli("--max-inflight-per-decode", default="--max-inflight-per-worker"),
     )
     """the same for decode workers only"""
+    queue_at_worker_caps: bool = Field(
+        default=False, json_schema_extra=cli("--queue-at-worker-caps", switch=True)
+    )
+    """a request that finds every candidate worker of its model at its in-flight cap waits in
+    the router's worker queue (ordered as the admission queue: most urgent first, fair between
+    tenants; at most `--queue-timeout` or its deadline) until a leg ends, instead of 429: the
+    engines then queue at most their cap, the router orders the rest (a second stage of
+    admission, in front of the workers)"""
     capacity_backoff_s: float = Field(
         default=1.0, ge=0, json_schema_extra=cli("--capacity-backoff")
     )

@@ -1,0 +1,220 @@
+"""At the workers' in-flight caps, requests wait in the router's worker queue, most urgent first
+and fair between tenants, instead of 429 or a place in an engine's first-come queue (issue 25:
+the second stage of admission, ``--queue-at-worker-caps``).
+
+The real router in front of fake engines on 127.0.0.1 (one prefill capped at one leg, held open
+by a request whose client then leaves), then the queue alone against a worker pool whose counts
+the test sets, to show that a free place is never promised twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from router.errors import WorkersBusy
+from router.pipeline.admission_queue import Urgency
+from router.pipeline.worker_queue import WorkerQueue, queue_at_caps
+from router.settings import AdmissionSettings
+from router.workers import Role, Worker, WorkerPool
+from testkit.fake_cluster import FakeCluster, FakeClusterFactory
+from testkit.fake_engine import FakeEngine
+from testkit.polling import await_until
+from tests.router.pipeline.test_admission import (
+    COMPLETION,
+    assert_shed,
+    hang_up,
+    held_at,
+    metric,
+    rejected,
+)
+
+WAIT_S = 10.0
+QUEUED = {"max_inflight_per_prefill": 1, "queue_at_worker_caps": True}
+
+
+def ask(
+    client: httpx.AsyncClient, prompt: str, headers: dict[str, str] | None = None
+) -> asyncio.Task[httpx.Response]:
+    body = {**COMPLETION, "prompt": prompt}
+    return asyncio.create_task(client.post("/v1/completions", json=body, headers=headers))
+
+
+async def queued(cluster: FakeCluster, count: int) -> None:
+    await await_until(
+        lambda: metric(cluster, "pdr_worker_queue_depth") == count,
+        WAIT_S,
+        f"{count} requests waiting for a worker",
+    )
+
+
+async def hold_the_prefill(
+    client: httpx.AsyncClient, prefill: FakeEngine
+) -> list[asyncio.Task[httpx.Response]]:
+    """One request holds the prefill's only place until its client leaves."""
+    prefill.config.hang = True
+    held = [ask(client, "held")]
+    await await_until(lambda: held_at(prefill, 1), WAIT_S, "a request held at the prefill")
+    prefill.config.hang = False  # those that come later answer
+    return held
+
+
+def prompts(engine: FakeEngine) -> list[str]:
+    return [record.body["prompt"] for record in engine.records]
+
+
+async def test_at_the_cap_requests_wait_and_the_most_urgent_goes_first(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    cluster = make_cluster("vllm-nixl", admission=QUEUED)
+    prefill = cluster.prefills[0]
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
+        held = await hold_the_prefill(client, prefill)
+        waiting: list[asyncio.Task[httpx.Response]] = []
+        for name, priority in (("batch-1", "1"), ("batch-2", "1"), ("interactive", "-1")):
+            waiting.append(ask(client, name, {"x-priority": priority}))
+            await queued(cluster, len(waiting))
+        assert prompts(prefill) == ["held"]  # nobody passed the cap, nobody got 429
+        await hang_up(held)
+        responses = await asyncio.gather(*waiting)
+    assert [response.status_code for response in responses] == [200, 200, 200]
+    # one at a time, the most urgent first, then the batch in arrival order
+    assert prompts(prefill) == ["held", "interactive", "batch-1", "batch-2"]
+    assert metric(cluster, "pdr_worker_queue_depth") == 0
+    waits = metric(cluster, "pdr_worker_queue_wait_seconds_count", 'priority="low"')
+    assert waits == 2
+    cluster.wait_idle()
+
+
+async def test_tenants_take_turns_at_the_cap(
+    make_cluster: FakeClusterFactory, tmp_path: Path
+) -> None:
+    keys = {"a": "sk-team-a-0123456789abcdef", "b": "sk-team-b-0123456789abcdef"}
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(
+        "tenants:\n" + "".join(f"  team-{t}:\n    keys: [{k}]\n" for t, k in keys.items())
+    )
+    cluster = make_cluster("sglang", admission=QUEUED, auth={"api_keys": keys_file})
+    prefill = cluster.prefills[0]
+    auth = {tenant: {"authorization": f"Bearer {key}"} for tenant, key in keys.items()}
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
+        prefill.config.hang = True
+        held = [ask(client, "held", auth["a"])]
+        await await_until(lambda: held_at(prefill, 1), WAIT_S, "a request held at the prefill")
+        prefill.config.hang = False
+        waiting = []
+        for name in ("a-1", "a-2", "a-3", "b-1"):  # tenant a floods first
+            waiting.append(ask(client, name, auth[name[0]]))
+            await queued(cluster, len(waiting))
+        await hang_up(held)
+        responses = await asyncio.gather(*waiting)
+    assert [response.status_code for response in responses] == [200] * 4
+    assert prompts(prefill) == ["held", "a-1", "b-1", "a-2", "a-3"]  # b's turn before a's backlog
+
+
+async def test_a_wait_past_the_timeout_is_429_and_past_its_deadline_503(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    cluster = make_cluster("vllm-nixl", admission={**QUEUED, "queue_timeout_s": 0.5})
+    prefill = cluster.prefills[0]
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
+        held = await hold_the_prefill(client, prefill)
+        response = await ask(client, "late")
+        assert_shed(response)
+        assert "stayed at its in-flight cap" in response.json()["error"]["message"]
+        response = await ask(client, "urgent", {"x-deadline-ms": "100"})
+        assert_shed(response, 503)
+        assert "deadline passed" in response.json()["error"]["message"]
+        assert prompts(prefill) == ["held"]
+        await hang_up(held)
+    assert rejected(cluster, "worker_cap") == 1
+    assert rejected(cluster, "deadline") == 1
+    cluster.wait_idle()
+
+
+async def test_a_client_that_leaves_the_worker_queue_passes_its_place_on(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    cluster = make_cluster("vllm-nixl", admission=QUEUED)
+    prefill = cluster.prefills[0]
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
+        held = await hold_the_prefill(client, prefill)
+        leaver = ask(client, "leaver")
+        await queued(cluster, 1)
+        stayer = ask(client, "stayer")
+        await queued(cluster, 2)
+        await hang_up([leaver])
+        await queued(cluster, 1)
+        await hang_up(held)
+        assert (await stayer).status_code == 200
+    assert prompts(prefill) == ["held", "stayer"]
+    cluster.wait_idle()
+
+
+# --------------------------------------------------------------------------- the queue alone
+
+
+def capped_pool(cap: int) -> tuple[WorkerPool[None], Worker, WorkerQueue]:
+    settings = AdmissionSettings(max_inflight_per_prefill=cap, queue_at_worker_caps=True)
+    pool: WorkerPool[None] = WorkerPool(needs_engine_ids=False, caps=settings.worker_caps())
+    queue = queue_at_caps(pool, settings)
+    assert queue is not None
+    prefill = Worker(Role.PREFILL, "http://127.0.0.1:9000", healthy=True)
+    pool.add(prefill, None)
+    pool.add(Worker(Role.DECODE, "http://127.0.0.1:9001", healthy=True), None)
+    return pool, prefill, queue
+
+
+def start_leg(worker: Worker) -> Any:
+    """A leg at ``worker`` as the pipeline runs one (``Worker.load``), started now."""
+    leg = worker.load()
+    leg.__enter__()
+    return leg
+
+
+async def test_a_free_place_is_handed_to_one_waiter_until_its_leg_started() -> None:
+    _, prefill, queue = capped_pool(1)
+    never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    running = start_leg(prefill)
+    first = asyncio.create_task(queue.wait(None, Urgency(), never))
+    second = asyncio.create_task(queue.wait(None, Urgency(), never))
+    await await_until(lambda: queue.queued == 2, WAIT_S, "two waiters")
+    assert queue.waiting(None)
+    running.__exit__(None, None, None)  # the leg ends: its place goes to the first waiter
+    await first
+    assert not second.done() and queue.queued == 1
+    queue.notify()  # a place handed out and not yet taken is not free
+    queue.routed(None)  # the first made its choice ...
+    queue.chosen(prefill, None)
+    queue.notify()  # ... and its leg has not started yet (a prefill leg starts in a task)
+    await asyncio.sleep(0)
+    assert not second.done()
+    leg = start_leg(prefill)  # now it has
+    queue.notify()
+    await asyncio.sleep(0)
+    assert not second.done()
+    leg.__exit__(None, None, None)
+    await second
+    queue.routed(None)
+    assert queue.room(None) == 1 and not queue.waiting(None)
+    never.cancel()
+
+
+async def test_the_worker_queue_is_bounded() -> None:
+    _, prefill, queue = capped_pool(1)
+    start_leg(prefill)
+    never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    settings = AdmissionSettings(
+        max_inflight_per_prefill=1, queue_at_worker_caps=True, max_queued_requests=1
+    )
+    small = WorkerQueue(queue._pool, settings)  # noqa: SLF001 - the same pool, one place
+    waiter = asyncio.create_task(small.wait(None, Urgency(), never, None))
+    await await_until(lambda: small.queued == 1, WAIT_S, "one waiter")
+    with pytest.raises(WorkersBusy, match="1 requests wait"):
+        await small.wait(None, Urgency(), never, None)
+    waiter.cancel()
+    never.cancel()
