@@ -1,24 +1,28 @@
 """Flow control under overload through ``pd-cluster`` (issue 25 item 6, figures (a) and (b)).
 
     python -m bench.load.flow_control [--engine sglang] [--duration 60] [--alone 30]
-        [--max-concurrent 32] [--queue-timeout 10] [--priority-aging 30] [--json OUT]
-        [-- PD-WORKER ARGS...]
+        [--max-concurrent 0] [--queue-timeout 10] [--priority-aging 30] [--prefill-cap 1]
+        [--json OUT] [-- PD-WORKER ARGS...]
 
 pd-cluster (``--prefills`` prefill workers, 4, and 1 decode; 127.0.0.1; stopped at the end) runs the
 router with ``--api-keys`` (four tenants of weight 1: ``tenant-a``, ``tenant-b``,
-``interactive``, ``batch``), ``--max-concurrent-requests C`` and simulated workers whose
-requests take a known time (``--compute-s-per-token``, ``--decode-s-per-token``): the engines
-never refuse, so the router's C slots are the fleet's capacity, ``C / service time`` requests/s.
-The service time is measured first (a few requests, unloaded). Each request asks for
-``--max-tokens`` (16) +- ``--spread`` (50%) tokens, uniform, as real outputs differ in length:
-with one length for all, the requests admitted together at the onset would end together, and
-the next ones be admitted together, forever, in waves that queue at the prefills.
+``interactive``, ``batch``), ``--max-concurrent-requests C`` (0: no limit, the default) and
+``--max-inflight-per-prefill N --queue-at-worker-caps`` (``--prefill-cap N``, 1; 0: neither),
+in front of simulated workers whose requests take a known time (``--compute-s-per-token``,
+``--decode-s-per-token``) and that never refuse. Each prefill computes one prompt at a time, so
+with a cap of 1 it holds one leg and the requests beyond wait in the router's worker queue,
+ordered as the admission queue (priority, tenants' turns), instead of first come first served at
+the prefills. The capacity is the smaller of the slots' (``C / service time``) and the prefills'
+places' (``prefills x N / TTFT``), from a few unloaded requests measured first. Each request asks
+for ``--max-tokens`` (16) +- ``--spread`` (50%) tokens, uniform, as real outputs differ in
+length: with one length for all, the requests admitted together at the onset would end
+together, and the next ones be admitted together, forever, in waves that queue at the prefills.
 
 All load is open loop (one request every ``1 / rate`` s per stream, streaming completions; TTFT
 is the time to the first SSE event with text):
 
 The loaded phases are reported whole and without their first ``--warmup`` s (20: the onset,
-when the C slots free at the start are taken at once and the prefills work off that burst).
+when the places free at the start are taken at once and the prefills work off that burst).
 
 * (a) fairness: tenant B alone at ``--b-load`` (0.4) of capacity, within its share (half:
   equal weights); then B again while tenant A floods at ``--flood`` (10) times its share for
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -87,9 +92,10 @@ class FlowConfig:
     calibrate_rate: float = 1.0
     warmup_s: float = 20.0  # of each loaded phase: its onset, reported apart
     prefills: int = 4
-    max_concurrent: int = 48
+    max_concurrent: int = 0  # admission slots (0: no limit; the prefills' places bound it)
     queue_timeout_s: float = 10.0
     priority_aging_s: float = 30.0
+    prefill_cap: int = 1  # legs per prefill at once; the rest wait in the router (0: none)
     b_load: float = 0.4  # B's offered rate, of capacity (its share is half)
     flood: float = 10.0  # A's offered rate, of its share (half of capacity)
     interactive: float = 0.25  # interactive's offered rate, of capacity
@@ -118,6 +124,8 @@ def router_flags(cfg: FlowConfig, keys_path: Path) -> list[str]:
         "--queue-timeout", f"{cfg.queue_timeout_s:g}",
         "--priority-aging", f"{cfg.priority_aging_s:g}",
     ]  # fmt: skip
+    if cfg.prefill_cap:  # the second stage: the router orders what the prefills would queue
+        router += ["--max-inflight-per-prefill", str(cfg.prefill_cap), "--queue-at-worker-caps"]
     return [f"--router-arg={arg}" for arg in router]
 
 
@@ -175,6 +183,7 @@ class _Bench:
     cfg: FlowConfig
     cluster: _Served
     service_s: float = 0.0
+    prefill_s: float = 0.0
 
     def phase(self, streams: Sequence[Stream], duration_s: float, seed: int) -> list[Outcome]:
         if self.cluster.child.exit_code is not None:
@@ -192,15 +201,31 @@ class _Bench:
             seed=seed,
         )
 
-    def calibrate(self) -> float:
-        """The unloaded service time (s per request, send to end of stream); capacity."""
+    def calibrate(self) -> tuple[float, str]:
+        """The unloaded service time (s per request, send to end of stream) and TTFT (how long
+        a request holds a prefill's place); the capacity, and what bounds it: the slots
+        (C / service time) or, with ``--prefill-cap``, the prefills' places (prefills x cap /
+        TTFT), whichever is smaller."""
         stream = Stream("calibrate", KEYS["tenant-b"], self.cfg.calibrate_rate)
         outcomes = self.phase([stream], self.cfg.calibrate_s, seed=1)
         spans = [o.done_s - o.sent_s for o in outcomes if o.done_s is not None]
         if not spans or len(spans) < len(outcomes):
             raise BenchError(f"calibration: {len(spans)} of {len(outcomes)} requests completed")
         self.service_s = sum(spans) / len(spans)
-        return self.cfg.max_concurrent / self.service_s
+        ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None]
+        self.prefill_s = sum(ttfts) / len(ttfts) if ttfts else self.service_s
+        cfg = self.cfg
+        # --max-concurrent 0: no admission limit, the prefills' places are the capacity
+        slots = cfg.max_concurrent / self.service_s if cfg.max_concurrent else math.inf
+        note = f"= {cfg.max_concurrent} slots / {self.service_s:.2f} s per request"
+        if cfg.prefill_cap:
+            places = cfg.prefills * cfg.prefill_cap / self.prefill_s
+            if places < slots:
+                return places, (
+                    f"= {cfg.prefills} prefills x {cfg.prefill_cap} / {self.prefill_s:.3f} s TTFT;"
+                    f" the slots would allow {slots:.2f}"
+                )
+        return slots, note
 
 
 def _fairness(bench: _Bench, capacity: float) -> tuple[list[StreamSummary], float]:
@@ -245,7 +270,7 @@ def run_bench(cfg: FlowConfig) -> FlowReport:
     """Start pd-cluster, calibrate, run (a) and (b), stop it (whatever happens)."""
     with sigterm_raises(), _cluster(cfg) as cluster:
         bench = _Bench(cfg, cluster)
-        capacity = bench.calibrate()
+        capacity, capacity_note = bench.calibrate()
         fair, flood_rps = _fairness(bench, capacity)
         prio, batch_windows, overload_rps = _priority(bench, capacity)
     summaries = [*fair, *prio]
@@ -276,6 +301,8 @@ def run_bench(cfg: FlowConfig) -> FlowReport:
         flood_rps,
         overload_rps,
         verdicts,
+        bench.prefill_s,
+        capacity_note,
     )
 
 
@@ -293,6 +320,12 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
     p.add_argument("--max-concurrent", type=int, default=defaults.max_concurrent)
     p.add_argument("--queue-timeout", type=float, default=defaults.queue_timeout_s)
     p.add_argument("--priority-aging", type=float, default=defaults.priority_aging_s)
+    p.add_argument(
+        "--prefill-cap",
+        type=int,
+        default=defaults.prefill_cap,
+        help="router --max-inflight-per-prefill with --queue-at-worker-caps (0: neither)",
+    )
     p.add_argument("--flood", type=float, default=defaults.flood, help="A's rate / its share")
     p.add_argument("--b-load", type=float, default=defaults.b_load, help="B's rate / capacity")
     p.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
@@ -306,13 +339,17 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
     for name in ("duration", "alone", "calibrate", "queue_timeout", "flood", "b_load"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
-    for name in ("prefills", "max_concurrent", "prompt_tokens", "max_tokens"):
+    if args.max_concurrent < 0 or not (args.max_concurrent or args.prefill_cap):
+        p.error("--max-concurrent must be positive (or 0, no limit, with a --prefill-cap)")
+    for name in ("prefills", "prompt_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.spread < 1:
         p.error("--spread must be at least 0 and below 1")
     if not 0 <= args.warmup < args.duration:
         p.error("--warmup must be at least 0 and less than --duration")
+    if args.prefill_cap < 0:
+        p.error("--prefill-cap must be 0 (off) or positive")
     if args.priority_aging < 0:
         p.error("--priority-aging must be 0 (off) or positive")
     extra = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
@@ -327,6 +364,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
         max_concurrent=args.max_concurrent,
         queue_timeout_s=args.queue_timeout,
         priority_aging_s=args.priority_aging,
+        prefill_cap=args.prefill_cap,
         flood=args.flood,
         b_load=args.b_load,
         prompt_tokens=args.prompt_tokens,

@@ -63,6 +63,8 @@ class FlowReport(msgspec.Struct, frozen=True):
     flood_throughput_rps: float  # completions/s of both tenants during the flood (a)
     overload_throughput_rps: float  # completions/s of both classes at 2x capacity (b)
     verdicts: list[Verdict]
+    prefill_s: float = 0.0  # unloaded TTFT: how long a request holds a prefill's place
+    capacity_note: str = ""  # what bounds the capacity: the slots or the prefills' places
 
     def summary(self, phase: str, label: str) -> StreamSummary | None:
         found = [s for s in self.summaries if s.phase == phase and s.label == label]
@@ -177,6 +179,10 @@ def _row(s: StreamSummary) -> str:
     )
 
 
+def _caps(cap: object) -> str:
+    return f" --max-inflight-per-prefill {cap} --queue-at-worker-caps" if cap else ""
+
+
 def render(report: FlowReport) -> str:
     """The markdown report: the setting, the streams, the verdicts."""
     cfg = report.config
@@ -185,12 +191,14 @@ def render(report: FlowReport) -> str:
     lines = [
         f"flow_control: pd-cluster {cfg.get('prefills')}P1D --engine {cfg.get('engine')}, router "
         f"--max-concurrent-requests {cfg.get('max_concurrent')} --queue-timeout "
-        f"{cfg.get('queue_timeout_s')} --priority-aging {cfg.get('priority_aging_s')}; "
+        f"{cfg.get('queue_timeout_s')} --priority-aging {cfg.get('priority_aging_s')}"
+        f"{_caps(cfg.get('prefill_cap'))}; "
         f"prompt {cfg.get('prompt_tokens')} tokens, max_tokens {cfg.get('max_tokens')} "
         f"+- {100 * float(str(cfg.get('spread', 0.0))):.0f}%; "
         f"worker args: {args or '(defaults)'}",
-        f"capacity: {report.capacity_rps:.2f} req/s (= {cfg.get('max_concurrent')} slots / "
-        f"{report.service_s:.2f} s per request, measured unloaded); completions during the "
+        f"capacity: {report.capacity_rps:.2f} req/s ({report.capacity_note or 'slots'}); "
+        f"unloaded: {report.service_s:.2f} s per request, TTFT {report.prefill_s:.3f} s; "
+        f"completions during the "
         f"flood (a) {report.flood_throughput_rps:.2f} req/s, at 2x capacity (b) "
         f"{report.overload_throughput_rps:.2f} req/s",
         "",

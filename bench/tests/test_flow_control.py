@@ -4,6 +4,7 @@ schedule's bounds, the options, the keys files, the figures and their verdicts).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -73,12 +74,20 @@ def test_options_become_the_config() -> None:
     assert (cfg.duration_s, cfg.alone_s, cfg.priority_aging_s) == (30.0, 5.0, 0.0)
     assert (cfg.flood, cfg.max_concurrent, cfg.json_out) == (4.0, 8, Path("out.json"))
     assert cfg.worker_args == ("--decode-s-per-token", "0.5")
+    assert (
+        cfg.prefill_cap,
+        parse_args("--prefill-cap 0 --max-concurrent 8".split()).prefill_cap,
+    ) == (1, 0)
     assert parse_args([]).worker_args == FlowConfig().worker_args
 
 
 @pytest.mark.parametrize(
     "argv",
-    ["--duration 0", "--flood -1", "--max-concurrent 0", "--priority-aging -1", "--warmup 60"],
+    [
+        *("--duration 0", "--flood -1", "--max-concurrent -1", "--priority-aging -1"),
+        "--max-concurrent 0 --prefill-cap 0",
+        *("--warmup 60", "--prefill-cap -1"),
+    ],
 )
 def test_bad_options_are_refused(argv: str) -> None:
     with pytest.raises(SystemExit):
@@ -98,7 +107,7 @@ def test_the_keys_files_load_as_the_router_loads_them(tmp_path: Path) -> None:
 
 
 def test_the_router_gets_keys_slots_timeout_and_aging() -> None:
-    cfg = FlowConfig(max_concurrent=12, queue_timeout_s=7.5, priority_aging_s=0.0)
+    cfg = FlowConfig(max_concurrent=12, queue_timeout_s=7.5, priority_aging_s=0.0, prefill_cap=0)
     flags = router_flags(cfg, Path("/k.yaml"))
     assert all(flag.startswith("--router-arg=") for flag in flags)
     values = [flag.removeprefix("--router-arg=") for flag in flags]
@@ -109,6 +118,12 @@ def test_the_router_gets_keys_slots_timeout_and_aging() -> None:
         "--queue-timeout": "7.5",
         "--priority-aging": "0",
     }
+    capped = router_flags(replace(cfg, prefill_cap=2), Path("/k.yaml"))
+    assert capped[len(flags) :] == [
+        "--router-arg=--max-inflight-per-prefill",
+        "--router-arg=2",
+        "--router-arg=--queue-at-worker-caps",
+    ]
 
 
 def test_flow_control_builds_use_keys_and_queue(tmp_path: Path) -> None:

@@ -15,7 +15,9 @@
       "kv_events": [{"worker": url, "dp_rank": 0, **FeedStats.as_dict()}, ...],
       "admission": {"inflight": 3, "queued": 0, "limit": 1024,   # limit null: no limit
                     "max_queued": 2048, "queue_timeout_s": 30.0,
-                    "queued_by_priority": {"high": 0, "normal": 0, "low": 0}},
+                    "queued_by_priority": {"high": 0, "normal": 0, "low": 0},
+                    # --queue-at-worker-caps: admitted, waiting for a worker below its cap
+                    "worker_queue": {"queued": 0, "queued_by_priority": {...}} | null},
       "circuits": [C, ...],                  # breakers open or half-open, as /ready lists them
       "processes": [P, ...] | null,          # router --workers N: the processes that answered
                                              # (null: a router of one process)
@@ -65,6 +67,7 @@ from router.context import AppContext
 from router.kv_cache.event_feed import KVEventFeed
 from router.kv_cache.index import KVBlockIndex
 from router.pipeline.admission import AdmissionGate
+from router.pipeline.worker_queue import WorkerQueue
 from router.settings import AdmissionSettings
 from router.workers import LoadReading, Role, Worker
 
@@ -98,7 +101,7 @@ def status_snapshot(ctx: AppContext) -> dict[str, Any]:
             "since": registry.since,
         },
         "kv_events": _kv_events(pool.prefill, ctx.kv.feed),
-        "admission": _admission(ctx.admission, ctx.settings.admission),
+        "admission": _admission(ctx.admission, ctx.settings.admission, ctx.pipeline.worker_queue),
         "circuits": circuits,
         "replicas": None if ctx.fleet.replicas is None else ctx.fleet.replicas.stats(),
         # this process's session pin table (None: session affinity off)
@@ -132,7 +135,12 @@ def _tenants(ctx: AppContext) -> list[dict[str, Any]] | None:
     ]
 
 
-def _admission(gate: AdmissionGate, settings: AdmissionSettings) -> dict[str, Any]:
+def _admission(
+    gate: AdmissionGate, settings: AdmissionSettings, workers: WorkerQueue | None
+) -> dict[str, Any]:
+    waiting = None
+    if workers is not None:
+        waiting = {"queued": workers.queued, "queued_by_priority": workers.queued_by_band()}
     return {
         "inflight": gate.inflight,
         "queued": gate.queued,
@@ -140,6 +148,7 @@ def _admission(gate: AdmissionGate, settings: AdmissionSettings) -> dict[str, An
         "max_queued": settings.max_queued_requests,
         "queue_timeout_s": settings.queue_timeout_s,
         "queued_by_priority": gate.queued_by_band,
+        "worker_queue": waiting,
     }
 
 

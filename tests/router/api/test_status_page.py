@@ -59,6 +59,7 @@ ADMISSION_KEYS = {
     "max_queued",
     "queue_timeout_s",
     "queued_by_priority",
+    "worker_queue",
 }
 BREAKER_KEYS = {"state", "reason", "retry_in_s", "open_s", "trial_in_flight"}
 DECODE_RANK_KEYS = {"dp_rank", "inflight", "engine"}
@@ -114,6 +115,7 @@ def test_status_data_describes_the_cluster(make_cluster: FakeClusterFactory) -> 
         "max_queued": 2048,
         "queue_timeout_s": 30.0,
         "queued_by_priority": {"high": 0, "normal": 0, "low": 0},
+        "worker_queue": None,  # no --queue-at-worker-caps
     }
     assert data["tenants"] is None  # no --api-keys
 
@@ -236,6 +238,7 @@ async def test_snapshot_shows_admission_against_its_limits_and_open_pair_breaker
             "max_queued": 4,
             "queue_timeout_s": 9.0,
             "queued_by_priority": {"high": 0, "normal": 1, "low": 0},
+            "worker_queue": None,
         }
         ctx.admission.release()  # the slot passes to the queued request
         await waiting

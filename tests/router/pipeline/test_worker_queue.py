@@ -79,6 +79,9 @@ async def test_at_the_cap_requests_wait_and_the_most_urgent_goes_first(
             waiting.append(ask(client, name, {"x-priority": priority}))
             await queued(cluster, len(waiting))
         assert prompts(prefill) == ["held"]  # nobody passed the cap, nobody got 429
+        status = httpx.get(cluster.router_url + "/status/data", timeout=5).json()
+        by_band = {"high": 1, "normal": 0, "low": 2}
+        assert status["admission"]["worker_queue"] == {"queued": 3, "queued_by_priority": by_band}
         await hang_up(held)
         responses = await asyncio.gather(*waiting)
     assert [response.status_code for response in responses] == [200, 200, 200]
