@@ -6,10 +6,14 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import msgspec
 import pytest
+from limits import RateLimitItemPerMinute
+from limits.aio.storage import MemoryStorage
+from limits.aio.strategies import FixedWindowRateLimiter
 
 from router.errors import RateLimited, error_body
 from router.tenancy.headers import duration
 from router.tenancy.limiter import Admitted, TenantLimiter, TenantLimits
+from router.tenancy.windows import Windows
 from tests.router.tenancy.conftest import Clock
 
 MakeLimiter = Callable[..., TenantLimiter]
@@ -249,3 +253,29 @@ def test_limits_are_positive() -> None:
 )
 def test_reset_durations_read_like_openais(seconds: float, text: str) -> None:
     assert duration(seconds) == text
+
+
+async def test_the_memory_windows_count_as_limits_own_fixed_window(clock: Clock) -> None:
+    """The windows increment ``limits``' memory storage synchronously: the same fits,
+    remaining counts and window ends as its fixed-window strategy on its own storage, across a
+    window's end and a refusal."""
+    windows = Windows("memory://", namespace="same")
+    storage = MemoryStorage()
+    reference = FixedWindowRateLimiter(storage)
+    item = RateLimitItemPerMinute(10)
+    ours, theirs = [], []
+    for step, cost in enumerate([3, 4, 5, 3, 1, 9, 2]):
+        clock.advance(60 if step == 4 else 1)  # the first window ends before the fifth hit
+        try:
+            charge = await windows.charge("tokens", "acme", 10, cost)
+            assert charge is not None
+            ours.append((True, charge.remaining, charge.reset_at))
+        except RateLimited as refused:
+            ours.append((False, int(header(refused, "x-ratelimit-remaining-tokens") or -1), None))
+        fits = await reference.hit(item, "acme", cost=cost)
+        if not fits:  # a refused hit is given back (limits' strategy counts it): as on Redis
+            await storage.incr(item.key_for("acme"), item.get_expiry(), -cost)
+        stats = await reference.get_window_stats(item, "acme")
+        theirs.append((fits, stats.remaining, stats.reset_time if fits else None))
+    assert ours == theirs
+    await windows.aclose()
