@@ -315,9 +315,13 @@ def completion_body(
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
-def build_request(host: str, port: int, path: str, body: bytes) -> bytes:
-    """The complete bytes of a keep-alive ``POST`` with a JSON body."""
+def build_request(
+    host: str, port: int, path: str, body: bytes, headers: Sequence[str] = ()
+) -> bytes:
+    """The complete bytes of a keep-alive ``POST`` with a JSON body (``headers``: more
+    ``Name: value`` lines, e.g. an ``Authorization``)."""
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    more = "".join(f"{line}\r\n" for line in headers)
     head = (
         f"POST {path} HTTP/1.1\r\n"
         f"Host: {authority}\r\n"
@@ -325,6 +329,7 @@ def build_request(host: str, port: int, path: str, body: bytes) -> bytes:
         "Accept: */*\r\n"
         "Content-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n"
+        f"{more}"
         "\r\n"
     )
     return head.encode("ascii") + body
@@ -605,6 +610,7 @@ async def run_load(
     path: str = DEFAULT_PATH,
     request_timeout: float = 30.0,
     watch_pids: Mapping[str, int] | None = None,
+    headers: Sequence[str] = (),
 ) -> LoadResult:
     """Run ``concurrency`` closed-loop users against ``host:port`` and measure.
 
@@ -625,7 +631,7 @@ async def run_load(
         requests,
         duration,
         warmup,
-        build_request(host, port, path, body),
+        build_request(host, port, path, body, headers),
         request_timeout,
     )
     return await _measure(_Run(spec), dict(watch_pids or {}))
@@ -733,8 +739,22 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="NAME=PID",
         help="report CPU seconds of this process tree over the measured phase (repeatable)",
     )
+    parser.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="one more request header (repeatable), e.g. an Authorization",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser.parse_args(argv)
+
+
+def _header(line: str) -> str:
+    name, sep, value = line.partition(":")
+    if not sep or not name.strip() or any(c in line for c in "\r\n"):
+        raise ValueError(f"--header expects 'NAME: VALUE' on one line, got {line!r}")
+    return f"{name.strip()}: {value.strip()}"
 
 
 def _target(url: str, path: str | None) -> tuple[str, int, str]:
@@ -750,6 +770,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host, port, path = _target(args.url, args.path)
         check_loopback(host)
         watch = _parse_watch(args.watch)
+        headers = [_header(line) for line in args.header]
     except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"loadgen: {exc}", file=sys.stderr)
         return 2
@@ -772,6 +793,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             path=path,
             request_timeout=args.timeout,
             watch_pids=watch,
+            headers=headers,
         )
     )
     print(msgspec.json.encode(result).decode() if args.json else result.summary())

@@ -18,6 +18,7 @@ from bench.load.peer_stack import DIRECT, OURS, Cell, RunRecord
 
 __all__ = [
     "ALL_OFF",
+    "FLOW",
     "OLD",
     "PEER",
     "BuildInfo",
@@ -39,6 +40,7 @@ __all__ = [
 ALL_OFF = "everything off"
 PEER, OLD = "peer", "old"  # the build names of the peer and of the compare build
 FLOOR_SERVER, FLOOR_PROXY = "floor-server", "floor-proxy"  # the floors' build names
+FLOW = "ours-flow-control"  # ours with API keys, tenant limits and a binding admission queue
 RATIO_LIMIT = 1.0  # ours / peer, per cell (issue 22, requirement 1)
 
 
@@ -294,6 +296,7 @@ class PeersReport(msgspec.Struct, frozen=True):
     ledger: list[LedgerRow]
     failures: list[str]
     floors: list[FloorRow] = []
+    flow: list[CompareRow] = []  # ours with flow control (new) against ours (old)
 
 
 def ledger_builds(builds: Sequence[BuildInfo]) -> list[tuple[str, str]]:
@@ -335,4 +338,5 @@ def make_report(
         ledger=ledger_rows(cells, OURS, ledger_builds(builds), unknown),
         failures=failure_lines(records),
         floors=floor_rows(cells),
+        flow=compare_rows(cells, FLOW, OURS) if "flow" in roles else [],
     )

@@ -86,6 +86,8 @@ class Build:
     source: str | None = None
     features_off: tuple[str, ...] = ()
     shape: str = ""  # a floor's: ``server`` or ``proxy``
+    env: tuple[tuple[str, str], ...] = ()  # more of a build of ours' environment
+    headers: tuple[str, ...] = ()  # more request headers its load sends (``Name: value``)
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,7 @@ def router_env(build: Build, base: Mapping[str, str] | None = None) -> dict[str,
     source = str(REPO_ROOT) if build.source is None else build.source
     if source:
         env["PYTHONPATH"] = source
-    return env | feature_env(build.features_off)
+    return env | feature_env(build.features_off) | dict(build.env)
 
 
 def router_source(build: Build) -> str:
@@ -249,6 +251,7 @@ class EngineStack:
     decode: Child
     direct_extra: dict[str, object]
     routers: dict[str, tuple[Child, int]] = field(default_factory=dict)  # name -> (child, port)
+    headers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> its load's
 
 
 def _is_200(response: httpx.Response) -> bool:
@@ -321,6 +324,7 @@ def engine_stack(
         for build in builds:
             child, port = _start_router(build, engine, result.ports, log_dir)
             result.routers[build.name] = (stack.enter_context(child), port)
+            result.headers[build.name] = build.headers
         deadline = time.monotonic() + startup_timeout
         for build in builds:
             _wait_router(build, *result.routers[build.name], deadline)
@@ -374,7 +378,8 @@ def _loadgen_argv(stack: EngineStack, target: str, cell: Cell, budget: RunBudget
         watch = {"decode": stack.decode.pid}
         return run.loadgen_argv(cfg, stack.ports.decode, spec, watch, stack.direct_extra)
     spec = run.RunSpec("router", cell.concurrency, cell.tokens, cell.stream)
-    return run.loadgen_argv(cfg, router[1], spec, {"router": router[0].pid}, {})
+    headers = stack.headers.get(target, ())
+    return run.loadgen_argv(cfg, router[1], spec, {"router": router[0].pid}, {}, headers)
 
 
 def _timeout(cell: Cell, budget: RunBudget) -> float:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from bench.common.table import or_na, text_table
 from bench.load.peer_report import (
     ALL_OFF,
+    FLOW,
     OLD,
     PEER,
     RATIO_LIMIT,
@@ -87,18 +88,19 @@ def worst_ratio_line(rows: Sequence[MatrixRow]) -> str:
     )
 
 
-def render_compare(summaries: Sequence[CellSummary]) -> list[str]:
-    """Ours (new) vs the compare build (old), markdown."""
+def render_compare(summaries: Sequence[CellSummary], new: str = OURS, old: str = OLD) -> list[str]:
+    """Ours (new) vs the compare build (old), markdown; also the flow-control build (new) vs
+    ours (old)."""
     stats = {(s.engine, s.cell): s for s in summaries}
     lines = [
         "| engine | cell | new µs | old µs | new/old | new +p50 ms | old +p50 ms |",
         "|---|---|---|---|---|---|---|",
     ]
-    for row in compare_rows(summaries, OURS, OLD):
+    for row in compare_rows(summaries, new, old):
         s = stats[(row.engine, row.cell)]
         lines.append(
-            f"| {row.engine} | {row.cell} | {us_text(s.targets.get(OURS))} "
-            f"| {us_text(s.targets.get(OLD))} | {or_na(row.ratio, '.2f')} "
+            f"| {row.engine} | {row.cell} | {us_text(s.targets.get(new))} "
+            f"| {us_text(s.targets.get(old))} | {or_na(row.ratio, '.2f')} "
             f"| {ms_text(row.new_added_p50_ms)} | {ms_text(row.old_added_p50_ms)} |"
         )
     return lines
@@ -190,6 +192,9 @@ def render(report: PeersReport) -> str:
     if report.ledger:
         lines += ["", "ledger: what each feature costs, median(all on) - median(that one off):"]
         lines += render_ledger(report.ledger)
+    if report.flow:
+        lines += ["", f"flow control, {FLOW} (new: keys, tenant limits, a binding queue) vs ours:"]
+        lines += render_compare(report.cells, FLOW, OURS)
     if report.floors:
         lines += ["", "floors: the router's parts without its pipeline (bench.load.floor_app):"]
         lines += render_floors(report.floors)

@@ -5,7 +5,7 @@ fake engines, interleaved and repeated.
         [--concurrency 1,32,128] [--modes stream,non-stream] [--requests 2000] [--duration 10]
         [--repeats 3] [--quick] [--no-peers] [--ledger [--ledger-cells 16:32:stream,...]]
         [--compare-commit REV | --compare-pythonpath DIR] [--compare-python PATH] [--floors]
-        [--json OUT]
+        [--flow-control] [--json OUT]
 
 For each engine protocol one fake prefill + decode pair (``--token-delay 0 --no-check-kv``) and,
 in front of it, long-lived routers started once: ours (``--engine vllm-mooncake`` or
@@ -13,7 +13,9 @@ in front of it, long-lived routers started once: ours (``--engine vllm-mooncake`
 ``.venv-peers``: ``scripts/setup-peers.sh``), optionally an older build of ours (the regression
 guard), ours with one feature switched off at a time (the ledger) and, with ``--floors``, the
 router's own server answering by itself and a bare PD proxy on its server and client
-(``bench.load.floor_app``: what the pipeline costs above its parts, and what a peer leaves).
+(``bench.load.floor_app``: what the pipeline costs above its parts, and what a peer leaves),
+and with ``--flow-control`` ours with client API keys, tenant limits and a binding admission
+queue (``FLOW``: what issue 25's flow control costs a request, in the ledger cells).
 Every run is the load generator in its own process; it samples the CPU time of the router's
 process tree exactly at the start and end of its measured phase. For each repeat every cell runs
 on every router, the order rotated so that whoever goes first changes and drift hits all alike.
@@ -44,6 +46,7 @@ from bench.load import peer_tables, run
 from bench.load.peer_report import (
     FLOOR_PROXY,
     FLOOR_SERVER,
+    FLOW,
     OLD,
     PEER,
     BuildInfo,
@@ -71,6 +74,27 @@ from bench.load.peer_stack import (
 __all__ = ["PeersConfig", "Slot", "config_from_args", "main", "plan_builds", "schedule"]
 
 MODES = {"stream": True, "non-stream": False}
+LEDGER_ROLES = frozenset({"ledger", "flow"})  # builds run in the ledger cells only
+FLOW_KEY = "sk-peers-flow-0123456789abcdef"
+FLOW_CONCURRENCY = 16  # --max-concurrent-requests of FLOW: half the ledger cells' C=32 wait
+
+
+def flow_keys_text() -> str:
+    """FLOW's keys file (YAML): one tenant, with limits that never refuse."""
+    return (
+        f"tenants:\n  bench:\n    keys: [{FLOW_KEY}]\n    requests_per_minute: 1000000000\n"
+        "    tokens_per_minute: 1000000000000\n    max_concurrent: 1000000\n"
+    )
+
+
+def flow_build(keys_path: Path) -> Build:
+    """Ours with API keys (one tenant, its requests, tokens and in-flight limits counted, never
+    reached: ``flow_keys_text``) and ``--max-concurrent-requests FLOW_CONCURRENCY``."""
+    env = (
+        ("PDR_AUTH__API_KEYS", str(keys_path)),
+        ("PDR_ADMISSION__MAX_CONCURRENT_REQUESTS", str(FLOW_CONCURRENCY)),
+    )
+    return Build(FLOW, role="flow", env=env, headers=(f"Authorization: Bearer {FLOW_KEY}",))
 
 
 @dataclass(frozen=True)
@@ -92,6 +116,7 @@ class PeersConfig:
     compare_pythonpath: str | None = None
     compare_commit: str | None = None
     floors: bool = False
+    flow_control: bool = False
     startup_timeout: float = 60.0
     json_out: Path | None = None
     log_dir: Path | None = None
@@ -105,8 +130,13 @@ class PeersConfig:
     def cells(self) -> tuple[Cell, ...]:
         """The matrix, then the ledger cells it lacks (with ``--ledger``)."""
         matrix = tuple(Cell(*c) for c in product(self.tokens, self.concurrency, self.modes))
-        extra = tuple(c for c in self.ledger_cells if c not in matrix) if self.ledger else ()
+        extra = tuple(c for c in self.ledger_cells if c not in matrix) if self.ledger_on else ()
         return matrix + extra
+
+    @property
+    def ledger_on(self) -> bool:
+        """The ledger cells are run: for the ledger or the flow-control build."""
+        return self.ledger or self.flow_control
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +149,11 @@ def ledger_build_name(feature: str) -> str:
 
 
 def plan_builds(
-    cfg: PeersConfig, engine: str, compare_source: str | None, features: Sequence[str] = FEATURES
+    cfg: PeersConfig,
+    engine: str,
+    compare_source: str | None,
+    features: Sequence[str] = FEATURES,
+    keys_path: Path | None = None,
 ) -> list[Build]:
     """Ours, the engine's peer, the compare build, the floors, then one ledger build per feature
     and one with every feature off. ``compare_source``: the compare build's PYTHONPATH (``""``: the
@@ -139,6 +173,8 @@ def plan_builds(
     if cfg.ledger:
         builds += [Build(ledger_build_name(f), role="ledger", features_off=(f,)) for f in features]
         builds.append(Build("ours-all-off", role="ledger", features_off=tuple(features)))
+    if cfg.flow_control and keys_path is not None:
+        builds.append(flow_build(keys_path))
     return builds
 
 
@@ -152,8 +188,9 @@ class Slot:
 
 
 def targets_for(cell: Cell, builds: Sequence[Build], ledger_cells: Sequence[Cell]) -> list[str]:
-    """``direct`` and every build that runs in ``cell`` (ledger builds in ledger cells only)."""
-    names = [b.name for b in builds if b.role != "ledger" or cell in ledger_cells]
+    """``direct`` and every build that runs in ``cell`` (ledger and flow-control builds in
+    ledger cells only)."""
+    names = [b.name for b in builds if b.role not in LEDGER_ROLES or cell in ledger_cells]
     return [DIRECT, *names]
 
 
@@ -222,7 +259,7 @@ def run_engine(
 ) -> list[RunRecord]:
     """Every scheduled run of one engine protocol, its stack started once and stopped after."""
     budget = RunBudget(cfg.requests, cfg.duration, cfg.warmup)
-    ledger_cells = cfg.ledger_cells if cfg.ledger else ()
+    ledger_cells = cfg.ledger_cells if cfg.ledger_on else ()
     slots = schedule(cfg.cells, lambda c: targets_for(c, builds, ledger_cells), cfg.repeats)
     records = []
     with engine_stack(
@@ -292,6 +329,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-pythonpath", default=None, metavar="DIR", help="source tree of it")
     p.add_argument("--compare-commit", default=None, metavar="REV", help="git archive of REV")
     p.add_argument("--floors", action="store_true", help="also the router's parts alone")
+    p.add_argument(
+        "--flow-control", action="store_true", help="also ours with keys, limits and a queue"
+    )
     p.add_argument("--startup-timeout", type=float, default=60.0)
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write everything")
     p.add_argument("--log-dir", type=Path, default=None, help="keep process logs here")
@@ -326,6 +366,7 @@ def config_from_args(argv: Sequence[str] | None) -> PeersConfig:
         compare_pythonpath=args.compare_pythonpath,
         compare_commit=args.compare_commit,
         floors=args.floors,
+        flow_control=args.flow_control,
         startup_timeout=args.startup_timeout,
         json_out=args.json,
         log_dir=args.log_dir,
@@ -375,9 +416,11 @@ def run_all(cfg: PeersConfig, log_dir: Path, say: Callable[[str], None]) -> Peer
     unknown = _unknown_features(cfg, say)
     records: list[RunRecord] = []
     infos: dict[tuple[str, str], BuildInfo] = {}
+    keys_path = log_dir / "flow-keys.yaml"
+    keys_path.write_text(flow_keys_text())
     with compare_source(cfg) as source:
         for engine in cfg.engines:
-            builds = plan_builds(cfg, engine, source)
+            builds = plan_builds(cfg, engine, source, keys_path=keys_path)
             for info in build_infos(builds):
                 infos.setdefault((info.name, info.kind), info)
             say(f"{engine}: starting {len(builds)} routers: {', '.join(b.name for b in builds)}")

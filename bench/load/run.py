@@ -270,6 +270,7 @@ def loadgen_argv(
     spec: RunSpec,
     watch: Mapping[str, int],
     extra: Mapping[str, object],
+    headers: Sequence[str] = (),
 ) -> list[str]:
     opts = (
         f"--url http://{LOOPBACK}:{port} -c {spec.concurrency} -n {cfg.requests} "
@@ -281,6 +282,8 @@ def loadgen_argv(
     argv = [sys.executable, "-m", "bench.load.loadgen", *opts.split()]
     if extra:
         argv += ["--extra", json.dumps(dict(extra))]
+    for header in headers:
+        argv += ["--header", header]
     return argv
 
 
