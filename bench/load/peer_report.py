@@ -19,6 +19,7 @@ from bench.load.peer_stack import DIRECT, OURS, Cell, RunRecord
 __all__ = [
     "ALL_OFF",
     "FLOW",
+    "FLOW_KEYS",
     "OLD",
     "PEER",
     "BuildInfo",
@@ -41,6 +42,7 @@ ALL_OFF = "everything off"
 PEER, OLD = "peer", "old"  # the build names of the peer and of the compare build
 FLOOR_SERVER, FLOOR_PROXY = "floor-server", "floor-proxy"  # the floors' build names
 FLOW = "ours-flow-control"  # ours with API keys, tenant limits and a binding admission queue
+FLOW_KEYS = "ours-flow-keys"  # ... with the keys and limits only (the queue never binds)
 RATIO_LIMIT = 1.0  # ours / peer, per cell (issue 22, requirement 1)
 
 
@@ -297,6 +299,7 @@ class PeersReport(msgspec.Struct, frozen=True):
     failures: list[str]
     floors: list[FloorRow] = []
     flow: list[CompareRow] = []  # ours with flow control (new) against ours (old)
+    flow_keys: list[CompareRow] = []  # ours with keys and limits only (new) against ours
 
 
 def ledger_builds(builds: Sequence[BuildInfo]) -> list[tuple[str, str]]:
@@ -339,4 +342,5 @@ def make_report(
         failures=failure_lines(records),
         floors=floor_rows(cells),
         flow=compare_rows(cells, FLOW, OURS) if "flow" in roles else [],
+        flow_keys=compare_rows(cells, FLOW_KEYS, OURS) if "flow" in roles else [],
     )

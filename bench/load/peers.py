@@ -14,8 +14,9 @@ in front of it, long-lived routers started once: ours (``--engine vllm-mooncake`
 guard), ours with one feature switched off at a time (the ledger) and, with ``--floors``, the
 router's own server answering by itself and a bare PD proxy on its server and client
 (``bench.load.floor_app``: what the pipeline costs above its parts, and what a peer leaves),
-and with ``--flow-control`` ours with client API keys, tenant limits and a binding admission
-queue (``FLOW``: what issue 25's flow control costs a request, in the ledger cells).
+and with ``--flow-control`` ours with client API keys and tenant limits, with a binding
+admission queue (``FLOW``) and without (``FLOW_KEYS``): what issue 25's flow control costs a
+request, in the ledger cells.
 Every run is the load generator in its own process; it samples the CPU time of the router's
 process tree exactly at the start and end of its measured phase. For each repeat every cell runs
 on every router, the order rotated so that whoever goes first changes and drift hits all alike.
@@ -47,6 +48,7 @@ from bench.load.peer_report import (
     FLOOR_PROXY,
     FLOOR_SERVER,
     FLOW,
+    FLOW_KEYS,
     OLD,
     PEER,
     BuildInfo,
@@ -87,14 +89,18 @@ def flow_keys_text() -> str:
     )
 
 
-def flow_build(keys_path: Path) -> Build:
+def flow_builds(keys_path: Path) -> list[Build]:
     """Ours with API keys (one tenant, its requests, tokens and in-flight limits counted, never
-    reached: ``flow_keys_text``) and ``--max-concurrent-requests FLOW_CONCURRENCY``."""
-    env = (
-        ("PDR_AUTH__API_KEYS", str(keys_path)),
-        ("PDR_ADMISSION__MAX_CONCURRENT_REQUESTS", str(FLOW_CONCURRENCY)),
-    )
-    return Build(FLOW, role="flow", env=env, headers=(f"Authorization: Bearer {FLOW_KEY}",))
+    reached: ``flow_keys_text``), with ``--max-concurrent-requests FLOW_CONCURRENCY`` (``FLOW``:
+    half the callers wait in the queue) and without (``FLOW_KEYS``: the queue at its default
+    never binds, as in a fleet that is not saturated)."""
+    keys = (("PDR_AUTH__API_KEYS", str(keys_path)),)
+    queue = (("PDR_ADMISSION__MAX_CONCURRENT_REQUESTS", str(FLOW_CONCURRENCY)),)
+    auth = (f"Authorization: Bearer {FLOW_KEY}",)
+    return [
+        Build(FLOW, role="flow", env=keys + queue, headers=auth),
+        Build(FLOW_KEYS, role="flow", env=keys, headers=auth),
+    ]
 
 
 @dataclass(frozen=True)
@@ -174,7 +180,7 @@ def plan_builds(
         builds += [Build(ledger_build_name(f), role="ledger", features_off=(f,)) for f in features]
         builds.append(Build("ours-all-off", role="ledger", features_off=tuple(features)))
     if cfg.flow_control and keys_path is not None:
-        builds.append(flow_build(keys_path))
+        builds += flow_builds(keys_path)
     return builds
 
 
