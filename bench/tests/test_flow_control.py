@@ -76,7 +76,7 @@ def test_options_become_the_config() -> None:
     assert cfg.worker_args == ("--decode-s-per-token", "0.5")
     assert (
         cfg.prefill_cap,
-        parse_args("--prefill-cap 0 --max-concurrent 8".split()).prefill_cap,
+        parse_args(["--prefill-cap", "0", "--max-concurrent", "8"]).prefill_cap,
     ) == (1, 0)
     assert parse_args([]).worker_args == FlowConfig().worker_args
 

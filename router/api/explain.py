@@ -9,7 +9,8 @@ session affinity on, also the pin table's size and bounds and, when the request 
 session (``X-Session-Id``, ``--session-header``), that session's pin (explain neither pins nor
 refreshes it). ``admission``: the request's tenant (``?tenant=NAME``, one of ``--api-keys``),
 priority, deadline and weight as the admission queue would take them, and its place: admitted at
-once, or ``queue_position`` waiters ahead of it (an estimate: no later arrivals).
+once, or ``queue_position`` waiters ahead of it (an estimate: no later arrivals); with
+``--queue-at-worker-caps`` also its place in its model's worker queue (``worker_queue``).
 ``agreement``: each prefill rank's recent predicted against actual cached tokens
 (``router.observability.agreement``). Admin auth, like the rest of ``/admin``.
 """
@@ -79,7 +80,7 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
         answer: dict[str, Any] = {
             "endpoint": endpoint.value,
             "engine": ctx.settings.engine.value,
-            "admission": _admission(ctx, parsed, request),
+            "admission": _admission(ctx, parsed, request, chooser.model),
             **chooser.explain(features, session),
             # predicted against actual cached tokens, per prefill rank, over its recent window
             "agreement": recent_agreement(ctx),
@@ -89,7 +90,9 @@ def explain_routes(settings: RegistrySettings) -> APIRouter:
     return routes
 
 
-def _admission(ctx: AppContext, parsed: ParsedRequest, request: Request) -> dict[str, Any]:
+def _admission(
+    ctx: AppContext, parsed: ParsedRequest, request: Request, model: str | None
+) -> dict[str, Any]:
     """The request's tenant (``?tenant=NAME``, one of ``--api-keys``; else none), its urgency
     as the queue would take it (the body's ``priority``, ``X-Priority``, ``X-Deadline-Ms``, the
     tenant's defaults) and its place: admitted at once, or how many waiters go first."""
@@ -102,6 +105,7 @@ def _admission(ctx: AppContext, parsed: ParsedRequest, request: Request) -> dict
     place = ctx.admission.place(urgency, parsed.sample_count)
     limiter = None if ctx.clients is None else ctx.clients.limiter
     in_flight = None if tenant is None or limiter is None else limiter.in_flight(tenant)
+    workers = ctx.pipeline.worker_queue
     return {
         "tenant": tenant,
         "priority": urgency.priority,
@@ -109,6 +113,8 @@ def _admission(ctx: AppContext, parsed: ParsedRequest, request: Request) -> dict
         "weight": urgency.weight,
         "tenant_in_flight": in_flight,
         **place,
+        # --queue-at-worker-caps: its place in its model's worker queue (null: off)
+        "worker_queue": None if workers is None else workers.place(model, urgency),
     }
 
 

@@ -113,6 +113,17 @@ class WorkerQueue:
         queue = self._queues.get(model)
         return bool(queue is not None and queue.size) or bool(self._handoffs.get(model))
 
+    def place(self, model: str | None, urgency: Urgency) -> dict[str, Any]:
+        """Where a request of ``urgency`` for ``model``'s pool would go now: routed at once
+        (a place free, nobody waiting), or behind ``position`` of the ``waiting`` (an estimate:
+        ``WaitQueue.position``, no later arrivals)."""
+        queue = self._queues.get(model)
+        waiting = 0 if queue is None else queue.size
+        free = self.room(model) - self._handoffs.get(model, 0)
+        at_once = free > 0 and not waiting
+        position = 0 if at_once or queue is None else queue.position(urgency)
+        return {"routed_at_once": at_once, "position": position, "waiting": waiting}
+
     def room(self, model: str | None) -> int:
         """Places free in ``model``'s pool now: legs that can start before a cap is reached
         (the smaller of the prefills' and the decodes'; ``sys.maxsize``: no cap)."""

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from router.errors import NoWorkerAvailable
+from router.errors import NoWorkerAvailable, WorkersBusy
 from router.fleet.circuit_breaker import CircuitBreaker, Circuits
 from router.observability.metrics import RouterMetrics
 from router.scheduling.features import Featurizer, RequestFeatures
@@ -154,8 +154,12 @@ class RouteChooser:
         and the route this request would take now. Sends nothing, records no prediction and
         pins nothing; like a request, it moves the policies' round-robin cursors (ties,
         ``round_robin``)."""
-        prefills = self._pool.available_prefill(self.model)
-        decodes = self._pool.available_decode(self.model)
+        try:
+            prefills = self._pool.available_prefill(self.model)
+            decodes = self._pool.available_decode(self.model)
+        except WorkersBusy:  # every candidate at its cap: shown, and the choice says so
+            prefills = self._pool.usable_prefill(self.model)
+            decodes = self._pool.usable_decode(self.model)
         mode: str | None = None
         candidates: list[dict[str, Any]] = []
         if prefills:

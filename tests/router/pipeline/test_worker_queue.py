@@ -79,9 +79,15 @@ async def test_at_the_cap_requests_wait_and_the_most_urgent_goes_first(
             waiting.append(ask(client, name, {"x-priority": priority}))
             await queued(cluster, len(waiting))
         assert prompts(prefill) == ["held"]  # nobody passed the cap, nobody got 429
-        status = httpx.get(cluster.router_url + "/status/data", timeout=5).json()
+        status = (await client.get("/status/data")).json()
+
         by_band = {"high": 1, "normal": 0, "low": 2}
         assert status["admission"]["worker_queue"] == {"queued": 3, "queued_by_priority": by_band}
+        explained = await client.post("/admin/explain", json=COMPLETION)  # priority 0
+        assert explained.status_code == 200, explained.text  # at the caps: explained, not 429
+        place = explained.json()["admission"]["worker_queue"]
+        assert place == {"routed_at_once": False, "position": 1, "waiting": 3}  # after -1 only
+        assert "at its limit of 1" in explained.json()["error"]
         await hang_up(held)
         responses = await asyncio.gather(*waiting)
     assert [response.status_code for response in responses] == [200, 200, 200]

@@ -263,7 +263,8 @@ async def test_the_memory_windows_count_as_limits_own_fixed_window(clock: Clock)
     storage = MemoryStorage()
     reference = FixedWindowRateLimiter(storage)
     item = RateLimitItemPerMinute(10)
-    ours, theirs = [], []
+    ours: list[tuple[bool, int, float | None]] = []
+    theirs: list[tuple[bool, int, float | None]] = []
     for step, cost in enumerate([3, 4, 5, 3, 1, 9, 2]):
         clock.advance(60 if step == 4 else 1)  # the first window ends before the fifth hit
         try:
