@@ -154,12 +154,7 @@ class RouteChooser:
         and the route this request would take now. Sends nothing, records no prediction and
         pins nothing; like a request, it moves the policies' round-robin cursors (ties,
         ``round_robin``)."""
-        try:
-            prefills = self._pool.available_prefill(self.model)
-            decodes = self._pool.available_decode(self.model)
-        except WorkersBusy:  # every candidate at its cap: shown, and the choice says so
-            prefills = self._pool.usable_prefill(self.model)
-            decodes = self._pool.usable_decode(self.model)
+        prefills, decodes = _explained_candidates(self._pool, self.model)
         mode: str | None = None
         candidates: list[dict[str, Any]] = []
         if prefills:
@@ -331,3 +326,12 @@ def _exact_tokens(features: RequestFeatures | None) -> int | None:
 def _predicted_cached_tokens(choice: PrefillChoice | None) -> int | None:
     """The prompt tokens predicted cached at the chosen prefill; None without a prediction."""
     return choice.cached_tokens if choice is not None and choice.predicted else None
+
+
+def _explained_candidates(pool: UpstreamPool, model: str | None) -> tuple[list[Worker], ...]:
+    """The candidates ``explain`` shows: those of a route choice, or with every one of a role at
+    its in-flight cap, the usable ones (the choice then says that they are all at it)."""
+    try:
+        return pool.available_prefill(model), pool.available_decode(model)
+    except WorkersBusy:
+        return pool.usable_prefill(model), pool.usable_decode(model)

@@ -121,12 +121,20 @@ def _indexed(cluster: CacheCluster) -> bool:
     return any(value > 0 for value in stats.values())
 
 
+def receipts(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The request receipts logged (``router.observability.request_accounting``, DEBUG)."""
+    return [r.getMessage() for r in caplog.records if "cached=" in r.getMessage()]
+
+
 def test_a_clean_cluster_predicts_what_the_engine_finds(
     tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with precise_cluster(tokenizer_dir) as cluster:
         with caplog.at_level(logging.DEBUG, "router.observability.request_accounting"):
             warm_turns(cluster)
+            # logged as each request ends in the router: the last may end just after its
+            # client read the answer
+            wait_until(lambda: len(receipts(caplog)) >= 6, 5.0, "six requests' receipts logged")
         [row] = explain_agreement(cluster)
         assert row["worker"] == cluster.prefill_url and row["dp_rank"] == 0
         assert row["requests"] == row["reported"] == 6
@@ -150,8 +158,9 @@ def test_a_clean_cluster_predicts_what_the_engine_finds(
         state = samples(cluster.router, "pdr_routing_")
         assert state[("pdr_routing_state", (*labels[:1], ("state", "exact"), *labels[1:]))] == 1
         assert state[("pdr_routing_pool_state", (("pool", "sim-model"), ("state", "exact")))] == 1
+
     # each request's receipt: the engine's cached tokens / the predicted ones
-    lines = [r.getMessage() for r in caplog.records if "cached=" in r.getMessage()]
+    lines = receipts(caplog)
     assert len(lines) == 6
     actual, predicted = lines[-1].split("cached=")[1].split()[0].split("/")
     assert int(actual) > 0 and abs(int(actual) - int(predicted)) <= 16
