@@ -66,9 +66,10 @@ class _Pool(Protocol):
 
 
 class WorkerQueue:
-    """``await wait(model, urgency, disconnected, busy)`` when the route choice raised
-    ``WorkersBusy`` (or ``waiting(model)``: others wait), then choose again and ``routed(model)``
-    once the choice was made (or failed); ``notify()`` when a leg ended."""
+    """``await wait(model, urgency, disconnected)`` when the route choice raised
+    ``WorkersBusy`` (or ``waiting(model)``: others wait), then choose again, ``routed(model)``
+    once the choice was made (or failed) and ``chosen(prefill, decode)`` for the route taken
+    (``Pipeline._route_in_turn``); ``notify()`` when a leg ended."""
 
     def __init__(
         self,
