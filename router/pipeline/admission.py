@@ -34,10 +34,16 @@ from collections.abc import Callable
 from typing import Any
 
 from router.errors import Overloaded, Shed
-from router.interrupt import ClientDisconnected
 from router.load_board import ADMISSION, LoadBoard
 from router.observability.metrics import RouterMetrics
-from router.pipeline.admission_queue import NORMAL, PRIORITY_BANDS, Urgency, Waiter, WaitQueue
+from router.pipeline.admission_queue import (
+    NORMAL,
+    PRIORITY_BANDS,
+    Urgency,
+    Waiter,
+    WaitQueue,
+    await_turn,
+)
 from router.settings import AdmissionSettings
 
 __all__ = ["BODY_MEMORY_FACTOR", "HOST_POLL_S", "AdmissionGate", "BodyMemory"]
@@ -237,20 +243,8 @@ class AdmissionGate:
         future = waiter.future
         if (self._board is not None or self.peers is not None) and self._poll is None:
             self._poll = loop.call_later(HOST_POLL_S, self._poll_host)
-
-        def fail(exc: BaseException) -> None:
-            if not future.done():
-                future.set_exception(exc)
-
-        def on_gone(_: asyncio.Future[Any]) -> None:
-            fail(ClientDisconnected())
-
-        timer = loop.call_later(limit_s, lambda: fail(late()))
-        disconnected.add_done_callback(on_gone)
-        if disconnected.done():
-            fail(ClientDisconnected())
         try:
-            await future
+            await await_turn(future, disconnected, limit_s, late)
         except BaseException:
             self._queue.remove(waiter)
             if future.done() and not future.cancelled() and future.exception() is None:
@@ -258,9 +252,6 @@ class AdmissionGate:
             else:
                 self._wake()  # it may have been the head that others waited behind
             raise
-        finally:
-            timer.cancel()
-            disconnected.remove_done_callback(on_gone)
 
     def _make_room(self, arriving: Waiter) -> None:
         """The queue is full: shed its least urgent waiter (503) when ``arriving`` is more

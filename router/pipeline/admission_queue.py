@@ -34,12 +34,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
+from router.interrupt import ClientDisconnected
 from router.observability.metrics import PRIORITY_BANDS
 
 __all__ = [
     "ANONYMOUS",
+    "await_turn",
     "MAX_PRIORITY",
     "NORMAL",
     "PRIORITY_BANDS",
@@ -288,3 +290,32 @@ def _copy(klass: _Class) -> tuple[dict[str, list[Entry]], list[Waiter]]:
             heapq.heapify(live)
             tenants[name] = live
     return tenants, [w for w in klass.arrivals if not w.gone]
+
+
+async def await_turn(
+    future: asyncio.Future[None],
+    disconnected: asyncio.Future[Any],
+    limit_s: float,
+    late: Callable[[], BaseException],
+) -> None:
+    """Wait until a queue sets ``future`` (the waiter's turn). It fails with ``late()`` after
+    ``limit_s`` and with ClientDisconnected when ``disconnected`` (the client's next ASGI
+    message) completes first; raises what it failed with. The caller takes its waiter out."""
+    loop = asyncio.get_running_loop()
+
+    def fail(exc: BaseException) -> None:
+        if not future.done():
+            future.set_exception(exc)
+
+    def on_gone(_: asyncio.Future[Any]) -> None:
+        fail(ClientDisconnected())
+
+    timer = loop.call_later(limit_s, lambda: fail(late()))
+    disconnected.add_done_callback(on_gone)
+    if disconnected.done():
+        fail(ClientDisconnected())
+    try:
+        await future
+    finally:
+        timer.cancel()
+        disconnected.remove_done_callback(on_gone)

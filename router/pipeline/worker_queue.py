@@ -32,9 +32,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from router.errors import Overloaded, Shed, WorkersBusy
-from router.interrupt import ClientDisconnected
 from router.observability.metrics import RouterMetrics
-from router.pipeline.admission_queue import PRIORITY_BANDS, Urgency, WaitQueue
+from router.pipeline.admission_queue import PRIORITY_BANDS, Urgency, WaitQueue, await_turn
 from router.settings import AdmissionSettings
 from router.workers import Worker, WorkerPool
 
@@ -206,29 +205,14 @@ class WorkerQueue:
         self._wake(model, queue)  # room may be free already (only handed to others)
         if self._poll is None and not future.done():
             self._poll = loop.call_later(POLL_S, self._look_again)
-
-        def fail(exc: BaseException) -> None:
-            if not future.done():
-                future.set_exception(exc)
-
-        def on_gone(_: asyncio.Future[Any]) -> None:
-            fail(ClientDisconnected())
-
-        timer = loop.call_later(limit_s, fail, late)
-        disconnected.add_done_callback(on_gone)
-        if disconnected.done():
-            fail(ClientDisconnected())
         try:
-            await future
+            await await_turn(future, disconnected, limit_s, lambda: late)
         except BaseException:
             queue.remove(waiter)
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.routed(model)  # handed a place just as it gave up: pass it on
             self._wake(model, queue)
             raise
-        finally:
-            timer.cancel()
-            disconnected.remove_done_callback(on_gone)
 
     def _wake(self, model: str | None, queue: WaitQueue) -> None:
         """Hand the free places not yet promised to the most urgent waiters, in order."""
