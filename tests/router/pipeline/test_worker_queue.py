@@ -10,6 +10,9 @@ the test sets, to show that a free place is never promised twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +66,24 @@ async def hold_the_prefill(
     return held
 
 
+@dataclass
+class Held:
+    """A router whose one prefill (capped at one leg) a request holds; ``client`` talks to it."""
+
+    cluster: FakeCluster
+    prefill: FakeEngine
+    client: httpx.AsyncClient
+    held: list[asyncio.Task[httpx.Response]]
+
+
+@contextlib.asynccontextmanager
+async def held_prefill(make_cluster: FakeClusterFactory, **admission: Any) -> AsyncIterator[Held]:
+    cluster = make_cluster("vllm-nixl", admission={**QUEUED, **admission})
+    prefill = cluster.prefills[0]
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
+        yield Held(cluster, prefill, client, await hold_the_prefill(client, prefill))
+
+
 def prompts(engine: FakeEngine) -> list[str]:
     return [record.body["prompt"] for record in engine.records]
 
@@ -70,10 +91,8 @@ def prompts(engine: FakeEngine) -> list[str]:
 async def test_at_the_cap_requests_wait_and_the_most_urgent_goes_first(
     make_cluster: FakeClusterFactory,
 ) -> None:
-    cluster = make_cluster("vllm-nixl", admission=QUEUED)
-    prefill = cluster.prefills[0]
-    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
-        held = await hold_the_prefill(client, prefill)
+    async with held_prefill(make_cluster) as at:
+        cluster, prefill, client, held = at.cluster, at.prefill, at.client, at.held
         waiting: list[asyncio.Task[httpx.Response]] = []
         for name, priority in (("batch-1", "1"), ("batch-2", "1"), ("interactive", "-1")):
             waiting.append(ask(client, name, {"x-priority": priority}))
@@ -128,10 +147,8 @@ async def test_tenants_take_turns_at_the_cap(
 async def test_a_wait_past_the_timeout_is_429_and_past_its_deadline_503(
     make_cluster: FakeClusterFactory,
 ) -> None:
-    cluster = make_cluster("vllm-nixl", admission={**QUEUED, "queue_timeout_s": 0.5})
-    prefill = cluster.prefills[0]
-    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
-        held = await hold_the_prefill(client, prefill)
+    async with held_prefill(make_cluster, queue_timeout_s=0.5) as at:
+        cluster, prefill, client, held = at.cluster, at.prefill, at.client, at.held
         response = await ask(client, "late")
         assert_shed(response)
         assert "stayed at its in-flight cap" in response.json()["error"]["message"]
@@ -148,10 +165,8 @@ async def test_a_wait_past_the_timeout_is_429_and_past_its_deadline_503(
 async def test_a_client_that_leaves_the_worker_queue_passes_its_place_on(
     make_cluster: FakeClusterFactory,
 ) -> None:
-    cluster = make_cluster("vllm-nixl", admission=QUEUED)
-    prefill = cluster.prefills[0]
-    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
-        held = await hold_the_prefill(client, prefill)
+    async with held_prefill(make_cluster) as at:
+        cluster, prefill, client, held = at.cluster, at.prefill, at.client, at.held
         leaver = ask(client, "leaver")
         await queued(cluster, 1)
         stayer = ask(client, "stayer")
