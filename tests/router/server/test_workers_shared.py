@@ -68,3 +68,23 @@ def test_the_concurrency_cap_counts_every_process_and_a_release_anywhere_admits(
         assert time.monotonic() - started > 4.0
         served = [int(p["requests_served"]) for p in processes_of(url)]  # type: ignore[call-overload]
         assert sum(served) == 4
+
+
+@pytest.mark.slow  # process-level; scripts/test-slow (the default suite stays ~10 min)
+def test_the_worker_queue_waits_for_a_place_any_process_frees() -> None:
+    """``--queue-at-worker-caps``: at the host's cap (one decode leg, counted over both
+    processes) the requests that reach either process wait instead of 429, and each is served
+    once a place frees, whichever process freed it (a process looks for places freed by the
+    other's legs every 50 ms): one at a time."""
+    argv = ("--max-inflight-per-decode", "1", "--queue-at-worker-caps")
+    with supervised(*argv, config=SLOW) as (url, _):
+        done: list[int] = []
+        started = time.monotonic()
+        first = stream_in_background(url, done)
+        wait_until(lambda: busy(url), 10, "the stream in flight")
+        threads = [first, *(stream_in_background(url, done) for _ in range(3))]
+        for thread in threads:
+            thread.join(30)
+        assert done == [200] * 4  # none refused at the cap
+        # one at a time, whichever process took them: 4 x 1.2 s (two at a time: 2.4 s)
+        assert time.monotonic() - started > 4.0
