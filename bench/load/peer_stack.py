@@ -40,6 +40,7 @@ __all__ = [
     "known_features",
     "measure_run",
     "router_argv",
+    "flow_keys_text",
     "router_env",
     "router_source",
 ]
@@ -201,6 +202,21 @@ def router_argv(
         *common,
         *("--log-level", "warning"),
     ]
+
+
+def flow_keys_text(keys: Sequence[str]) -> str:
+    """A keys file (YAML) for the flow-control builds (``peers``, ``pipeline_cost``): a tenant
+    per key, limits that never refuse, equal weights."""
+    lines = ["tenants:"]
+    for i, key in enumerate(keys):
+        lines += [
+            f"  tenant-{i}:",
+            f"    keys: [{key}]",
+            "    requests_per_minute: 1000000000",
+            "    tokens_per_minute: 1000000000000",
+            "    max_concurrent: 1000000",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def router_env(build: Build, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -68,6 +68,7 @@ from bench.load.peer_stack import (
     RunRecord,
     engine_stack,
     feature_env,
+    flow_keys_text,
     known_features,
     measure_run,
     router_source,
@@ -79,14 +80,6 @@ MODES = {"stream": True, "non-stream": False}
 LEDGER_ROLES = frozenset({"ledger", "flow"})  # builds run in the ledger cells only
 FLOW_KEY = "sk-peers-flow-0123456789abcdef"
 FLOW_CONCURRENCY = 16  # --max-concurrent-requests of FLOW: half the ledger cells' C=32 wait
-
-
-def flow_keys_text() -> str:
-    """FLOW's keys file (YAML): one tenant, with limits that never refuse."""
-    return (
-        f"tenants:\n  bench:\n    keys: [{FLOW_KEY}]\n    requests_per_minute: 1000000000\n"
-        "    tokens_per_minute: 1000000000000\n    max_concurrent: 1000000\n"
-    )
 
 
 def flow_builds(keys_path: Path) -> list[Build]:
@@ -423,7 +416,7 @@ def run_all(cfg: PeersConfig, log_dir: Path, say: Callable[[str], None]) -> Peer
     records: list[RunRecord] = []
     infos: dict[tuple[str, str], BuildInfo] = {}
     keys_path = log_dir / "flow-keys.yaml"
-    keys_path.write_text(flow_keys_text())
+    keys_path.write_text(flow_keys_text([FLOW_KEY]))
     with compare_source(cfg) as source:
         for engine in cfg.engines:
             builds = plan_builds(cfg, engine, source, keys_path=keys_path)

@@ -47,7 +47,7 @@ from bench.common.cli import sigterm_raises, write_json
 from bench.common.process import LOOPBACK, REPO_ROOT, BenchError
 from bench.common.table import or_na, text_table
 from bench.load.peer_report import median
-from bench.load.peer_stack import FEATURES, engine_stack, feature_env
+from bench.load.peer_stack import FEATURES, engine_stack, feature_env, flow_keys_text
 from bench.load.peers import PeersConfig, compare_source
 
 __all__ = ["CostConfig", "CostReport", "main", "run_all"]
@@ -90,20 +90,6 @@ class CostBuild:
 def flow_keys(tenants: int = FLOW_TENANTS) -> list[str]:
     """The callers' keys, one per tenant."""
     return [f"sk-cost-tenant-{i}-0123456789abcdef" for i in range(tenants)]
-
-
-def flow_keys_text(keys: Sequence[str]) -> str:
-    """The keys file (YAML): a tenant per key, limits that never refuse, equal weights."""
-    lines = ["tenants:"]
-    for i, key in enumerate(keys):
-        lines += [
-            f"  tenant-{i}:",
-            f"    keys: [{key}]",
-            "    requests_per_minute: 1000000000",
-            "    tokens_per_minute: 1000000000000",
-            "    max_concurrent: 1000000",
-        ]
-    return "\n".join(lines) + "\n"
 
 
 def flow_builds(cfg: CostConfig, keys_path: Path, keys: Sequence[str]) -> list[CostBuild]:
