@@ -24,13 +24,13 @@ from bench.load.flow_report import (
     throughput,
     windows,
 )
+from bench.load.peer_stack import flow_keys_text
 from bench.load.pipeline_cost import (
     FLOW,
     CostConfig,
     CostReport,
     CostRow,
     flow_keys,
-    flow_keys_text,
     plan_builds,
 )
 from router.tenancy.client_keys import load_key_table
