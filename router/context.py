@@ -358,7 +358,7 @@ async def open_context(
     if sharing is not None:
         bus = host_bus(sharing)
     fleet = parts.fleet
-    share_verdicts(parts.pipeline.circuits, parts.pool, bus, fleet.replicas)
+    share_verdicts(parts.pipeline.circuits, parts.outlier, parts.pool, bus, fleet.replicas)
     share_predictions(settings, parts.kv.index, bus, fleet.replicas)
     tables.bind(parts.store)
     pod_watcher = None
@@ -380,8 +380,8 @@ async def open_context(
         listeners = bootstrap_servers(
             tables, settings, pool_owner_hosts(parts.pool), reuse_port=role is not None
         )
-        metrics = parts.telemetry.metrics
-        siblings = sibling_view(role, lifecycle, metrics, bus, fleet.replicas, probes)
+        metrics, traffic = parts.telemetry.metrics, parts.telemetry.traffic
+        siblings = sibling_view(role, lifecycle, metrics, bus, fleet.replicas, probes, traffic)
         answering = siblings.serving() if siblings is not None else contextlib.nullcontext()
         async with listeners, background, answering:
             if role is not None:  # its socket listens once this returns: when it can route

@@ -15,12 +15,15 @@ from router.fleet.circuit_breaker import Circuits
 from router.fleet.engine_load import EngineLoadMonitor
 from router.fleet.health import HealthProber
 from router.fleet.host_probes import HostProbes, ProbeRound
+from router.fleet.outlier import OutlierDetector
 from router.fleet.replica_peers import ReplicaPeers
 from router.fleet.replica_sync import ReplicaSync
 from router.fleet.shared_breakers import BreakerVerdict, share_breakers
+from router.fleet.shared_ejections import EjectionVerdict, share_ejections
 from router.kv_cache.index import KVBlockIndex
 from router.kv_cache.shared_predictions import Prediction, SharedPredictions
 from router.observability.metrics import RouterMetrics
+from router.observability.recent_traffic import RecentTraffic
 from router.observability.replica_metrics import ReplicaSyncCollector
 from router.observability.siblings import Siblings
 from router.process_role import ProcessRole
@@ -46,6 +49,7 @@ def sibling_view(
     bus: SiblingBus | None,
     replicas: ReplicaSync | None = None,
     probes: HostProbes | None = None,
+    traffic: RecentTraffic | None = None,
 ) -> Siblings | None:
     """This process's part of the host's merged views (None: a router on its own)."""
     if role is None:
@@ -66,15 +70,18 @@ def sibling_view(
             # the host's probes: whether this process probes for it (the leader), the rounds it
             # sent or took, and (a follower) its own rounds while the leader was silent
             "probes": None if probes is None else probes.stats(),
+            # its recent-traffic window, merged into the host's (``/status/data`` ``traffic``)
+            "traffic": None if traffic is None else traffic.raw(),
         }
 
     return Siblings(role, metrics.render, describe)
 
 
 def host_bus(role: ProcessRole) -> SiblingBus:
-    """The host's bus: breaker verdicts (``share_breakers``), and predictions when they are
-    shared (``share_predictions``)."""
-    return SiblingBus(role, (Prediction, BreakerVerdict, ProbeRound))
+    """The host's bus: breaker verdicts (``share_breakers``), outlier ejections
+    (``share_ejections``), the leader's probe rounds, and predictions when they are shared
+    (``share_predictions``)."""
+    return SiblingBus(role, (Prediction, BreakerVerdict, EjectionVerdict, ProbeRound))
 
 
 def probe_tasks(
@@ -136,7 +143,7 @@ def replica_sync(
     if settings.replicas.listen is None:
         return None
     publishes = role is None or role.index == 0
-    kinds = (BreakerVerdict, Prediction)
+    kinds = (BreakerVerdict, EjectionVerdict, Prediction)
     sync = ReplicaSync(settings.replicas, pool.all, publishes=publishes, kinds=kinds)
     sync.finder = ReplicaPeers(
         settings.replicas, sync.set_peers, store, settings.registry.ttl_s, register=publishes
@@ -147,9 +154,15 @@ def replica_sync(
 
 
 def share_verdicts(
-    circuits: Circuits, pool: UpstreamPool, host: SiblingBus | None, fleet: ReplicaSync | None
+    circuits: Circuits,
+    outlier: OutlierDetector,
+    pool: UpstreamPool,
+    host: SiblingBus | None,
+    fleet: ReplicaSync | None,
 ) -> None:
-    """The breakers follow the siblings' and the replica peers' verdicts and tell them theirs
-    (``router.fleet.shared_breakers``)."""
+    """The breakers and the outlier detector follow the siblings' and the replica peers'
+    verdicts and tell them theirs (``router.fleet.shared_breakers``,
+    ``router.fleet.shared_ejections``)."""
     if host is not None or fleet is not None:
         share_breakers(circuits, pool.get, host=host, fleet=fleet)
+        share_ejections(outlier, pool.get, host=host, fleet=fleet)

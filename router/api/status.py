@@ -38,8 +38,14 @@ async def status_page() -> HTMLResponse:
 @router.get("/status/data")
 async def status_data(ctx: Context) -> JSONResponse:
     """Workers, P<->D pairs, recent traffic, registry and KV event feeds, as JSON; with
-    `--workers N`, each router process too (`processes`)."""
+    `--workers N`, each router process too (`processes`), and the traffic of them all."""
     snapshot = status_snapshot(ctx)
     siblings = ctx.telemetry.siblings
-    snapshot["processes"] = None if siblings is None else await siblings.processes()
+    if siblings is None:
+        snapshot["processes"] = None
+        return JSONResponse(snapshot, headers=_NO_STORE)
+    processes = await siblings.processes()
+    windows = [process.pop("traffic", None) for process in processes]
+    snapshot["traffic"] = ctx.telemetry.traffic.merged(windows)
+    snapshot["processes"] = processes
     return JSONResponse(snapshot, headers=_NO_STORE)

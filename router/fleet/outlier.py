@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.settings import OutlierSettings
-from router.workers import Worker, WorkerPool
+from router.workers import Role, Worker, WorkerPool
 
 __all__ = ["OutlierDetector"]
 
@@ -55,6 +55,14 @@ class OutlierDetector:
         self._settings = settings
         self._clock = clock
         self._on_eject = on_eject
+        # tells the siblings and the replica peers this process's ejections
+        # (``router.fleet.shared_ejections``): the worker, and why
+        self.on_verdict: Callable[[Worker, str], None] | None = None
+
+    @property
+    def ejection_s(self) -> float:
+        """How long an ejected worker stays out, at least."""
+        return self._settings.ejection_s
 
     async def run(self) -> None:
         """Check every ``interval_s`` until cancelled (never when it is 0)."""
@@ -100,10 +108,32 @@ class OutlierDetector:
             f"(allowance {allowance:.1f}s)"
         )
 
-    def _check_role(self, workers: list[Worker], now: float, *, judge_age: bool) -> list[Worker]:
+    def adopt(self, worker: Worker, ejection_s: float, reason: str) -> bool:
+        """A sibling's or a replica peer's ejection of ``worker`` (``ejection_s`` from now): out
+        here too, within this process's own budget (``max_ejection_percent``, never the last
+        worker in service), and not told on again. Whether it is out here now."""
+        now = self._clock()
+        if worker.ejected or not worker.healthy:
+            # out already: it stays out at least as long as the sender's verdict says
+            worker.ejected = True
+            worker.ejected_until = max(worker.ejected_until, now + ejection_s)
+            return True
+        pool = self._pool
+        role = pool.prefill if worker.role is Role.PREFILL else pool.decode
+        budget, in_service = self._room(role)
+        if worker.draining or budget <= 0 or in_service <= 1:
+            return False
+        self._eject(worker, "shared", f"ejected by a sibling or peer: {reason}", now, ejection_s)
+        return True
+
+    def _room(self, workers: list[Worker]) -> tuple[int, int]:
+        """How many more of ``workers`` may be ejected, and how many are in service."""
         budget = len(workers) * self._settings.max_ejection_percent // 100
         budget -= sum(1 for w in workers if w.ejected)
-        in_service = sum(1 for w in workers if w.healthy and not w.draining)
+        return budget, sum(1 for w in workers if w.healthy and not w.draining)
+
+    def _check_role(self, workers: list[Worker], now: float, *, judge_age: bool) -> list[Worker]:
+        budget, in_service = self._room(workers)
         ejected: list[Worker] = []
         for worker in workers:
             if budget <= 0 or in_service <= 1:
@@ -113,27 +143,32 @@ class OutlierDetector:
             found = self.outlier_reason(worker, now, judge_age=judge_age)
             if found is None:
                 continue
-            self._eject(worker, *found, now)
+            kind, reason = found
+            self._eject(worker, kind, reason, now, self._settings.ejection_s)
             ejected.append(worker)
             budget -= 1
             in_service -= 1
         return ejected
 
-    def _eject(self, worker: Worker, kind: str, reason: str, now: float) -> None:
+    def _eject(self, worker: Worker, kind: str, reason: str, now: float, ejection_s: float) -> None:
         role = worker.role.value
         logger.warning(
             "%s worker %s ejected for at least %gs (outlier detection): %s",
             role,
             worker.public_url,
-            self._settings.ejection_s,
+            ejection_s,
             reason,
         )
         worker.ejected = True
-        worker.ejected_until = now + self._settings.ejection_s
+        worker.ejected_until = now + ejection_s
         worker.legs.timeouts_in_row = 0
         worker.mark_down(f"ejected by outlier detection: {reason}")
+        if kind == "shared":
+            return  # the sender counted it and told the others
         if self._on_eject is not None:
             self._on_eject(role, kind)
+        if self.on_verdict is not None:
+            self.on_verdict(worker, reason)
 
 
 def _answered_a_load_read(worker: Worker, since: float) -> bool:

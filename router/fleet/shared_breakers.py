@@ -12,14 +12,14 @@ not 1) before every process has closed its breaker again.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import msgspec
 
 from router.fleet.circuit_breaker import Circuits
+from router.fleet.verdict_relay import VerdictChannel, relay
 from router.workers import Worker
 
-__all__ = ["BreakerVerdict", "VerdictChannel", "share_breakers"]
+__all__ = ["BreakerVerdict", "share_breakers"]
 
 
 class BreakerVerdict(msgspec.Struct, array_like=True, tag="breaker"):
@@ -27,14 +27,6 @@ class BreakerVerdict(msgspec.Struct, array_like=True, tag="breaker"):
     opened: bool
     open_s: float
     reason: str
-
-
-class VerdictChannel(Protocol):
-    """What carries verdicts (``SiblingBus``, ``ReplicaSync``)."""
-
-    def publish(self, body: BreakerVerdict) -> None: ...
-
-    def on(self, kind: type[BreakerVerdict], handler: Callable[[BreakerVerdict], None]) -> None: ...
 
 
 def share_breakers(
@@ -45,15 +37,8 @@ def share_breakers(
     fleet: VerdictChannel | None = None,
 ) -> None:
     """Tell this process's verdicts to its siblings (``host``: the bus of ``router --workers
-    N``) and to the replica peers (``fleet``: the replicas' sync), and follow theirs. A sibling's
-    verdict goes on to the peers (only process 0 publishes for the host: the others' ``fleet``
-    sends nothing); a peer's reaches every process of the host by itself."""
-
-    def tell(key: tuple[str, ...], opened: bool, open_s: float, reason: str) -> None:
-        verdict = BreakerVerdict(list(key), opened, open_s, reason)
-        for channel in (host, fleet):
-            if channel is not None:
-                channel.publish(verdict)
+    N``) and to the replica peers (``fleet``: the replicas' sync), and follow theirs
+    (``router.fleet.verdict_relay``)."""
 
     def follow(verdict: BreakerVerdict) -> None:
         workers = [lookup(worker_id) for worker_id in verdict.ids]
@@ -61,13 +46,9 @@ def share_breakers(
         if len(known) == len(workers) and 1 <= len(known) <= 2:
             circuits.adopt(known, verdict.opened, verdict.open_s, verdict.reason)
 
-    def follow_sibling(verdict: BreakerVerdict) -> None:
-        follow(verdict)
-        if fleet is not None:
-            fleet.publish(verdict)
+    tell = relay(BreakerVerdict, follow, host=host, fleet=fleet)
 
-    circuits.on_verdict = tell
-    if host is not None:
-        host.on(BreakerVerdict, follow_sibling)
-    if fleet is not None:
-        fleet.on(BreakerVerdict, follow)
+    def tell_verdict(key: tuple[str, ...], opened: bool, open_s: float, reason: str) -> None:
+        tell(BreakerVerdict(list(key), opened, open_s, reason))
+
+    circuits.on_verdict = tell_verdict

@@ -9,8 +9,10 @@ bucket_s`` buckets of fixed size.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +88,25 @@ class RecentTraffic:
             )
         return {"bucket_s": self.bucket_s, "window_s": self.window_s, "buckets": buckets}
 
+    def raw(self) -> list[list[Any]]:
+        """The buckets held, as plain lists (``[index, requests, errors, client errors, TTFT
+        bins]``), for ``merged`` in another process (``router --workers N``)."""
+        return [
+            [b.index, b.requests, b.errors, b.client_errors, b.ttft_bins] for b in self._buckets
+        ]
+
+    def merged(self, raws: Iterable[Any], now: float | None = None) -> dict[str, Any]:
+        """``snapshot`` of the sum of several processes' windows (each one's ``raw``, this
+        process's included): the host's traffic. A malformed bucket is left out."""
+        combined = RecentTraffic(self.window_s, self.bucket_s)
+        buckets: dict[int, _Bucket] = {}
+        for raw in raws:
+            for entry in raw if isinstance(raw, list) else ():
+                with contextlib.suppress(TypeError, ValueError):
+                    _add(buckets, *entry)
+        combined._buckets.extend(sorted(buckets.values(), key=lambda b: b.index))
+        return combined.snapshot(now)
+
     def _current(self, now: float) -> _Bucket:
         index = int(now // self.bucket_s)
         buckets = self._buckets
@@ -94,3 +115,23 @@ class RecentTraffic:
         bucket = _Bucket(index)
         buckets.append(bucket)  # the deque drops the oldest
         return bucket
+
+
+def _add(
+    buckets: dict[int, _Bucket],
+    index: int,
+    requests: int,
+    errors: int,
+    client_errors: int,
+    ttft_bins: list[int],
+) -> None:
+    """Add one process's bucket to the sum of ``buckets``."""
+    if len(ttft_bins) != len(_TTFT_BOUNDS):
+        raise ValueError("not a TTFT histogram of these bins")
+    counts = [int(count) for count in ttft_bins]
+    bucket = buckets.setdefault(int(index), _Bucket(int(index)))
+    bucket.requests += int(requests)
+    bucket.errors += int(errors)
+    bucket.client_errors += int(client_errors)
+    bucket.ttft_bins = [a + b for a, b in zip(bucket.ttft_bins, counts, strict=True)]
+    bucket.ttft_count += sum(counts)

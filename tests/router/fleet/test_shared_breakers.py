@@ -5,7 +5,6 @@ the host's bus and the replicas' sync."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 from router.fleet.circuit_breaker import BreakerPolicy, Circuits, CircuitState
@@ -14,6 +13,7 @@ from router.process_role import ProcessRole
 from router.sibling_bus import SiblingBus
 from router.workers import Role, Worker
 from testkit.polling import await_until
+from testkit.verdict_channel import MemoryChannel
 
 POLICY = BreakerPolicy(failure_threshold=3, open_s=0.3, max_open_s=5.0)
 
@@ -87,29 +87,11 @@ async def test_a_breaker_opened_in_one_process_opens_in_the_others(tmp_path: Pat
             bus.close()
 
 
-class Channel:
-    """A verdict channel in memory: what was published, and the handler to deliver to."""
-
-    def __init__(self) -> None:
-        self.published: list[BreakerVerdict] = []
-        self.handler: Callable[[BreakerVerdict], None] | None = None
-
-    def publish(self, body: BreakerVerdict) -> None:
-        self.published.append(body)
-
-    def on(self, kind: type[BreakerVerdict], handler: Callable[[BreakerVerdict], None]) -> None:
-        self.handler = handler
-
-    def deliver(self, verdict: BreakerVerdict) -> None:
-        assert self.handler is not None
-        self.handler(verdict)
-
-
 def test_verdicts_pass_between_the_hosts_processes_and_the_replicas() -> None:
     """Process 0 of a replica with --workers N: its own verdict goes to its siblings and to the
     peers; a sibling's goes on to the peers (only process 0 publishes for the host); a peer's
     is followed and not sent to the siblings (each process hears the peers itself)."""
-    host, fleet, circuits = Channel(), Channel(), Circuits(POLICY, POLICY)
+    host, fleet, circuits = MemoryChannel(), MemoryChannel(), Circuits(POLICY, POLICY)
     share_breakers(circuits, POOL.get, host=host, fleet=fleet)
     for _ in range(POLICY.failure_threshold):
         circuits.worker_failure(DECODE, "connect refused")

@@ -84,6 +84,13 @@ def requests_counted(url: str) -> float:
     return total
 
 
+def traffic_counted(url: str) -> int:
+    """The requests in ``/status/data``'s recent-traffic window (the status page's chart)."""
+    data = fresh(url, "GET", "/status/data").json()
+    assert all("traffic" not in process for process in data["processes"])
+    return sum(int(bucket["requests"]) for bucket in data["traffic"]["buckets"])
+
+
 def test_processes_share_the_port_and_give_one_metrics_view() -> None:
     with supervised() as (url, _):
         for _ in range(40):
@@ -95,6 +102,8 @@ def test_processes_share_the_port_and_give_one_metrics_view() -> None:
         # every scrape, whichever process answers it, counts all 40
         assert [requests_counted(url) for _ in range(6)] == [40.0] * 6
         assert "pdr_router_processes 2.0" in fresh(url, "GET", "/metrics").text
+        # and every status page, whichever process answers it, shows the traffic of all 40
+        assert [traffic_counted(url) for _ in range(6)] == [40] * 6
 
 
 def test_a_process_that_dies_is_restarted_and_the_others_keep_serving() -> None:
