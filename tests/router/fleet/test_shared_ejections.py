@@ -12,7 +12,7 @@ from router.fleet.outlier import OutlierDetector
 from router.fleet.shared_ejections import EjectionVerdict, share_ejections
 from router.process_role import ProcessRole
 from router.settings import OutlierSettings
-from router.sibling_bus import SiblingBus
+from router.sharing import host_bus
 from router.workers import Role, Worker, WorkerPool
 from testkit.polling import await_until
 from testkit.verdict_channel import MemoryChannel
@@ -45,7 +45,7 @@ async def test_a_prefill_ejected_in_one_process_is_ejected_in_the_other(tmp_path
     then on either (marked down, its waiting legs told), for the same ejection time, without
     counting the ejection a second time."""
     roles = [ProcessRole(i, 2, 0, str(tmp_path), 0) for i in range(2)]
-    buses = [SiblingBus(r, (EjectionVerdict,)) for r in roles]
+    buses = [host_bus(r) for r in roles]  # the host's bus as the router opens it
     pools = [pool_of(), pool_of()]
     counted: list[list[str]] = [[], []]
     detectors = [detector_of(p, c) for p, c in zip(pools, counted, strict=True)]
