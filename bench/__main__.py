@@ -43,6 +43,9 @@ BENCHMARKS = (
     Benchmark(
         "load.flow_control", "tenants and priorities under overload: TTFT through pd-cluster"
     ),
+    Benchmark(
+        "load.flow_bound", "no measurement: what any order can do for flow_control (a), simulated"
+    ),
     Benchmark("load.clients", "upstream HTTP client cost: httpx, httpx + lean pool, aiohttp"),
     Benchmark("load.loadgen", "the closed-loop HTTP/1.1 load generator (load.run drives it)"),
     Benchmark("load.workers", "router processes (--workers N): req/s, scaling, CPU/req each"),

@@ -96,10 +96,13 @@ def probe_tasks(
     (``router.fleet.host_probes``); and the host's probes object (None: on its own)."""
     features = settings.features
     polls = features.engine_load and settings.load.interval_s > 0
-    own: list[Coroutine[Any, Any, None]] = [prober.run()] if features.health else []
-    own += [load_monitor.run()] if features.engine_load else []
+
+    def own() -> list[Coroutine[Any, Any, None]]:
+        loops = [prober.run()] if features.health else []
+        return loops + ([load_monitor.run()] if features.engine_load else [])
+
     if host is None or not (features.health or polls):
-        return own, None
+        return own(), None
     role, bus = host
     intervals = [settings.health.interval_s] if features.health else []
     intervals += [settings.load.interval_s] if polls else []
@@ -114,7 +117,10 @@ def probe_tasks(
         on_back=prober.on_back, probed=lambda: not features.health or prober.rounds > 0,
         caches=load_monitor.caches,
     )  # fmt: skip
-    return ([*own, probes.run()] if leader else [probes.run()]), probes
+    if not leader:
+        return [probes.run()], probes
+    prober.on_verdict = probes.changed  # a verdict reaches the siblings at once
+    return [*own(), probes.run()], probes
 
 
 def share_predictions(

@@ -68,6 +68,9 @@ class HealthProber:
         self._refreshing: dict[str, asyncio.Task[None]] = {}
         # told when a worker marked down comes back up (the circuit breakers forget it)
         self.on_back: Callable[[Worker], None] | None = None
+        # told whenever a worker goes up or down (router.fleet.host_probes: the leader tells
+        # its siblings at once, not at its next interval)
+        self.on_verdict: Callable[[], None] | None = None
         self._kept_layouts: set[str] = set()  # prefills kept on their last layout: registry down
         self.rounds = 0  # rounds over every worker done (router.fleet.host_probes waits for one)
 
@@ -113,6 +116,8 @@ class HealthProber:
             worker.mark_up()
             if self.on_back is not None:
                 self.on_back(worker)
+            if self.on_verdict is not None:
+                self.on_verdict()
 
     def _probe_failed(self, worker: Worker, outcome: _Probe, started: float) -> None:
         worker.probe_successes = 0
@@ -137,6 +142,8 @@ class HealthProber:
             worker.mark_down(reason)
             if worker.role is Role.PREFILL:
                 worker.set_layout(worker.dp_size, ())
+            if self.on_verdict is not None:
+                self.on_verdict()
 
     def refresh_soon(self, worker: Worker) -> None:
         """Re-read ``worker``'s layout now (deduplicated); used when a decode reports it stale."""

@@ -21,6 +21,7 @@ process's breakers at once (``router.fleet.shared_breakers``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -98,16 +99,29 @@ class HostProbes:
         self.heard_at = time.monotonic()  # the last round (a follower's start counts as one)
         self.rounds = 0  # rounds taken (a follower) or sent (the leader)
         self.fallbacks = 0  # a follower's own probe rounds
+        self._changed = asyncio.Event()  # the leader's verdicts changed: publish now
         if not leader:
             channel.on(ProbeRound, self.take)
 
+    def changed(self) -> None:
+        """The leader: a worker went up or down (its own probes): the round goes out now, so
+        that no sibling routes on the old verdict for up to an interval (at the first start,
+        the siblings would answer 503 while the leader already serves)."""
+        self._changed.set()
+
     async def run(self) -> None:
-        """Until cancelled: the leader publishes a round every interval; a follower probes once
-        now, then again only while the leader is silent."""
+        """Until cancelled: the leader publishes a round every interval, and at once when a
+        verdict changed; a follower probes once now, then again only while the leader is
+        silent."""
         if not self.leader:
             await self._probe()
         while True:
-            await asyncio.sleep(self._interval_s)
+            if self.leader:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), self._interval_s)
+                self._changed.clear()
+            else:
+                await asyncio.sleep(self._interval_s)
             if self.leader:
                 if self._probed():
                     self.publish()
@@ -177,8 +191,11 @@ def _view(worker: Worker, caches: EngineCaches | None) -> WorkerView:
         None if caches is None else caches.latest((worker.id, rank))
         for rank in range(worker.dp_size if worker.role is Role.PREFILL else 0)
     ]
+    # a worker this process ejected is told as its probes see it: the ejection itself reaches
+    # the siblings as one (router.fleet.shared_ejections), where each keeps its own budget
+    healthy = worker.healthy or (worker.ejected and time.monotonic() < worker.ejected_until)
     return WorkerView(
-        worker.id, worker.healthy, worker.dp_size, list(worker.engine_ids), models, loads, cached
+        worker.id, healthy, worker.dp_size, list(worker.engine_ids), models, loads, cached
     )
 
 

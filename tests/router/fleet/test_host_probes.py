@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from router.fleet.engine_cache import EngineCache, EngineCaches
+from router.fleet.health import HealthProber
 from router.fleet.host_probes import LEADER_TIMEOUTS, HostProbes, ProbeRound
 from router.process_role import ProcessRole
+from router.settings import EngineProtocol, HealthSettings
 from router.sibling_bus import SiblingBus
 from router.workers import EngineLoad, Role, Worker, WorkerPool
 from testkit.fake_engine import FakeConfig, FakeEngine
@@ -93,6 +95,26 @@ async def test_the_leaders_verdicts_layouts_models_and_loads_reach_the_follower(
         assert own.rounds == 1  # its own round at its start only: the leader speaks
 
 
+async def test_a_verdict_of_the_leaders_probes_reaches_the_follower_at_once(
+    tmp_path: Path,
+) -> None:
+    """A worker the leader's probes find up (or down) is up in the follower within the bus's
+    lag, not at the leader's next interval: at a first start, the processes join the port
+    before the engines are up, and the follower answered 503 while the leader served."""
+    async with two_buses(tmp_path, (ProbeRound,)) as buses:
+        pools = [pool(), pool()]
+        probes = [
+            HostProbes(pools[i], buses[i], leader=i == 0, interval_s=30.0, probe=Probes())
+            for i in range(2)
+        ]
+        prober = HealthProber(pools[0], EngineProtocol.SGLANG, HealthSettings())
+        prober.on_verdict = probes[0].changed  # as router.sharing.probe_tasks wires the leader
+        async with running(*(p.run() for p in probes)):
+            prober._probe_succeeded(pools[0].decode[0])  # its first good probe: up
+            await await_until(lambda: pools[1].decode[0].healthy, 2.0, "up at once")
+        await prober.aclose()
+
+
 async def test_a_worker_this_process_ejected_stays_out_for_its_ejection_time(
     tmp_path: Path,
 ) -> None:
@@ -105,6 +127,26 @@ async def test_a_worker_this_process_ejected_stays_out_for_its_ejection_time(
         assert not theirs.healthy
         theirs.ejected_until = time.monotonic()  # its ejection time is over
         await await_until(lambda: theirs.healthy, 10, "back once the ejection ended")
+
+
+async def test_the_leaders_ejection_travels_as_an_ejection_not_as_a_probe_verdict(
+    tmp_path: Path,
+) -> None:
+    """A worker the leader ejected (outlier detection) is not told down in its rounds while
+    the ejection lasts: the ejection reaches the follower over the bus, where the follower's
+    own ejection budget decides (router.fleet.shared_ejections); once it is over, the rounds
+    tell what the probes see."""
+    async with host(tmp_path) as ((lead, follow), probes, _):
+        ours, theirs = lead.decode[0], follow.decode[0]
+        ours.mark_up()
+        await await_until(lambda: theirs.healthy, 10, "up in the follower")
+        ours.ejected, ours.ejected_until = True, time.monotonic() + 60
+        ours.mark_down("ejected by outlier detection")
+        rounds = probes[1].rounds
+        await await_until(lambda: probes[1].rounds >= rounds + 3, 10, "rounds taken")
+        assert theirs.healthy
+        ours.ejected_until = time.monotonic()  # over, and its probes have not brought it back
+        await await_until(lambda: not theirs.healthy, 10, "down once the ejection ended")
 
 
 async def test_a_follower_probes_by_itself_while_the_leader_is_silent(tmp_path: Path) -> None:
