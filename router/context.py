@@ -354,9 +354,7 @@ async def open_context(
     )
     parts = _build_parts(settings, tables, board, role)
     clients = client_gate(settings.auth)  # a bad keys file stops the start here
-    bus = None
-    if sharing is not None:
-        bus = host_bus(sharing)
+    bus = None if sharing is None else host_bus(sharing)
     fleet = parts.fleet
     share_verdicts(parts.pipeline.circuits, parts.outlier, parts.pool, bus, fleet.replicas)
     share_predictions(settings, parts.kv.index, bus, fleet.replicas)
@@ -380,8 +378,10 @@ async def open_context(
         listeners = bootstrap_servers(
             tables, settings, pool_owner_hosts(parts.pool), reuse_port=role is not None
         )
-        metrics, traffic = parts.telemetry.metrics, parts.telemetry.traffic
-        siblings = sibling_view(role, lifecycle, metrics, bus, fleet.replicas, probes, traffic)
+        seen, ready = parts.telemetry, parts.pool.ready
+        siblings = sibling_view(
+            role, lifecycle, seen.metrics, bus, fleet.replicas, probes, seen.traffic, ready
+        )
         answering = siblings.serving() if siblings is not None else contextlib.nullcontext()
         async with listeners, background, answering:
             if role is not None:  # its socket listens once this returns: when it can route

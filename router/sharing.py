@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from registry.backends import RegistryStore
@@ -50,6 +50,7 @@ def sibling_view(
     replicas: ReplicaSync | None = None,
     probes: HostProbes | None = None,
     traffic: RecentTraffic | None = None,
+    ready: Callable[[], bool] = lambda: True,
 ) -> Siblings | None:
     """This process's part of the host's merged views (None: a router on its own)."""
     if role is None:
@@ -64,6 +65,7 @@ def sibling_view(
             "requests_inflight": lifecycle.inflight,
             "requests_served": lifecycle.served,
             "joined": lifecycle.joined,  # it listens on the client port
+            "ready": ready(),  # it can route: a healthy prefill and decode known
             "bus": None if bus is None else bus.stats(),
             # --replica-listen: whether this process hears the peers, and publishes the host's
             "replicas": None if replicas is None else replicas.summary(),

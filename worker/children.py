@@ -96,17 +96,28 @@ class Children:
                 proc.wait()
 
 
-def wait_ready(url: str, children: Children, timeout: float) -> None:
+def wait_ready(url: str, children: Children, timeout: float, processes: int = 1) -> None:
+    """Until ``url`` answers 200; with ``processes`` > 1 (``router --workers N``, ``url`` its
+    ``/ready``) until each of them can route, as ``/status/data`` says: ``/ready`` answers for
+    the one process its connection reached (0: however many answer)."""
     deadline = time.monotonic() + timeout
+    base = url.removesuffix("/ready")
     while time.monotonic() < deadline:
         dead = children.dead()
         if dead is not None:
             raise SystemExit(f"pd-cluster: {children.exited(dead)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1.0).status_code == 200:
+        with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, AttributeError):
+            if httpx.get(url, timeout=1.0).status_code == 200 and (
+                processes == 1 or _every_process_ready(base, processes)
+            ):
                 return
         time.sleep(0.2)
     raise SystemExit(f"pd-cluster: {url} not ready after {timeout:g} s")
+
+
+def _every_process_ready(base: str, processes: int) -> bool:
+    found = httpx.get(f"{base}/status/data", timeout=2.0).json()["processes"] or []
+    return len(found) >= max(processes, 1) and all(p["ready"] for p in found)
 
 
 @contextlib.contextmanager

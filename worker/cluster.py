@@ -319,8 +319,9 @@ def _start(
     for index, port in enumerate(layout.decodes):
         name = f"decode-{index}"
         children.start(name, _decode_args(args, port, index), logs / f"{name}.log")
+    processes = int(args.router_workers) if args.router_workers.isdigit() else 0  # 0: auto
     for url in routers:
-        wait_ready(f"{url}/ready", children, args.ready_timeout)
+        wait_ready(f"{url}/ready", children, args.ready_timeout, processes)
     if layout.replicas is not None:  # ready: every replica behind the balancer
         _wait_balanced(logs / "haproxy.sock", layout.replicas.count, children, args.ready_timeout)
     dp = f", DP={args.dp}" if args.dp > 1 else ""

@@ -2,7 +2,7 @@
 
     python -m bench.load.flow_control [--engine sglang] [--duration 60] [--alone 30]
         [--max-concurrent 0] [--queue-timeout 10] [--priority-aging 30] [--prefill-cap 1]
-        [--json OUT] [-- PD-WORKER ARGS...]
+        [--reserve 0] [--json OUT] [-- PD-WORKER ARGS...]
 
 pd-cluster (``--prefills`` prefill workers, 4, and 1 decode; 127.0.0.1; stopped at the end) runs the
 router with ``--api-keys`` (four tenants of weight 1: ``tenant-a``, ``tenant-b``,
@@ -96,6 +96,7 @@ class FlowConfig:
     queue_timeout_s: float = 10.0
     priority_aging_s: float = 30.0
     prefill_cap: int = 1  # legs per prefill at once; the rest wait in the router (0: none)
+    reserve: int = 0  # places held back from a tenant over its share (--worker-queue-reserve)
     b_load: float = 0.4  # B's offered rate, of capacity (its share is half)
     flood: float = 10.0  # A's offered rate, of its share (half of capacity)
     interactive: float = 0.25  # interactive's offered rate, of capacity
@@ -126,6 +127,7 @@ def router_flags(cfg: FlowConfig, keys_path: Path) -> list[str]:
     ]  # fmt: skip
     if cfg.prefill_cap:  # the second stage: the router orders what the prefills would queue
         router += ["--max-inflight-per-prefill", str(cfg.prefill_cap), "--queue-at-worker-caps"]
+        router += ["--worker-queue-reserve", str(cfg.reserve)]
     return [f"--router-arg={arg}" for arg in router]
 
 
@@ -326,6 +328,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
         default=defaults.prefill_cap,
         help="router --max-inflight-per-prefill with --queue-at-worker-caps (0: neither)",
     )
+    p.add_argument("--reserve", type=int, default=defaults.reserve, help="held-back places")
     p.add_argument("--flood", type=float, default=defaults.flood, help="A's rate / its share")
     p.add_argument("--b-load", type=float, default=defaults.b_load, help="B's rate / capacity")
     p.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
@@ -350,6 +353,8 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
         p.error("--warmup must be at least 0 and less than --duration")
     if args.prefill_cap < 0:
         p.error("--prefill-cap must be 0 (off) or positive")
+    if args.reserve < 0 or (args.reserve and not args.prefill_cap):
+        p.error("--reserve must be 0 (off) or positive, with a --prefill-cap")
     if args.priority_aging < 0:
         p.error("--priority-aging must be 0 (off) or positive")
     extra = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
@@ -365,6 +370,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FlowConfig:
         queue_timeout_s=args.queue_timeout,
         priority_aging_s=args.priority_aging,
         prefill_cap=args.prefill_cap,
+        reserve=args.reserve,
         flood=args.flood,
         b_load=args.b_load,
         prompt_tokens=args.prompt_tokens,

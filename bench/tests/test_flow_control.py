@@ -79,6 +79,7 @@ def test_options_become_the_config() -> None:
         parse_args(["--prefill-cap", "0", "--max-concurrent", "8"]).prefill_cap,
     ) == (1, 0)
     assert parse_args([]).worker_args == FlowConfig().worker_args
+    assert (parse_args([]).reserve, parse_args(["--reserve", "1"]).reserve) == (0, 1)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +87,8 @@ def test_options_become_the_config() -> None:
     [
         *("--duration 0", "--flood -1", "--max-concurrent -1", "--priority-aging -1"),
         "--max-concurrent 0 --prefill-cap 0",
-        *("--warmup 60", "--prefill-cap -1"),
+        *("--warmup 60", "--prefill-cap -1", "--reserve -1"),
+        "--reserve 1 --prefill-cap 0 --max-concurrent 8",
     ],
 )
 def test_bad_options_are_refused(argv: str) -> None:
@@ -118,11 +120,13 @@ def test_the_router_gets_keys_slots_timeout_and_aging() -> None:
         "--queue-timeout": "7.5",
         "--priority-aging": "0",
     }
-    capped = router_flags(replace(cfg, prefill_cap=2), Path("/k.yaml"))
+    capped = router_flags(replace(cfg, prefill_cap=2, reserve=1), Path("/k.yaml"))
     assert capped[len(flags) :] == [
         "--router-arg=--max-inflight-per-prefill",
         "--router-arg=2",
         "--router-arg=--queue-at-worker-caps",
+        "--router-arg=--worker-queue-reserve",
+        "--router-arg=1",
     ]
 
 

@@ -32,7 +32,7 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -146,10 +146,10 @@ class WaitQueue:
         self.size += 1
         self.by_band[waiter.band] += 1
 
-    def first(self) -> Waiter | None:
+    def first(self, excluded: Container[str] = ()) -> Waiter | None:
         """The waiter to admit next: the class most urgent now (its priority, aged by its
         oldest waiter's wait), its tenant with the smallest counter, that tenant's earliest
-        deadline, then arrival."""
+        deadline, then arrival; none of the ``excluded`` tenants'."""
         now = self.clock()
         best: _Class | None = None
         best_key = (math.inf, 0)
@@ -157,6 +157,8 @@ class WaitQueue:
             oldest = self._oldest(klass)
             if oldest is None:
                 del self._classes[cls]
+                continue
+            if excluded and all(name in excluded for name in klass.tenants):
                 continue
             key = (self._aged(cls, now - oldest.queued_at), cls)
             if key < best_key:
@@ -171,6 +173,8 @@ class WaitQueue:
                 self._stale -= 1
             if not heap:
                 del best.tenants[name]
+            elif name in excluded:
+                continue
             elif (counter := self._tenants[name].counter) < chosen_counter:
                 chosen, chosen_counter = heap, counter
         return None if chosen is None else chosen[0][2]

@@ -150,17 +150,26 @@ class Pipeline:
         if chooser.model is not None and self.models.several:  # counted by pool, in the receipt
             receipt.model = chooser.model or "any"
             self._metrics.count(self._metrics.model_requests, receipt.model)
-        if request.n > 1 and self._adapter.splits_samples:
-            split = SampleSplit(request, responder, self._settings.max_answer_bytes)
-            await split.run(
-                lambda part, sink: self._serve(
-                    chooser, part, headers, sink, disconnected, receipt, trace, session, urgency
+        queue = self.worker_queue
+        held = None
+        if queue is not None and queue.reserve:  # its tenant's requests in flight, counted
+            held = NORMAL if urgency is None else urgency()
+            queue.hold(held)
+        try:
+            if request.n > 1 and self._adapter.splits_samples:
+                split = SampleSplit(request, responder, self._settings.max_answer_bytes)
+                await split.run(
+                    lambda part, sink: self._serve(
+                        chooser, part, headers, sink, disconnected, receipt, trace, session, urgency
+                    )
                 )
+                return
+            await self._serve(
+                chooser, request, headers, responder, disconnected, receipt, trace, session, urgency
             )
-            return
-        await self._serve(
-            chooser, request, headers, responder, disconnected, receipt, trace, session, urgency
-        )
+        finally:
+            if queue is not None and held is not None:
+                queue.release(held)
 
     async def _serve(
         self,
@@ -248,7 +257,7 @@ class Pipeline:
         busy = False
         ends = 0.0
         while True:
-            handed = busy or queue.waiting(model)
+            handed = busy or queue.must_wait(model, urgency)
             if handed:
                 now = time.monotonic()
                 ends = ends or now + queue.timeout_s

@@ -33,7 +33,13 @@ from typing import Any, Protocol
 
 from router.errors import Overloaded, Shed, WorkersBusy
 from router.observability.metrics import RouterMetrics
-from router.pipeline.admission_queue import PRIORITY_BANDS, Urgency, WaitQueue, await_turn
+from router.pipeline.admission_queue import (
+    NORMAL,
+    PRIORITY_BANDS,
+    Urgency,
+    WaitQueue,
+    await_turn,
+)
 from router.settings import AdmissionSettings
 from router.workers import Worker, WorkerPool
 
@@ -93,6 +99,10 @@ class WorkerQueue:
         self._metrics = metrics
         if metrics is not None:
             metrics.worker_queue_depth.set_function(lambda: self.queued)
+        # --worker-queue-reserve: the places held back from a tenant over its share, and each
+        # tenant's requests in flight in this process (``holding``) with its weight
+        self.reserve = settings.worker_queue_reserve
+        self._held: dict[str, tuple[int, float]] = {}
 
     @property
     def queued(self) -> int:
@@ -113,6 +123,45 @@ class WorkerQueue:
         queue = self._queues.get(model)
         return bool(queue is not None and queue.size) or bool(self._handoffs.get(model))
 
+    def must_wait(self, model: str | None, urgency: Callable[[], Urgency] | None) -> bool:
+        """An arriving request queues: others wait, or the places free are held back from its
+        tenant (``--worker-queue-reserve``)."""
+        if self.waiting(model):
+            return True
+        if not self.reserve:
+            return False
+        held = self.held_back(NORMAL if urgency is None else urgency())
+        return bool(held) and self.room(model) <= held
+
+    def hold(self, urgency: Urgency) -> None:
+        """A request of ``urgency``'s tenant is in flight (until ``release``)."""
+        count, _ = self._held.get(urgency.tenant, (0, urgency.weight))
+        self._held[urgency.tenant] = (count + 1, urgency.weight)
+
+    def release(self, urgency: Urgency) -> None:
+        count, weight = self._held.get(urgency.tenant, (1, urgency.weight))
+        if count > 1:
+            self._held[urgency.tenant] = (count - 1, weight)
+        else:
+            self._held.pop(urgency.tenant, None)
+
+    def held_back(self, urgency: Urgency) -> int:
+        """Places ``urgency``'s tenant may not take now: the reserve while it has more than
+        its weighted share of the requests in flight and another tenant has some (else 0)."""
+        return self.reserve if urgency.tenant in self.over_share() else 0
+
+    def over_share(self) -> frozenset[str]:
+        """The tenants with more than their weighted share of the requests in flight, while
+        another tenant has some (``--worker-queue-reserve``)."""
+        held = self._held
+        if not self.reserve or len(held) < 2:
+            return frozenset()
+        total = sum(count for count, _ in held.values())
+        weights = sum(weight for _, weight in held.values())
+        return frozenset(
+            name for name, (count, weight) in held.items() if count > total * weight / weights
+        )
+
     def place(self, model: str | None, urgency: Urgency) -> dict[str, Any]:
         """Where a request of ``urgency`` for ``model``'s pool would go now: routed at once
         (a place free, nobody waiting), or behind ``position`` of the ``waiting`` (an estimate:
@@ -120,9 +169,15 @@ class WorkerQueue:
         queue = self._queues.get(model)
         waiting = 0 if queue is None else queue.size
         free = self.room(model) - self._handoffs.get(model, 0)
-        at_once = free > 0 and not waiting
+        held_back = self.held_back(urgency)
+        at_once = free > held_back and not waiting
         position = 0 if at_once or queue is None else queue.position(urgency)
-        return {"routed_at_once": at_once, "position": position, "waiting": waiting}
+        return {
+            "routed_at_once": at_once,
+            "position": position,
+            "waiting": waiting,
+            "held_back": held_back,  # places held back from its tenant (--worker-queue-reserve)
+        }
 
     def room(self, model: str | None) -> int:
         """Places free in ``model``'s pool now: legs that can start before a cap is reached
@@ -218,7 +273,12 @@ class WorkerQueue:
         """Hand the free places not yet promised to the most urgent waiters, in order."""
         promised = self._handoffs.get(model, 0)
         free = self.room(model) - promised
-        while free > 0 and (waiter := queue.first()) is not None:
+        while free > 0:
+            # the last places free are held back from the tenants over their share
+            over = self.over_share() if self.reserve and free <= self.reserve else ()
+            waiter = queue.first(over)
+            if waiter is None:
+                break
             if waiter.future.done():  # gave up; it removes itself too
                 queue.remove(waiter)
                 continue

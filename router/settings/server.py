@@ -176,6 +176,14 @@ class AdmissionSettings(BaseModel):
     tenants; at most `--queue-timeout` or its deadline) until a leg ends, instead of 429: the
     engines then queue at most their cap, the router orders the rest (a second stage of
     admission, in front of the workers)"""
+    worker_queue_reserve: int = Field(
+        default=0, ge=0, json_schema_extra=cli("--worker-queue-reserve")
+    )
+    """with `--queue-at-worker-caps`: places of each model's workers held back from a tenant
+    that has more than its weighted share of the requests in flight while another tenant has
+    some (0: none, every free place goes to the next in the queue). A tenant within its share
+    then finds a place at once instead of waiting for a prefill to finish behind a flood; the
+    cost is up to this many idle places while it does not use them"""
     capacity_backoff_s: float = Field(
         default=1.0, ge=0, json_schema_extra=cli("--capacity-backoff")
     )

@@ -105,7 +105,7 @@ async def test_at_the_cap_requests_wait_and_the_most_urgent_goes_first(
         explained = await client.post("/admin/explain", json=COMPLETION)  # priority 0
         assert explained.status_code == 200, explained.text  # at the caps: explained, not 429
         place = explained.json()["admission"]["worker_queue"]
-        assert place == {"routed_at_once": False, "position": 1, "waiting": 3}  # after -1 only
+        assert place == {"routed_at_once": False, "position": 1, "waiting": 3, "held_back": 0}
         assert "at its limit of 1" in explained.json()["error"]
         await hang_up(held)
         responses = await asyncio.gather(*waiting)
@@ -242,3 +242,109 @@ async def test_the_worker_queue_is_bounded() -> None:
         await small.wait(None, Urgency(), never, None)
     waiter.cancel()
     never.cancel()
+
+
+def reserved_pool(reserve: int) -> tuple[list[Worker], WorkerQueue]:
+    """Two prefills capped at one leg each (two places), ``reserve`` of them held back."""
+    settings = AdmissionSettings(
+        max_inflight_per_prefill=1, queue_at_worker_caps=True, worker_queue_reserve=reserve
+    )
+    pool: WorkerPool[None] = WorkerPool(needs_engine_ids=False, caps=settings.worker_caps())
+    queue = queue_at_caps(pool, settings)
+    assert queue is not None
+    prefills = [Worker(Role.PREFILL, f"http://127.0.0.1:{9000 + i}", healthy=True) for i in (0, 1)]
+    for prefill in prefills:
+        pool.add(prefill, None)
+    pool.add(Worker(Role.DECODE, "http://127.0.0.1:9100", healthy=True), None)
+    return prefills, queue
+
+
+FLOOD, QUIET = Urgency(tenant="flood"), Urgency(tenant="quiet")
+
+
+@pytest.mark.parametrize("reserve", [0, 1])
+async def test_the_last_place_is_held_back_from_a_tenant_over_its_share(reserve: int) -> None:
+    """``--worker-queue-reserve 1``: the flooding tenant (four requests in flight to the quiet
+    one's one) may not take the last free place; the quiet tenant's next request takes it at
+    once, without waiting for a prefill to finish. Without a reserve the flood takes it."""
+    prefills, queue = reserved_pool(reserve)
+    for _ in range(4):
+        queue.hold(FLOOD)
+    queue.hold(QUIET)
+    assert queue.over_share() == (frozenset({"flood"}) if reserve else frozenset())
+    never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    assert not queue.must_wait(None, lambda: FLOOD)  # two places free: one for the flood
+    start_leg(prefills[0])
+    assert queue.must_wait(None, lambda: FLOOD) is bool(reserve)
+    assert not queue.must_wait(None, lambda: QUIET)
+    flood = asyncio.create_task(queue.wait(None, FLOOD, never))
+    await asyncio.sleep(0.01)
+    assert flood.done() is not bool(reserve)  # held back, or handed the last place
+    if reserve:
+        quiet = asyncio.create_task(queue.wait(None, QUIET, never))
+        await asyncio.wait_for(quiet, 1.0)  # queued behind the flood, and served first
+        assert not flood.done()
+        queue.routed(None)
+        start_leg(prefills[1])
+        queue.release(QUIET)  # the quiet tenant has nothing in flight: nothing held back
+        assert queue.over_share() == frozenset()
+        queue.notify()
+        assert not flood.done()  # no place free anyway
+    flood.cancel()
+    never.cancel()
+    await asyncio.gather(flood, return_exceptions=True)
+
+
+def test_a_tenants_share_follows_its_weight() -> None:
+    _, queue = reserved_pool(1)
+    heavy = Urgency(tenant="heavy", weight=3.0)
+    for _ in range(3):
+        queue.hold(heavy)
+    queue.hold(QUIET)
+    assert queue.over_share() == frozenset()  # 3 of 4 with 3 of 4 of the weight: its share
+    queue.hold(heavy)
+    assert queue.over_share() == frozenset({"heavy"})
+    assert queue.held_back(heavy) == 1 and queue.held_back(QUIET) == 0
+
+
+async def test_a_place_held_back_serves_the_quiet_tenant_at_once(
+    make_cluster: FakeClusterFactory, tmp_path: Path
+) -> None:
+    """Through the router (``--worker-queue-reserve 1``, two prefills capped at one leg): with
+    tenant a's requests over its share (four in flight to b's two), the place a-1 frees is not
+    handed to a-2 but kept for tenant b, whose next request is served while a's wait; once b
+    has nothing in flight, a's are served. Without the reserve a-2 takes it at once and b-2
+    waits behind it."""
+    keys = {"a": "sk-team-a-0123456789abcdef", "b": "sk-team-b-0123456789abcdef"}
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(
+        "tenants:\n" + "".join(f"  team-{t}:\n    keys: [{k}]\n" for t, k in keys.items())
+    )
+    admission = {**QUEUED, "worker_queue_reserve": 1}
+    cluster = make_cluster("sglang", prefill=2, admission=admission, auth={"api_keys": keys_file})
+    auth = {tenant: {"authorization": f"Bearer {key}"} for tenant, key in keys.items()}
+
+    def sent() -> list[str]:
+        return [prompt for prefill in cluster.prefills for prompt in prompts(prefill)]
+
+    async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as client:
+        for prefill in cluster.prefills:
+            prefill.config.hang = True
+        a1 = [ask(client, "a-1", auth["a"])]
+        await await_until(lambda: sent() == ["a-1"], WAIT_S, "a-1 held at a prefill")
+        b1 = [ask(client, "b-1", auth["b"])]
+        await await_until(lambda: sorted(sent()) == ["a-1", "b-1"], WAIT_S, "b-1 held too")
+        for prefill in cluster.prefills:
+            prefill.config.hang = False
+        waiting = [ask(client, f"a-{i}", auth["a"]) for i in range(2, 6)]
+        await queued(cluster, 4)
+        await hang_up(a1)  # a place frees: held back from tenant a (4 in flight to b's 1)
+        b2 = await client.post(
+            "/v1/completions", json={**COMPLETION, "prompt": "b-2"}, headers=auth["b"]
+        )
+        assert b2.status_code == 200
+        assert "a-2" not in sent() and metric(cluster, "pdr_worker_queue_depth") == 4
+        await hang_up(b1)  # b has nothing in flight: nothing is held back from a
+        responses = await asyncio.gather(*waiting)
+    assert [response.status_code for response in responses] == [200] * 4
+    cluster.wait_idle()
