@@ -179,8 +179,11 @@ def _row(s: StreamSummary) -> str:
     )
 
 
-def _caps(cap: object) -> str:
-    return f" --max-inflight-per-prefill {cap} --queue-at-worker-caps" if cap else ""
+def _caps(cap: object, reserve: object) -> str:
+    if not cap:
+        return ""
+    held = f" --worker-queue-reserve {reserve}" if reserve else ""
+    return f" --max-inflight-per-prefill {cap} --queue-at-worker-caps{held}"
 
 
 def render(report: FlowReport) -> str:
@@ -192,7 +195,7 @@ def render(report: FlowReport) -> str:
         f"flow_control: pd-cluster {cfg.get('prefills')}P1D --engine {cfg.get('engine')}, router "
         f"--max-concurrent-requests {cfg.get('max_concurrent')} --queue-timeout "
         f"{cfg.get('queue_timeout_s')} --priority-aging {cfg.get('priority_aging_s')}"
-        f"{_caps(cfg.get('prefill_cap'))}; "
+        f"{_caps(cfg.get('prefill_cap'), cfg.get('reserve'))}; "
         f"prompt {cfg.get('prompt_tokens')} tokens, max_tokens {cfg.get('max_tokens')} "
         f"+- {100 * float(str(cfg.get('spread', 0.0))):.0f}%; "
         f"worker args: {args or '(defaults)'}",

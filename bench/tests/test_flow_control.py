@@ -210,7 +210,7 @@ def test_verdicts_hold_to_the_targets() -> None:
 def test_the_report_shows_every_stream_and_verdict() -> None:
     verdicts = [fairness_verdict(_summary(100), _summary(300)), starvation_verdict([1, 2], 10)]
     report = FlowReport(
-        {"engine": "sglang", "max_concurrent": 48},
+        {"engine": "sglang", "max_concurrent": 48, "prefill_cap": 1, "reserve": 1},
         14.5,
         3.3,
         [_summary(300)],
@@ -224,6 +224,7 @@ def test_the_report_shows_every_stream_and_verdict() -> None:
     assert "| (a) B TTFT p99, A flooding / B alone (whole) | 3.00x | <= 1.5x | FAIL |" in text
     assert "| (b) batch completed per 10-s window | 1/2 | every window > 0 | pass |" in text
     assert "14.50 req/s" in text
+    assert "--queue-at-worker-caps --worker-queue-reserve 1;" in text
 
 
 def test_a_missed_target_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
