@@ -33,6 +33,7 @@ from router.sibling_bus import SiblingBus
 from router.upstream.base import UpstreamPool
 
 __all__ = [
+    "HOST_BUS_KINDS",
     "host_bus",
     "probe_tasks",
     "replica_sync",
@@ -40,6 +41,9 @@ __all__ = [
     "share_verdicts",
     "sibling_view",
 ]
+
+# what travels on the host's bus (router.sibling_bus)
+HOST_BUS_KINDS = (Prediction, BreakerVerdict, EjectionVerdict, ProbeRound)
 
 
 def sibling_view(
@@ -83,7 +87,7 @@ def host_bus(role: ProcessRole) -> SiblingBus:
     """The host's bus: breaker verdicts (``share_breakers``), outlier ejections
     (``share_ejections``), the leader's probe rounds, and predictions when they are shared
     (``share_predictions``)."""
-    return SiblingBus(role, (Prediction, BreakerVerdict, EjectionVerdict, ProbeRound))
+    return SiblingBus(role, HOST_BUS_KINDS)
 
 
 def probe_tasks(

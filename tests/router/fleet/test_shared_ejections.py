@@ -10,12 +10,12 @@ from pathlib import Path
 
 from router.fleet.outlier import OutlierDetector
 from router.fleet.shared_ejections import EjectionVerdict, share_ejections
-from router.process_role import ProcessRole
 from router.settings import OutlierSettings
-from router.sharing import host_bus
+from router.sharing import HOST_BUS_KINDS
 from router.workers import Role, Worker, WorkerPool
 from testkit.polling import await_until
 from testkit.verdict_channel import MemoryChannel
+from tests.router.kv_cache.test_shared_predictions import two_buses
 
 
 def pool_of(prefills: int = 2) -> WorkerPool[None]:
@@ -44,15 +44,13 @@ async def test_a_prefill_ejected_in_one_process_is_ejected_in_the_other(tmp_path
     """Process 0 finds a frozen prefill (its own legs); process 1 routes nothing to it from
     then on either (marked down, its waiting legs told), for the same ejection time, without
     counting the ejection a second time."""
-    roles = [ProcessRole(i, 2, 0, str(tmp_path), 0) for i in range(2)]
-    buses = [host_bus(r) for r in roles]  # the host's bus as the router opens it
     pools = [pool_of(), pool_of()]
     counted: list[list[str]] = [[], []]
     detectors = [detector_of(p, c) for p, c in zip(pools, counted, strict=True)]
-    for detector, pool, bus in zip(detectors, pools, buses, strict=True):
-        share_ejections(detector, pool.get, host=bus)
-    tasks = [asyncio.create_task(bus.run()) for bus in buses]
-    try:
+    async with two_buses(tmp_path, HOST_BUS_KINDS) as buses:  # as the router opens the bus
+        for detector, pool, bus in zip(detectors, pools, buses, strict=True):
+            share_ejections(detector, pool.get, host=bus)
+
         # the SUB socket joins a few ms after it connects: a verdict nobody knows until it crosses
         async def crossed() -> bool:
             buses[0].publish(EjectionVerdict("prefill:http://nowhere:1", 5.0, "warm-up"))
@@ -72,12 +70,6 @@ async def test_a_prefill_ejected_in_one_process_is_ejected_in_the_other(tmp_path
         assert pools[1].prefill[1].healthy
         assert counted == [["overdue"], []]  # counted once, by the process that found it
         assert detectors[1].check() == []
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for bus in buses:
-            bus.close()
 
 
 def test_a_shared_ejection_keeps_the_receivers_budget_and_holds_a_worker_already_down() -> None:
