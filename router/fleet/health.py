@@ -83,6 +83,8 @@ class HealthProber:
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(worker) for worker in self._pool.all()))
         self.rounds += 1
+        if self.rounds == 1 and self.on_verdict is not None:
+            self.on_verdict()  # the first verdicts are known: told now, not an interval later
 
     async def probe(self, worker: Worker) -> None:
         started = time.monotonic()

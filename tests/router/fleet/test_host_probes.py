@@ -129,6 +129,18 @@ async def test_a_worker_this_process_ejected_stays_out_for_its_ejection_time(
         await await_until(lambda: theirs.healthy, 10, "back once the ejection ended")
 
 
+async def test_the_leaders_first_round_of_verdicts_is_told_when_it_ends() -> None:
+    """Its first probes mark workers up before the round is over, when the leader may not yet
+    publish (a restarted leader tells nothing before its first round): the round's end tells."""
+    prober = HealthProber(pool(), EngineProtocol.SGLANG, HealthSettings())
+    told: list[int] = []
+    prober.on_verdict = lambda: told.append(prober.rounds)
+    await prober.probe_all()  # nothing listens there: the probes fail, a round all the same
+    await prober.probe_all()
+    assert told == [1]
+    await prober.aclose()
+
+
 async def test_the_leaders_ejection_travels_as_an_ejection_not_as_a_probe_verdict(
     tmp_path: Path,
 ) -> None:
