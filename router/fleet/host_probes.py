@@ -113,19 +113,17 @@ class HostProbes:
         """Until cancelled: the leader publishes a round every interval, and at once when a
         verdict changed; a follower probes once now, then again only while the leader is
         silent."""
-        if not self.leader:
-            await self._probe()
-        while True:
-            if self.leader:
+        if self.leader:
+            while True:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), self._interval_s)
                 self._changed.clear()
-            else:
-                await asyncio.sleep(self._interval_s)
-            if self.leader:
                 if self._probed():
                     self.publish()
-            elif time.monotonic() - self.heard_at > LEADER_TIMEOUTS * self._interval_s:
+        await self._probe()
+        while True:
+            await asyncio.sleep(self._interval_s)
+            if time.monotonic() - self.heard_at > LEADER_TIMEOUTS * self._interval_s:
                 self.fallbacks += 1
                 await self._probe()
 
