@@ -215,7 +215,8 @@ class AdmissionGate:
 
     def _wake(self) -> None:
         queue = self._queue
-        while (waiter := queue.first()) is not None:
+        # no free unit: nobody fits (each waiter takes one at least), first() not asked
+        while self._used() < self._limit and (waiter := queue.first()) is not None:
             if waiter.future.done():  # gave up; it removes itself too
                 queue.remove(waiter)
                 continue

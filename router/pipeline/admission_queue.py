@@ -153,30 +153,35 @@ class WaitQueue:
         now = self.clock()
         best: _Class | None = None
         best_key = (math.inf, 0)
-        for cls, klass in list(self._classes.items()):
+        emptied = []
+        for cls, klass in self._classes.items():
             oldest = self._oldest(klass)
             if oldest is None:
-                del self._classes[cls]
-                continue
-            if excluded and all(name in excluded for name in klass.tenants):
-                continue
-            key = (self._aged(cls, now - oldest.queued_at), cls)
-            if key < best_key:
-                best, best_key = klass, key
-        if best is None:
-            return None
+                emptied.append(cls)
+            elif not excluded or not all(name in excluded for name in klass.tenants):
+                key = (self._aged(cls, now - oldest.queued_at), cls)
+                if key < best_key:
+                    best, best_key = klass, key
+        for cls in emptied:
+            del self._classes[cls]
+        return None if best is None else self._first_of(best, excluded)
+
+    def _first_of(self, klass: _Class, excluded: Container[str]) -> Waiter | None:
+        """``klass``'s tenant with the smallest counter (none of the ``excluded``), its
+        earliest deadline, then arrival; tenants with no live waiter left are dropped."""
         chosen: list[Entry] | None = None
         chosen_counter = math.inf
-        for name, heap in list(best.tenants.items()):
+        emptied = []
+        for name, heap in klass.tenants.items():
             while heap and heap[0][2].gone:
                 heapq.heappop(heap)
                 self._stale -= 1
             if not heap:
-                del best.tenants[name]
-            elif name in excluded:
-                continue
-            elif (counter := self._tenants[name].counter) < chosen_counter:
+                emptied.append(name)
+            elif name not in excluded and (counter := self._tenants[name].counter) < chosen_counter:
                 chosen, chosen_counter = heap, counter
+        for name in emptied:
+            del klass.tenants[name]
         return None if chosen is None else chosen[0][2]
 
     def admit(self, waiter: Waiter) -> float:

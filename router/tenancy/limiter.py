@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from router.errors import RateLimited
-from router.tenancy.windows import Charge, Windows
+from router.tenancy.windows import Charge, Window, Windows
 
 __all__ = ["DEFAULT_BUCKET", "Admitted", "TenantLimiter", "TenantLimits"]
 
@@ -76,8 +76,24 @@ class Admitted:
             return
         self._finished = True
         self._limiter._release(self._bucket)
-        if actual_tokens is not None and self._tokens is not None:
-            await self._limiter.windows.adjust(self._tokens, actual_tokens - self._tokens.cost)
+        charge = self._tokens
+        if actual_tokens is not None and charge is not None and actual_tokens != charge.cost:
+            windows = self._limiter.windows
+            if windows.local:  # the memory storage: no coroutine to await
+                windows.adjust_local(charge, actual_tokens - charge.cost)
+            else:
+                await windows.adjust(charge, actual_tokens - charge.cost)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What admitting a request of one bucket needs, looked up once: its concurrency cap and
+    its windows (None: that limit is off)."""
+
+    bucket: str
+    max_concurrent: int | None
+    requests: Window | None
+    tokens: Window | None
 
 
 class TenantLimiter:
@@ -99,6 +115,8 @@ class TenantLimiter:
         self._default = default
         self._in_flight: dict[str, int] = {}
         self.windows = Windows(storage_url, namespace=namespace)
+        # the plan of each tenant in ``limits`` and of DEFAULT_BUCKET, made on first use
+        self._plans: dict[str, _Plan] = {}
 
     def replace_limits(
         self, limits: Mapping[str, TenantLimits], default: TenantLimits | None = None
@@ -108,6 +126,7 @@ class TenantLimiter:
         the new limits."""
         self._limits = dict(limits)
         self._default = default
+        self._plans = {}
         self.windows.forget()
 
     def in_flight(self, tenant: str) -> int:
@@ -117,40 +136,73 @@ class TenantLimiter:
     async def admit(self, tenant: str, estimated_tokens: int) -> Admitted:
         """Admit one request of ``tenant`` expected to use ``estimated_tokens`` (prompt plus
         ``max_tokens``); raises RateLimited when one of its limits is reached."""
-        bucket = self._bucket(tenant)
-        limits = self._limits.get(tenant, self._default)
-        self._take(bucket, None if limits is None else limits.max_concurrent)
-        if limits is None:
-            return Admitted((), self, bucket, None)
+        windows = self.windows
+        if windows.local:  # the memory storage: nothing to await
+            return self.admit_local(tenant, estimated_tokens)
+        plan = self._plan(tenant)
+        self._take(plan.bucket, plan.max_concurrent)
         try:
-            requests = tokens = None
-            if limits.requests_per_minute is not None:
-                requests = await self.windows.charge(
-                    "requests", bucket, limits.requests_per_minute, 1
-                )
-            if limits.tokens_per_minute is not None:
+            requests = None if plan.requests is None else await windows.charge(plan.requests, 1)
+            tokens = None
+            if plan.tokens is not None:
                 try:
-                    tokens = await self.windows.charge(
-                        "tokens", bucket, limits.tokens_per_minute, estimated_tokens
-                    )
+                    tokens = await windows.charge(plan.tokens, estimated_tokens)
                 except RateLimited:
                     if requests is not None:  # the request was not served: it does not count
-                        await self.windows.adjust(requests, -1)
+                        await windows.adjust(requests, -1)
                     raise
         except BaseException:
-            self._release(bucket)
+            self._release(plan.bucket)
             raise
-        now = time.time()
-        headers = () if requests is None else requests.headers(now)
-        if tokens is not None:
-            headers += tokens.headers(now)
-        return Admitted(headers, self, bucket, tokens)
+        return Admitted(_headers(requests, tokens, time.time()), self, plan.bucket, tokens)
+
+    def admit_local(self, tenant: str, estimated_tokens: int) -> Admitted:
+        """``admit`` on the memory storage (``windows.local``), without awaiting."""
+        plan = self._plans.get(tenant) or self._plan(tenant)
+        self._take(plan.bucket, plan.max_concurrent)
+        windows, now = self.windows, time.time()
+        try:
+            requests = tokens = None
+            if plan.requests is not None:
+                requests = windows.charge_local(plan.requests, 1, now)
+            if plan.tokens is not None:
+                try:
+                    tokens = windows.charge_local(plan.tokens, estimated_tokens, now)
+                except RateLimited:
+                    if requests is not None:  # the request was not served: it does not count
+                        windows.adjust_local(requests, -1)
+                    raise
+        except BaseException:
+            self._release(plan.bucket)
+            raise
+        return Admitted(_headers(requests, tokens, now), self, plan.bucket, tokens)
 
     async def aclose(self) -> None:
         await self.windows.aclose()
 
     def _bucket(self, tenant: str) -> str:
         return tenant if tenant in self._limits else DEFAULT_BUCKET
+
+    def _plan(self, tenant: str) -> _Plan:
+        """``tenant``'s plan (kept for the tenants in the limits and the default bucket: a
+        bounded set, whatever names come in)."""
+        bucket = self._bucket(tenant)
+        plan = self._plans.get(bucket)
+        if plan is None:
+            limits = self._limits.get(bucket, self._default)
+            if limits is None:
+                plan = _Plan(bucket, None, None, None)
+            else:
+                window = self.windows.window
+                rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+                plan = _Plan(
+                    bucket,
+                    limits.max_concurrent,
+                    None if rpm is None else window("requests", bucket, rpm),
+                    None if tpm is None else window("tokens", bucket, tpm),
+                )
+            self._plans[bucket] = plan
+        return plan
 
     def _take(self, bucket: str, max_concurrent: int | None) -> None:
         """Count one more request in flight for ``bucket``; raises RateLimited at the cap.
@@ -172,3 +224,12 @@ class TenantLimiter:
             self._in_flight[bucket] = count
         else:
             self._in_flight.pop(bucket, None)
+
+
+def _headers(
+    requests: Charge | None, tokens: Charge | None, now: float
+) -> tuple[tuple[bytes, bytes], ...]:
+    """The ``x-ratelimit-*`` headers of an admission's charges."""
+    if requests is None:
+        return () if tokens is None else tokens.headers(now)
+    return requests.headers(now) if tokens is None else requests.headers(now) + tokens.headers(now)

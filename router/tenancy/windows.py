@@ -71,11 +71,12 @@ class Window:
     item: PerMinute
     key: str
     expiry: int  # seconds
-    names: tuple[bytes, bytes, bytes]
-    limit_value: bytes
+    limit_header: tuple[bytes, bytes]  # x-ratelimit-limit-*: it does not change
+    remaining_name: bytes
+    reset_name: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~0.5 us more
 class Charge:
     """What one admission put on one window: ``cost`` units, in the window that ends at
     ``reset_at`` (``time.time()``), which had ``remaining`` units left then."""
@@ -87,11 +88,10 @@ class Charge:
 
     def headers(self, now: float) -> tuple[tuple[bytes, bytes], ...]:
         window = self.window
-        limit_name, remaining_name, reset_name = window.names
         return (
-            (limit_name, window.limit_value),
-            (remaining_name, str(self.remaining).encode()),
-            (reset_name, duration(self.reset_at - now).encode()),
+            window.limit_header,
+            (window.remaining_name, b"%d" % self.remaining),
+            (window.reset_name, duration(self.reset_at - now).encode()),
         )
 
 
@@ -128,6 +128,7 @@ class Windows:
         window = self._windows.get((limit_type, bucket, limit))
         if window is None:
             item = PerMinute(limit, namespace=self.namespace)
+            limit_name, remaining_name, reset_name = ratelimit_names(limit_type)
             window = Window(
                 limit_type,
                 bucket,
@@ -135,8 +136,9 @@ class Windows:
                 item,
                 item.key_for(bucket, limit_type),
                 item.get_expiry(),
-                ratelimit_names(limit_type),
-                str(limit).encode(),
+                (limit_name, b"%d" % limit),
+                remaining_name,
+                reset_name,
             )
             self._windows[(limit_type, bucket, limit)] = window
         return window
@@ -146,54 +148,72 @@ class Windows:
         back); the counts stay in the storage, under the same keys."""
         self._windows.clear()
 
-    async def charge(self, limit_type: str, bucket: str, limit: int, cost: int) -> Charge | None:
-        """Put ``cost`` (at least 1) on ``bucket``'s window of ``limit`` a minute; raises
-        RateLimited when it does not fit, and nothing stays charged then (a hit over the limit
-        is given back at once: for that moment the window looks fuller than it is, to this
-        tenant only). None when the storage failed: the limit is not enforced for this request
-        (fail open, logged) rather than failing it."""
-        window = self.window(limit_type, bucket, limit)
+    @property
+    def local(self) -> bool:
+        """The storage is this process's memory: ``charge_local`` and ``adjust_local`` do
+        without awaiting (the request path saves its coroutines)."""
+        return self._memory is not None
+
+    async def charge(self, window: Window, cost: int) -> Charge | None:
+        """Put ``cost`` (at least 1) on ``window``; raises RateLimited when it does not fit,
+        and nothing stays charged then (a hit over the limit is given back at once: for that
+        moment the window looks fuller than it is, to this tenant only). None when the storage
+        failed: the limit is not enforced for this request (fail open, logged) rather than
+        failing it."""
+        if self._memory is not None:
+            return self.charge_local(window, cost, time.time())
         cost = max(cost, 1)
-        memory = self._memory
         try:
-            if memory is not None:
-                count = _incr(memory, window.key, window.expiry, cost)
-                fits = count <= limit
-                if not fits:
-                    count = _incr(memory, window.key, window.expiry, -cost)
-                remaining = max(0, limit - count)
-                # what the storage's ``get_expiry`` answers, without the call: the window's end
-                expires = memory.expirations.get(window.key)
-                reset_at = time.time() if expires is None else expires
-            else:
-                fits, remaining, reset_at = await self._hit(window, cost)
+            fits, remaining, reset_at = await self._hit(window, cost)
         except StorageError as exc:
-            logger.warning("tenant limits not enforced: the %s storage failed: %s", limit_type, exc)
+            logger.warning(
+                "tenant limits not enforced: the %s storage failed: %s", window.limit_type, exc
+            )
             return None
         if not fits:
-            raise self._refusal(limit_type, limit, cost, reset_at, remaining)
+            raise _refusal(window, cost, reset_at, remaining)
         return Charge(window, cost, reset_at, remaining)
+
+    def charge_local(self, window: Window, cost: int, now: float) -> Charge:
+        """``charge`` on the memory storage (``local``), without awaiting (``now``:
+        ``time.time()``): the same counts and refusals; it cannot fail."""
+        memory = self._memory
+        assert memory is not None, "charge_local needs the memory storage"
+        cost = max(cost, 1)
+        key = window.key
+        count = _incr(memory, key, window.expiry, cost, now)
+        # the window's end, as the storage's ``get_expiry`` answers it, without the call
+        reset_at = memory.expirations[key]
+        if count > window.limit:
+            count = _incr(memory, key, window.expiry, -cost, now)
+            raise _refusal(window, cost, reset_at, max(0, window.limit - count))
+        return Charge(window, cost, reset_at, window.limit - count)
 
     async def adjust(self, charge: Charge, delta: int) -> None:
         """Add ``delta`` to what ``charge`` put on its window: an overrun (> 0) always counts,
         in the current window; a refund (< 0) only while the charged window lasts (not within
         ``REFUND_MARGIN_S`` of its end), and never more than was charged."""
-        if delta < 0:
-            if time.time() >= charge.reset_at - REFUND_MARGIN_S:
-                return
-            delta = max(delta, -charge.cost)
+        if self._memory is not None:
+            self.adjust_local(charge, delta)
+            return
+        delta = _adjustment(charge, delta, time.time())
         if delta == 0:
             return
         window = charge.window
-        if self._memory is not None:
-            _incr(self._memory, window.key, window.expiry, delta)
-            return
         try:
             await self.storage.incr(window.key, window.expiry, delta)
         except StorageError as exc:
             logger.warning(
                 "tenant %s usage not corrected: the storage failed: %s", window.limit_type, exc
             )
+
+    def adjust_local(self, charge: Charge, delta: int) -> None:
+        """``adjust`` on the memory storage (``local``), without awaiting."""
+        assert self._memory is not None, "adjust_local needs the memory storage"
+        now = time.time()
+        delta = _adjustment(charge, delta, now)
+        if delta:
+            _incr(self._memory, charge.window.key, charge.window.expiry, delta, now)
 
     async def aclose(self) -> None:
         if self._pool is not None:
@@ -210,25 +230,34 @@ class Windows:
         stats = await self._strategy.get_window_stats(item, bucket, limit_type)
         return fits, stats.remaining, stats.reset_time
 
-    def _refusal(
-        self, limit_type: str, limit: int, cost: int, reset_at: float, remaining: int
-    ) -> RateLimited:
-        now = time.time()
-        wait_s = max(reset_at - now, 0.001)
-        if cost > limit:
-            what = f"this request's {cost} {limit_type} exceed the limit of {limit} per minute"
-        else:
-            what = f"limit of {limit} {limit_type} per minute reached ({cost} requested)"
-        return RateLimited(
-            f"Rate limit reached: {what}. Please try again in {wait_s:.3g}s.",
-            limit_type=limit_type,
-            reason=f"tenant_{limit_type}",
-            retry_after_s=wait_s,
-            headers=ratelimit_headers(limit_type, limit, remaining, wait_s),
-        )
+
+def _refusal(window: Window, cost: int, reset_at: float, remaining: int) -> RateLimited:
+    limit_type, limit = window.limit_type, window.limit
+    wait_s = max(reset_at - time.time(), 0.001)
+    if cost > limit:
+        what = f"this request's {cost} {limit_type} exceed the limit of {limit} per minute"
+    else:
+        what = f"limit of {limit} {limit_type} per minute reached ({cost} requested)"
+    return RateLimited(
+        f"Rate limit reached: {what}. Please try again in {wait_s:.3g}s.",
+        limit_type=limit_type,
+        reason=f"tenant_{limit_type}",
+        retry_after_s=wait_s,
+        headers=ratelimit_headers(limit_type, limit, remaining, wait_s),
+    )
 
 
-def _incr(memory: MemoryStorage, key: str, expiry: int, amount: int) -> int:
+def _adjustment(charge: Charge, delta: int, now: float) -> int:
+    """What of ``delta`` ``adjust`` applies: a refund (< 0) only while the charged window lasts
+    (not within ``REFUND_MARGIN_S`` of its end), and never more than was charged."""
+    if delta < 0:
+        if now >= charge.reset_at - REFUND_MARGIN_S:
+            return 0
+        return max(delta, -charge.cost)
+    return delta
+
+
+def _incr(memory: MemoryStorage, key: str, expiry: int, amount: int, now: float) -> int:
     """``limits``' ``MemoryStorage.incr`` done synchronously on its own counters and
     expirations: a window that ended starts again at 0 (as its ``get``), the first count of a
     window sets its end. The storage's coroutine costs ~8 us a call on a busy event loop: each
@@ -237,7 +266,6 @@ def _incr(memory: MemoryStorage, key: str, expiry: int, amount: int) -> int:
     Nothing needs that sweep here: the keys are one per tenant of the keys file (and the
     default bucket) and limit type, and a window that ended is reset when it is next used."""
     counts, ends = memory.storage, memory.expirations
-    now = time.time()
     if ends.get(key, 0) <= now:
         counts.pop(key, None)
         ends.pop(key, None)

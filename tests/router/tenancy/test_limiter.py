@@ -268,7 +268,7 @@ async def test_the_memory_windows_count_as_limits_own_fixed_window(clock: Clock)
     for step, cost in enumerate([3, 4, 5, 3, 1, 9, 2]):
         clock.advance(60 if step == 4 else 1)  # the first window ends before the fifth hit
         try:
-            charge = await windows.charge("tokens", "acme", 10, cost)
+            charge = await windows.charge(windows.window("tokens", "acme", 10), cost)
             assert charge is not None
             ours.append((True, charge.remaining, charge.reset_at))
         except RateLimited as refused:
