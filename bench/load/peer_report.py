@@ -19,6 +19,7 @@ from bench.load.peer_stack import DIRECT, OURS, Cell, RunRecord
 __all__ = [
     "ALL_OFF",
     "FLOW",
+    "FLOW_BASE",
     "FLOW_KEYS",
     "OLD",
     "PEER",
@@ -43,6 +44,8 @@ PEER, OLD = "peer", "old"  # the build names of the peer and of the compare buil
 FLOOR_SERVER, FLOOR_PROXY = "floor-server", "floor-proxy"  # the floors' build names
 FLOW = "ours-flow-control"  # ours with API keys, tenant limits and a binding admission queue
 FLOW_KEYS = "ours-flow-keys"  # ... with the keys and limits only (the queue never binds)
+# ours, its load at the concurrency FLOW admits: FLOW's upstream shape, nobody waiting
+FLOW_BASE = "ours-at-flow-concurrency"
 RATIO_LIMIT = 1.0  # ours / peer, per cell (issue 22, requirement 1)
 
 
@@ -300,6 +303,9 @@ class PeersReport(msgspec.Struct, frozen=True):
     floors: list[FloorRow] = []
     flow: list[CompareRow] = []  # ours with flow control (new) against ours (old)
     flow_keys: list[CompareRow] = []  # ours with keys and limits only (new) against ours
+    # FLOW (new) against FLOW_BASE: the same upstream concurrency, so what is left is the
+    # keys', the limits' and the queue's own work (not fewer requests sharing each turn)
+    flow_same_shape: list[CompareRow] = []
 
 
 def ledger_builds(builds: Sequence[BuildInfo]) -> list[tuple[str, str]]:
@@ -343,4 +349,5 @@ def make_report(
         floors=floor_rows(cells),
         flow=compare_rows(cells, FLOW, OURS) if "flow" in roles else [],
         flow_keys=compare_rows(cells, FLOW_KEYS, OURS) if "flow" in roles else [],
+        flow_same_shape=compare_rows(cells, FLOW, FLOW_BASE) if "flow" in roles else [],
     )

@@ -41,6 +41,7 @@ __all__ = [
     "measure_run",
     "router_argv",
     "flow_keys_text",
+    "target_loadgen_argv",
     "router_env",
     "router_source",
 ]
@@ -89,6 +90,7 @@ class Build:
     shape: str = ""  # a floor's: ``server`` or ``proxy``
     env: tuple[tuple[str, str], ...] = ()  # more of a build of ours' environment
     headers: tuple[str, ...] = ()  # more request headers its load sends (``Name: value``)
+    callers: int | None = None  # its load's concurrency (None: the cell's)
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,7 @@ class EngineStack:
     direct_extra: dict[str, object]
     routers: dict[str, tuple[Child, int]] = field(default_factory=dict)  # name -> (child, port)
     headers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> its load's
+    callers: dict[str, int] = field(default_factory=dict)  # name -> its load's concurrency
 
 
 def _is_200(response: httpx.Response) -> bool:
@@ -341,6 +344,8 @@ def engine_stack(
             child, port = _start_router(build, engine, result.ports, log_dir)
             result.routers[build.name] = (stack.enter_context(child), port)
             result.headers[build.name] = build.headers
+            if build.callers is not None:
+                result.callers[build.name] = build.callers
         deadline = time.monotonic() + startup_timeout
         for build in builds:
             _wait_router(build, *result.routers[build.name], deadline)
@@ -375,7 +380,8 @@ def measure_run(
         return msgspec.structs.replace(where, failure=f"not run: {target} exited earlier")
     load: LoadResult | None = None
     try:
-        load = run.run_loadgen(_loadgen_argv(stack, target, cell, budget), _timeout(cell, budget))
+        argv = target_loadgen_argv(stack, target, cell, budget)
+        load = run.run_loadgen(argv, _timeout(cell, budget))
         failure = _failure(load)
     except BenchError as exc:
         failure = f"load generator: {exc}"
@@ -386,14 +392,19 @@ def measure_run(
     return _record(where, load, failure)
 
 
-def _loadgen_argv(stack: EngineStack, target: str, cell: Cell, budget: RunBudget) -> list[str]:
+def target_loadgen_argv(
+    stack: EngineStack, target: str, cell: Cell, budget: RunBudget
+) -> list[str]:
+    """The load generator's command line for one run of ``cell`` on ``target`` (a build's
+    name, or ``DIRECT``): the build's own callers and headers, if it has any."""
     cfg = run.BenchConfig(requests=budget.requests, duration=budget.duration, warmup=budget.warmup)
     router = stack.routers.get(target)
     if router is None:
         spec = run.RunSpec(DIRECT, cell.concurrency, cell.tokens, cell.stream)
         watch = {"decode": stack.decode.pid}
         return run.loadgen_argv(cfg, stack.ports.decode, spec, watch, stack.direct_extra)
-    spec = run.RunSpec("router", cell.concurrency, cell.tokens, cell.stream)
+    callers = stack.callers.get(target, cell.concurrency)
+    spec = run.RunSpec("router", callers, cell.tokens, cell.stream)
     headers = stack.headers.get(target, ())
     return run.loadgen_argv(cfg, router[1], spec, {"router": router[0].pid}, {}, headers)
 

@@ -10,6 +10,7 @@ from bench.common.table import or_na, text_table
 from bench.load.peer_report import (
     ALL_OFF,
     FLOW,
+    FLOW_BASE,
     FLOW_KEYS,
     OLD,
     PEER,
@@ -199,6 +200,9 @@ def render(report: PeersReport) -> str:
     if report.flow_keys:
         lines += ["", f"flow control, {FLOW_KEYS} (new: keys and tenant limits only) vs ours:"]
         lines += render_compare(report.cells, FLOW_KEYS, OURS)
+    if report.flow_same_shape:
+        lines += ["", f"flow control, {FLOW} vs {FLOW_BASE} (the same upstream concurrency):"]
+        lines += render_compare(report.cells, FLOW, FLOW_BASE)
     if report.floors:
         lines += ["", "floors: the router's parts without its pipeline (bench.load.floor_app):"]
         lines += render_floors(report.floors)

@@ -15,8 +15,8 @@ guard), ours with one feature switched off at a time (the ledger) and, with ``--
 router's own server answering by itself and a bare PD proxy on its server and client
 (``bench.load.floor_app``: what the pipeline costs above its parts, and what a peer leaves),
 and with ``--flow-control`` ours with client API keys and tenant limits, with a binding
-admission queue (``FLOW``) and without (``FLOW_KEYS``): what issue 25's flow control costs a
-request, in the ledger cells.
+admission queue (``FLOW``) and without (``FLOW_KEYS``), and ours at the concurrency ``FLOW``
+admits (``FLOW_BASE``): what issue 25's flow control costs a request, in the ledger cells.
 Every run is the load generator in its own process; it samples the CPU time of the router's
 process tree exactly at the start and end of its measured phase. For each repeat every cell runs
 on every router, the order rotated so that whoever goes first changes and drift hits all alike.
@@ -48,6 +48,7 @@ from bench.load.peer_report import (
     FLOOR_PROXY,
     FLOOR_SERVER,
     FLOW,
+    FLOW_BASE,
     FLOW_KEYS,
     OLD,
     PEER,
@@ -86,13 +87,16 @@ def flow_builds(keys_path: Path) -> list[Build]:
     """Ours with API keys (one tenant, its requests, tokens and in-flight limits counted, never
     reached: ``flow_keys_text``), with ``--max-concurrent-requests FLOW_CONCURRENCY`` (``FLOW``:
     half the callers wait in the queue) and without (``FLOW_KEYS``: the queue at its default
-    never binds, as in a fleet that is not saturated)."""
+    never binds, as in a fleet that is not saturated); and ours with ``FLOW_CONCURRENCY``
+    callers (``FLOW_BASE``): ``FLOW``'s upstream shape with nobody waiting, as fewer requests
+    in flight share fewer of each event-loop turn's costs whatever admits them."""
     keys = (("PDR_AUTH__API_KEYS", str(keys_path)),)
     queue = (("PDR_ADMISSION__MAX_CONCURRENT_REQUESTS", str(FLOW_CONCURRENCY)),)
     auth = (f"Authorization: Bearer {FLOW_KEY}",)
     return [
         Build(FLOW, role="flow", env=keys + queue, headers=auth),
         Build(FLOW_KEYS, role="flow", env=keys, headers=auth),
+        Build(FLOW_BASE, role="flow", callers=FLOW_CONCURRENCY),
     ]
 
 

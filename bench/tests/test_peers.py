@@ -15,6 +15,9 @@ from bench.common.process import REPO_ROOT, BenchError, Child
 from bench.load import peers
 from bench.load.peer_report import (
     ALL_OFF,
+    FLOW,
+    FLOW_BASE,
+    FLOW_KEYS,
     BuildInfo,
     build_stats,
     compare_rows,
@@ -26,6 +29,7 @@ from bench.load.peer_report import (
 )
 from bench.load.peer_stack import (
     DIRECT,
+    OURS,
     PEERS_BIN,
     Build,
     Cell,
@@ -38,6 +42,7 @@ from bench.load.peer_stack import (
     measure_run,
     router_argv,
     router_env,
+    target_loadgen_argv,
 )
 from bench.load.peer_tables import render, render_ledger, worst_ratio_line
 from bench.load.peers import (
@@ -360,6 +365,29 @@ def test_a_bad_commit_is_a_clear_error() -> None:
         compare_source(PeersConfig(compare_commit="no-such-revision-xyz")),
     ):
         pass
+
+
+def test_the_flow_base_build_loads_at_the_concurrency_the_flow_build_admits(
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    planned = plan_builds(PeersConfig(flow_control=True), "sglang", None, (), keys)
+    builds = {b.name: b for b in planned}
+    assert {FLOW, FLOW_KEYS, FLOW_BASE} <= set(builds)
+    assert builds[FLOW_BASE].env == () and builds[FLOW_BASE].headers == ()
+    queue = dict(builds[FLOW].env)["PDR_ADMISSION__MAX_CONCURRENT_REQUESTS"]
+    assert builds[FLOW_BASE].callers == int(queue) < S16_32.concurrency
+    budget = RunBudget(requests=10, duration=1.0, warmup=0)
+    with Child(["sleep", "30"], name="router") as router:
+        routers = {name: (router, 7) for name in (OURS, FLOW_BASE)}
+        stack = EngineStack("sglang", PORTS, router, router, {}, routers)
+        stack.callers[FLOW_BASE] = int(queue)
+
+        def callers(target: str) -> str:
+            argv = target_loadgen_argv(stack, target, S16_32, budget)
+            return argv[argv.index("-c") + 1]
+
+        assert (callers(OURS), callers(FLOW_BASE)) == ("32", queue)
 
 
 # --- failed runs -------------------------------------------------------------------------------
