@@ -7,6 +7,7 @@ Engines call these HTTP APIs to publish and look up prefill ranks:
   ``sglang_http`` (``sglang_routes``);
 * vLLM Mooncake's ``/register`` and ``/query`` (>= 0.32 semantics): ``vllm_payloads``,
   ``vllm_table`` (``VllmRankTable``), ``vllm_http`` (``vllm_routes``);
+* ``layout_changes`` (``LayoutChanges``): which namespaces' rank layouts changed, from a watch;
 * ``namespaces``: what a namespace is and how a name resolves to a table; ``rank_tables``
   (``RankTables``): both tables of every namespace over one store;
 * ``app``: the listener apps (``namespace_app``: one namespace on a port of its own;
@@ -30,6 +31,7 @@ from registry.engine_api.app import (
     protect,
     shared_app,
 )
+from registry.engine_api.layout_changes import LayoutChanges, LayoutMark
 from registry.engine_api.namespaces import DEFAULT_NAMESPACE, is_engine_path
 from registry.engine_api.rank_checks import (
     OwnerHosts,
@@ -51,6 +53,8 @@ __all__ = [
     "BadEngineApiRequest",
     "BootstrapProtection",
     "EngineEntry",
+    "LayoutChanges",
+    "LayoutMark",
     "OwnerHosts",
     "QueryForm",
     "RankAddress",

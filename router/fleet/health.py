@@ -7,8 +7,13 @@ connections, and never by a failed probe while it served a request within the la
 fallen worker comes back after ``healthy_threshold`` good probes (one ejected by outlier
 detection, ``router.fleet.outlier``, not before its ejection time). Failed requests are the circuit
 breakers' business (router.fleet.circuit_breaker): routing needs both a healthy worker and a breaker
-that lets the request through. Every probe re-reads the prefill's layout, so a restarted prefill
-(new engine ids) is picked up within one interval; ``refresh_soon`` does it at once. A worker
+that lets the request through. Every probe re-reads the prefill's layout from its bootstrap
+server, so a restarted prefill (new engine ids) is picked up within one interval;
+``refresh_soon`` does it at once. A prefill that registers with this router's registry has its
+layout re-read when a watch of the registry's store saw its namespace's rank keys change since
+the last read (``registry.engine_api.LayoutChanges``), and on every probe while that watch is
+not running or the prefill is not healthy: with a store over the network (etcd, or ``--workers
+N``'s supervisor) a read is two round trips per prefill per probe. A worker
 that joins or comes back, and declares no models, has its ``/v1/models`` read (the model pools,
 ``router.scheduling.model_pools``).
 """
@@ -24,7 +29,8 @@ from typing import Any
 
 import httpx
 
-from registry.engine_api import RankTables
+from registry.backends.base import RegistryStore
+from registry.engine_api import LayoutChanges, LayoutMark, RankTables
 from router.fleet.rank_layout import (
     RankLayoutUnavailable,
     RegistryDown,
@@ -56,9 +62,14 @@ class HealthProber:
         engine: EngineProtocol,
         settings: HealthSettings,
         tables: RankTables | None = None,
+        store: RegistryStore | None = None,
     ) -> None:
         self._pool = pool
         self._tables = tables
+        # the namespaces' layout changes, when ``tables`` are over ``store`` (None: read always)
+        self._layout_changes = _layout_changes(engine, store) if tables is not None else None
+        self._layout_watch: asyncio.Task[None] | None = None
+        self._layout_marks: dict[str, LayoutMark] = {}  # worker id -> its last layout read's
         self._engine = engine
         self._settings = settings
         self._client = httpx.AsyncClient(
@@ -81,7 +92,11 @@ class HealthProber:
             await asyncio.sleep(self._settings.interval_s)
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(worker) for worker in self._pool.all()))
+        workers = self._pool.all()
+        await asyncio.gather(*(self.probe(worker) for worker in workers))
+        if len(self._layout_marks) > len(workers):  # some left the pool
+            ids = {worker.id for worker in workers}
+            self._layout_marks = {k: m for k, m in self._layout_marks.items() if k in ids}
         self.rounds += 1
         if self.rounds == 1 and self.on_verdict is not None:
             self.on_verdict()  # the first verdicts are known: told now, not an interval later
@@ -144,6 +159,7 @@ class HealthProber:
             worker.mark_down(reason)
             if worker.role is Role.PREFILL:
                 worker.set_layout(worker.dp_size, ())
+                self._layout_marks.pop(worker.id, None)
             if self.on_verdict is not None:
                 self.on_verdict()
 
@@ -151,13 +167,15 @@ class HealthProber:
         """Re-read ``worker``'s layout now (deduplicated); used when a decode reports it stale."""
         if worker.id in self._refreshing:
             return
+        self._layout_marks.pop(worker.id, None)  # read it whatever the registry's watch says
         task = asyncio.create_task(self.probe(worker))
         self._refreshing[worker.id] = task
         task.add_done_callback(lambda _: self._refreshing.pop(worker.id, None))
 
     async def aclose(self) -> None:
         """Cancel the refresh probes, wait until they ended, then close their HTTP client."""
-        await asyncio.gather(*(reap(task) for task in list(self._refreshing.values())))
+        tasks = [*self._refreshing.values(), *filter(None, [self._layout_watch])]
+        await asyncio.gather(*(reap(task) for task in tasks))
         await self._client.aclose()
 
     async def _alive(self, worker: Worker) -> _Probe:
@@ -197,11 +215,13 @@ class HealthProber:
             self._pool.set_models(worker, names, declared=False)
 
     async def _learn_layout(self, worker: Worker) -> _Probe:
+        namespace, mark = worker.bootstrap_namespace, None
         try:
-            if worker.bootstrap_namespace is not None and self._tables is not None:
-                layout = await namespace_rank_layout(
-                    self._tables, self._engine, worker.bootstrap_namespace
-                )
+            if namespace is not None and self._tables is not None:
+                if self._layout_unchanged(worker, namespace):
+                    return _Probe.OK
+                mark = self._mark_layout(worker, namespace)
+                layout = await namespace_rank_layout(self._tables, self._engine, namespace)
             else:
                 layout = await fetch_rank_layout(self._client, self._engine, worker)
         except RegistryDown as exc:
@@ -221,7 +241,31 @@ class HealthProber:
                 list(layout.engine_ids),
             )
         worker.set_layout(layout.dp_size, layout.engine_ids)
+        if mark is not None:
+            self._layout_marks[worker.id] = mark
         return _Probe.OK
+
+    def _layout_unchanged(self, worker: Worker, namespace: str) -> bool:
+        """Whether a healthy prefill's layout, read before, is unchanged in the registry."""
+        mark = self._layout_marks.get(worker.id)
+        changes = self._layout_changes
+        return (
+            mark is not None
+            and changes is not None
+            and worker.healthy
+            and changes.unchanged(namespace, mark)
+        )
+
+    def _mark_layout(self, worker: Worker, namespace: str) -> LayoutMark | None:
+        """Before a read: forget the last one's mark, start the registry's watch once, and
+        the namespace's mark now (None while the watch is not running)."""
+        self._layout_marks.pop(worker.id, None)
+        changes = self._layout_changes
+        if changes is None:
+            return None
+        if self._layout_watch is None:
+            self._layout_watch = asyncio.create_task(changes.run(), name="rank-layout-watch")
+        return changes.mark(namespace)
 
     def _keep_layout(self, worker: Worker, exc: RegistryDown) -> _Probe:
         """The registry is down, which says nothing about the prefill: keep its last known
@@ -241,6 +285,16 @@ class HealthProber:
                 exc,
             )
         return _Probe.OK
+
+
+def _layout_changes(engine: EngineProtocol, store: RegistryStore | None) -> LayoutChanges | None:
+    if store is None:
+        return None
+    if engine is EngineProtocol.SGLANG:
+        return LayoutChanges.of_sglang(store)
+    if engine is EngineProtocol.VLLM_MOONCAKE:
+        return LayoutChanges.of_vllm(store)
+    return None  # vLLM NIXL: nothing to read
 
 
 def connection_refused(exc: BaseException) -> bool:

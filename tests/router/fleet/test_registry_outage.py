@@ -7,11 +7,10 @@ prober's own fallback (a store error with no last known table) is checked in-pro
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -85,26 +84,6 @@ def test_namespace_prefills_keep_serving_through_an_etcd_outage(
         etcd.start()
         wait_until(lambda: _registry_ok(client), 10.0, "registry ok again", interval=0.1)
         assert client.post("/v1/completions", json=BODY).status_code == 200
-
-
-@pytest.fixture
-async def alive_url() -> AsyncIterator[str]:
-    """An engine whose ``GET /health`` always answers 200."""
-
-    async def health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(health, "127.0.0.1", 0)
-    yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    server.close()
-    await server.wait_closed()
 
 
 async def test_a_store_error_keeps_the_prefills_last_known_layout(
