@@ -19,7 +19,10 @@ Decisions:
 * Lookups retry "not ready yet" (503: not every rank registered) and transport errors until the
   caller's timeout, then fail with the last reason; other answers (404 unknown rank, 400) fail at
   once. Answers are cached per base URL until ``invalidate`` (a prefill rank that restarted at
-  another address is found again after the caller invalidates).
+  another address is found again after the caller invalidates). Concurrent lookups of one
+  answer make one call (the rest wait for it, within their own timeouts), as an SGLang decode's
+  scheduler, which looks a prefill up once, does: a burst of rooms to a new prefill is one
+  lookup, not one per room.
 * Every failure is a ``RendezvousError`` (a ``TransferError`` with ``op="bootstrap"``, the engine
   API it called; ``code`` holds the HTTP status when there was one).
 """
@@ -29,8 +32,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from collections.abc import Callable, Hashable
+from typing import Final, TypeVar
 
 import httpx
 import msgspec
@@ -38,6 +41,7 @@ import msgspec
 from transfer.closing import AsyncClosing
 from transfer.control import Peer
 from transfer.errors import TransferError
+from transfer.rendezvous_payloads import PrefillInfo, PrefillRank, RankAnswer, bootstrap_url
 
 __all__ = [
     "RendezvousClient",
@@ -50,6 +54,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 _INFO_QUERY: Final = {
     "prefill_dp_rank": "-1",
@@ -64,126 +70,6 @@ class RendezvousError(TransferError):
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message, op="bootstrap", code=status)
-
-
-def bootstrap_url(registry: str, namespace: str | None = None) -> str:
-    """The base URL of a namespace's bootstrap API on ``registry`` ("host:port" or a URL).
-
-    ``namespace=None`` (or ``"default"`` on a plain port) uses the plain paths.
-    """
-    url = httpx.URL(registry)
-    if url.scheme not in ("http", "https"):
-        url = httpx.URL(f"http://{registry}")
-    base = str(url).rstrip("/")
-    return f"{base}/bootstrap/{namespace}" if namespace else base
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillRank:
-    """One prefill rank's place in its instance's parallel layout (SGLang 0.5.x names)."""
-
-    page_size: int
-    kv_cache_dtype: str = "auto"
-    attn_tp_size: int = 1
-    attn_tp_rank: int = 0
-    attn_dp_size: int = 1
-    attn_dp_rank: int = 0
-    pp_size: int = 1
-    pp_rank: int = 0
-    system_dp_size: int = 1
-    system_dp_rank: int = 0
-    engine_id: str | None = None  # set: announce with vLLM's POST /register under this id
-
-    def __post_init__(self) -> None:
-        for rank, size in (
-            ("attn_tp_rank", "attn_tp_size"),
-            ("attn_dp_rank", "attn_dp_size"),
-            ("pp_rank", "pp_size"),
-            ("system_dp_rank", "system_dp_size"),
-        ):
-            if not 0 <= getattr(self, rank) < getattr(self, size):
-                raise ValueError(f"{rank}={getattr(self, rank)} outside [0, {size})")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-
-    @property
-    def dp_rank(self) -> int:
-        """The DP rank decoders address (SGLang: system DP when > 1, else attention DP)."""
-        return self.attn_dp_rank if self.system_dp_size == 1 else self.system_dp_rank
-
-    @property
-    def unique_rank(self) -> int:
-        """SGLang's ``prefill_unique_rank`` (no context parallelism): the status sender's id."""
-        return self.attn_tp_rank * self.pp_size + self.pp_rank
-
-    def route_body(self, address: Peer) -> dict[str, Any]:
-        """The 0.5.x ``PUT /route`` payload announcing this rank at ``address``."""
-        return {
-            "attn_tp_size": self.attn_tp_size,
-            "attn_tp_rank": self.attn_tp_rank,
-            "attn_dp_size": self.attn_dp_size,
-            "attn_dp_rank": self.attn_dp_rank,
-            "pp_size": self.pp_size,
-            "pp_rank": self.pp_rank,
-            "system_dp_size": self.system_dp_size,
-            "system_dp_rank": self.system_dp_rank,
-            "rank_ip": address.host,
-            "rank_port": address.port,
-            "page_size": self.page_size,
-            "kv_cache_dtype": self.kv_cache_dtype,
-        }
-
-    def register_body(self, address: Peer) -> dict[str, Any]:
-        """vLLM's ``POST /register`` payload announcing this rank at ``address``."""
-        return {
-            "engine_id": self.engine_id,
-            "dp_rank": self.dp_rank,
-            "tp_rank": self.attn_tp_rank,
-            "pp_rank": self.pp_rank,
-            "addr": f"tcp://{address.host}:{address.port}",
-        }
-
-
-class PrefillInfo(
-    msgspec.Struct,
-    frozen=True,
-    kw_only=True,
-    rename={"tp_size": "attn_tp_size", "cp_size": "attn_cp_size"},
-):
-    """A prefill instance's layout, as the 0.5.10+ parallel-info query answers it."""
-
-    tp_size: int
-    cp_size: int = 1
-    dp_size: int
-    pp_size: int
-    page_size: int | None = None
-    kv_cache_dtype: str | None = None
-    follow_bootstrap_room: bool = True
-
-    def mismatches(self, *, page_size: int, kv_cache_dtype: str | None, tp_size: int) -> list[str]:
-        """Why a decode rank of this geometry cannot receive from this prefill (empty: it can).
-
-        ``kv_cache_dtype`` None (on either side) matches any dtype.
-        """
-        problems = []
-        if self.page_size is not None and self.page_size != page_size:
-            problems.append(f"page_size {self.page_size} != {page_size}")
-        dtypes = (self.kv_cache_dtype, kv_cache_dtype)
-        if None not in dtypes and dtypes[0] != dtypes[1]:
-            problems.append(f"kv_cache_dtype {dtypes[0]} != {dtypes[1]}")
-        if self.tp_size != tp_size:
-            problems.append(
-                f"attn_tp_size {self.tp_size} != decode tp_size {tp_size} "
-                "(TP resharding is not supported)"
-            )
-        if (self.pp_size, self.cp_size) != (1, 1):
-            problems.append(f"pp_size={self.pp_size} cp_size={self.cp_size} (only 1 supported)")
-        return problems
-
-
-class _RankAnswer(msgspec.Struct, frozen=True):
-    rank_ip: str
-    rank_port: int
 
 
 class RendezvousClient(AsyncClosing):
@@ -208,6 +94,7 @@ class RendezvousClient(AsyncClosing):
         self._infos: dict[str, PrefillInfo] = {}
         self._ranks: dict[tuple[str, int, int, int, int], Peer] = {}
         self._engines: dict[tuple[str, str, int, int], Peer] = {}
+        self._lookups: dict[tuple[str, str, str], asyncio.Lock] = {}  # one call at a time each
 
     async def aclose(self) -> None:
         if self._owned:
@@ -254,31 +141,31 @@ class RendezvousClient(AsyncClosing):
 
     async def prefill_info(self, base_url: str, *, timeout_s: float) -> PrefillInfo:
         """The prefill layout at ``base_url``, waiting up to ``timeout_s`` for it to be complete."""
-        info = self._infos.get(base_url)
-        if info is None:
-            raw = await self._get(base_url, "/route", _INFO_QUERY, timeout_s, "parallel info")
-            info = _parse(raw, PrefillInfo, base_url)
-            self._infos[base_url] = info
-        return info
+        return await self._looked_up(
+            self._infos, base_url, (base_url, "/route", _INFO_QUERY), timeout_s, "parallel info",
+            lambda raw: _parse(raw, PrefillInfo, base_url),
+        )  # fmt: skip
 
     async def rank_address(
         self, base_url: str, *, dp: int, tp: int, pp: int = 0, cp: int = 0, timeout_s: float
     ) -> Peer:
         """The control address of prefill rank (dp, cp, tp, pp) at ``base_url``."""
+        query = {
+            "prefill_dp_rank": str(dp),
+            "prefill_cp_rank": str(cp),
+            "target_tp_rank": str(tp),
+            "target_pp_rank": str(pp),
+        }
+
+        def peer(raw: bytes) -> Peer:
+            answer = _parse(raw, RankAnswer, base_url)
+            return Peer(answer.rank_ip, answer.rank_port)
+
+        what = f"rank dp={dp} cp={cp} tp={tp} pp={pp}"
         key = (base_url, dp, cp, tp, pp)
-        peer = self._ranks.get(key)
-        if peer is None:
-            query = {
-                "prefill_dp_rank": str(dp),
-                "prefill_cp_rank": str(cp),
-                "target_tp_rank": str(tp),
-                "target_pp_rank": str(pp),
-            }
-            what = f"rank dp={dp} cp={cp} tp={tp} pp={pp}"
-            raw = await self._get(base_url, "/route", query, timeout_s, what)
-            answer = _parse(raw, _RankAnswer, base_url)
-            peer = self._ranks[key] = Peer(answer.rank_ip, answer.rank_port)
-        return peer
+        return await self._looked_up(
+            self._ranks, key, (base_url, "/route", query), timeout_s, what, peer
+        )
 
     async def engine_address(
         self, base_url: str, engine_id: str, *, tp: int, pp: int = 0, timeout_s: float
@@ -288,18 +175,19 @@ class RendezvousClient(AsyncClosing):
         An engine id missing from the table fails at once with vLLM's wording ("... not found
         from bootstrap server"), which routers take as a sign to re-read the prefill's layout.
         """
-        key = (base_url, engine_id, tp, pp)
-        peer = self._engines.get(key)
-        if peer is None:
-            raw = await self._get(base_url, "/query", {}, timeout_s, "the engine table")
+
+        def peer(raw: bytes) -> Peer:
             entry = _engine_entry(raw, engine_id, base_url)
             addr = entry.worker_addr.get(str(tp), {}).get(str(pp))
             if addr is None:
                 raise RendezvousError(
                     f"engine {engine_id} at {base_url} lists no rank tp={tp} pp={pp}"
                 )
-            peer = self._engines[key] = _tcp_peer(addr, base_url)
-        return peer
+            return _tcp_peer(addr, base_url)
+
+        key = (base_url, engine_id, tp, pp)
+        call: tuple[str, str, dict[str, str]] = (base_url, "/query", {})
+        return await self._looked_up(self._engines, key, call, timeout_s, "the engine table", peer)
 
     def invalidate(self, base_url: str) -> None:
         """Forget what was cached for ``base_url`` (the next lookups ask the registry again)."""
@@ -308,6 +196,42 @@ class RendezvousClient(AsyncClosing):
             del self._ranks[key]
         for engine_key in [key for key in self._engines if key[0] == base_url]:
             del self._engines[engine_key]
+
+    async def _looked_up(
+        self,
+        cache: dict[K, V],
+        key: K,
+        call: tuple[str, str, dict[str, str]],
+        timeout_s: float,
+        what: str,
+        parse: Callable[[bytes], V],
+    ) -> V:
+        """``cache[key]``, else the answer to ``call`` (base URL, path, query), parsed and kept.
+        One call at a time per base URL, path and query (a lock each: as many as the prefill
+        ranks looked up); the others wait for it within their own ``timeout_s``."""
+        found = cache.get(key)
+        if found is not None:
+            return found
+        base_url, path, query = call
+        deadline = time.monotonic() + timeout_s
+        params = "&".join(f"{name}={value}" for name, value in sorted(query.items()))
+        lock = self._lookups.setdefault((base_url, path, params), asyncio.Lock())
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                await lock.acquire()
+        except TimeoutError as exc:
+            raise RendezvousError(
+                f"bootstrap lookup of {what} at {base_url} did not succeed within "
+                f"{timeout_s:g} s: the same lookup, made for another room, is still running"
+            ) from exc
+        try:
+            found = cache.get(key)
+            if found is None:
+                raw = await self._get(base_url, path, query, deadline - time.monotonic(), what)
+                found = cache[key] = parse(raw)
+            return found
+        finally:
+            lock.release()
 
     async def _get(
         self, base_url: str, path: str, query: dict[str, str], timeout_s: float, what: str

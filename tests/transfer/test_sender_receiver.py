@@ -740,3 +740,30 @@ async def test_rendezvous_lookup_of_a_registered_rank(registry: str) -> None:
         assert await client.rank_address(base, dp=1, tp=0, timeout_s=1) == Peer("127.0.0.1", 7001)
         with pytest.raises(RendezvousError, match="404"):
             await client.rank_address(base, dp=0, tp=3, timeout_s=1)
+
+
+async def test_concurrent_lookups_of_one_prefill_make_one_call_each(registry: str) -> None:
+    """A burst of rooms to a prefill the decode has not looked up yet asks the registry once
+    (an SGLang decode's scheduler looks a prefill up once), not once per room: with the
+    router's registry behind ``--workers N`` each lookup costs the registry's store round
+    trips."""
+    sent: list[str] = []
+
+    async def count(request: httpx.Request) -> None:
+        sent.append(request.url.path)
+
+    async with (
+        httpx.AsyncClient(timeout=2, event_hooks={"request": [count]}) as http,
+        RendezvousClient(http) as client,
+    ):
+        base = bootstrap_url(registry, "burst")
+        rank = PrefillRank(page_size=16, attn_dp_size=1, attn_dp_rank=0)
+        await client.register(base, rank, Peer("127.0.0.1", 7300))
+        sent.clear()
+        infos = await asyncio.gather(*(client.prefill_info(base, timeout_s=2) for _ in range(20)))
+        peers = await asyncio.gather(
+            *(client.rank_address(base, dp=0, tp=0, timeout_s=2) for _ in range(20))
+        )
+        assert {info.dp_size for info in infos} == {1}
+        assert set(peers) == {Peer("127.0.0.1", 7300)}
+        assert sent == ["/bootstrap/burst/route"] * 2  # the parallel info, then the rank
