@@ -199,12 +199,12 @@ def _run(
                 httpx.Client(timeout=5.0) as http,
             ):
                 prefills = [url for url, _port in cluster.prefills]
-                before = take_snapshot(http, prefills, cluster.url, cluster.router_pid)
                 tiers_before = _scrape(cluster, http, prefills)
+                before = take_snapshot(http, prefills, cluster.url, cluster.router_pid)
                 outcomes, wall_s = asyncio.run(
                     drive(trace, cluster.url, cluster.model, POOLED, load)
                 )
-                after = take_snapshot(http, prefills, cluster.url, cluster.router_pid)
+                after = take_snapshot(http, prefills, cluster.url, cluster.router_pid, after=True)
                 delta: TierCounters = _scrape(cluster, http, prefills) - tiers_before
         except BenchError as exc:
             failed = replace(base, not_run=f"failed: {exc}", failed=True)

@@ -278,15 +278,26 @@ def _cpu(pid: int | None) -> float | None:
 
 
 def take_snapshot(
-    client: httpx.Client, prefills: Sequence[str], router_url: str | None, cpu_pid: int | None
+    client: httpx.Client,
+    prefills: Sequence[str],
+    router_url: str | None,
+    cpu_pid: int | None,
+    *,
+    after: bool = False,
 ) -> Snapshot:
-    """The engines' cache counters, our router's histograms (``router_url``), the CPU time."""
+    """The engines' cache counters, our router's histograms (``router_url``), the CPU time.
+
+    The CPU time is read next to the run: last before it, first ``after`` it. Reading the
+    router's ``/metrics`` costs it CPU (with ``--workers N`` it merges every process's), which
+    is no request's.
+    """
+    cpu_s = _cpu(cpu_pid) if after else None
     router = _metrics(client, router_url) if router_url else None
     return Snapshot(
         cache=_engines_cache(client, prefills),
         decision=histogram_buckets(router, DECISION) if router else None,
         tokenize=histogram_buckets(router, TOKENIZE) if router else None,
-        cpu_s=_cpu(cpu_pid),
+        cpu_s=cpu_s if after else _cpu(cpu_pid),
     )
 
 
@@ -615,7 +626,7 @@ def _measure(
     with httpx.Client(timeout=5.0) as client:
         before = take_snapshot(client, prefills, router_metrics, pid)
         outcomes, wall_s = asyncio.run(drive(trace, url, cluster.model, base.client, cfg))
-        after = take_snapshot(client, prefills, router_metrics, pid)
+        after = take_snapshot(client, prefills, router_metrics, pid, after=True)
     return summarize(base, outcomes, wall_s, before, after)
 
 

@@ -9,6 +9,7 @@ import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from bench.common.cluster import Cluster
 from bench.common.prometheus import bucket_delta, histogram_buckets, histogram_quantile
 from bench.common.stats import Percentiles
+from bench.routing import workload
 from bench.routing.traces import (
     Trace,
     TraceRequest,
@@ -227,6 +229,30 @@ def test_summarize_turns_counters_into_rates() -> None:
     assert result.decision_us is not None and result.decision_us[0] == pytest.approx(5.0)
     assert result.tokenize_us_p50 is None
     assert result.ttft_ms.p50 == pytest.approx(200.0) and result.error_samples == ("boom",)
+
+
+def test_the_cpu_time_is_read_next_to_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scraping the router's ``/metrics`` costs it CPU (``--workers N`` merges every process's
+    exposition), which no request caused: the CPU is read after the scrape before a run, and
+    before it after the run."""
+    order: list[str] = []
+
+    def cpu(pid: int | None) -> float:
+        order.append("cpu")
+        return 1.0
+
+    def scrape(client: httpx.Client, url: str) -> str:
+        order.append("scrape")
+        return ""
+
+    monkeypatch.setattr(workload, "_cpu", cpu)
+    monkeypatch.setattr(workload, "_metrics", scrape)
+    with httpx.Client() as client:
+        workload.take_snapshot(client, [], "http://127.0.0.1:9/metrics", 1)
+        assert order == ["scrape", "cpu"]
+        order.clear()
+        workload.take_snapshot(client, [], "http://127.0.0.1:9/metrics", 1, after=True)
+        assert order == ["cpu", "scrape"]
 
 
 def test_render_and_json(tmp_path: Path) -> None:
