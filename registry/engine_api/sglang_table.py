@@ -54,11 +54,12 @@ from registry.engine_api.sglang_payloads import (
 )
 from registry.errors import Conflict, RegistryUnavailable
 
-__all__ = ["KEY_ROOT", "ROOM_TTL_S", "SglangParallelInfo", "SglangRankTable"]
+__all__ = ["KEY_ROOT", "LAYOUT_KEYS", "ROOM_TTL_S", "SglangParallelInfo", "SglangRankTable"]
 
 logger = logging.getLogger(__name__)
 
 KEY_ROOT = "bootstrap/sglang/"
+LAYOUT_KEYS = ("layout", "ranks/")  # under a namespace: what its layout is read from (no rooms)
 ROOM_TTL_S = 120.0  # SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL
 
 T = TypeVar("T")

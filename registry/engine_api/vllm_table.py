@@ -46,11 +46,12 @@ from registry.engine_api.namespaces import DEFAULT_NAMESPACE, check_namespace
 from registry.engine_api.vllm_payloads import EngineEntry, RegisterWorkerPayload
 from registry.errors import Conflict, RegistryUnavailable
 
-__all__ = ["KEY_ROOT", "VllmRankSnapshot", "VllmRankTable"]
+__all__ = ["KEY_ROOT", "LAYOUT_KEYS", "VllmRankSnapshot", "VllmRankTable"]
 
 logger = logging.getLogger(__name__)
 
 KEY_ROOT = "bootstrap/vllm/"
+LAYOUT_KEYS = ("epoch", "workers/")  # under a namespace: every key of its table
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,7 +68,6 @@ class HealthProber:
         self._tables = tables
         # the namespaces' layout changes, when ``tables`` are over ``store`` (None: read always)
         self._layout_changes = _layout_changes(engine, store) if tables is not None else None
-        self._layout_watch: asyncio.Task[None] | None = None
         self._layout_marks: dict[str, LayoutMark] = {}  # worker id -> its last layout read's
         self._engine = engine
         self._settings = settings
@@ -173,9 +172,11 @@ class HealthProber:
         task.add_done_callback(lambda _: self._refreshing.pop(worker.id, None))
 
     async def aclose(self) -> None:
-        """Cancel the refresh probes, wait until they ended, then close their HTTP client."""
-        tasks = [*self._refreshing.values(), *filter(None, [self._layout_watch])]
-        await asyncio.gather(*(reap(task) for task in tasks))
+        """Cancel the refresh probes and the layout watches, wait until they ended, then close
+        their HTTP client."""
+        await asyncio.gather(*(reap(task) for task in list(self._refreshing.values())))
+        if self._layout_changes is not None:
+            await self._layout_changes.aclose()
         await self._client.aclose()
 
     async def _alive(self, worker: Worker) -> _Probe:
@@ -257,15 +258,11 @@ class HealthProber:
         )
 
     def _mark_layout(self, worker: Worker, namespace: str) -> LayoutMark | None:
-        """Before a read: forget the last one's mark, start the registry's watch once, and
-        the namespace's mark now (None while the watch is not running)."""
+        """Before a read: forget the last one's mark; the namespace's mark now (None while
+        the registry's watches of it are not running; the first asks starts them)."""
         self._layout_marks.pop(worker.id, None)
         changes = self._layout_changes
-        if changes is None:
-            return None
-        if self._layout_watch is None:
-            self._layout_watch = asyncio.create_task(changes.run(), name="rank-layout-watch")
-        return changes.mark(namespace)
+        return None if changes is None else changes.mark(namespace)
 
     def _keep_layout(self, worker: Worker, exc: RegistryDown) -> _Probe:
         """The registry is down, which says nothing about the prefill: keep its last known

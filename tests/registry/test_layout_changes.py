@@ -1,19 +1,17 @@
 """``LayoutChanges`` over each store (memory, a real etcd, a registry over HTTP): a mark holds
-until the namespace's rank keys change, SGLang's per-request room notes are not a change, and
-nothing holds while the watch is not running."""
+until the namespace's rank keys change, SGLang's per-request room notes are neither a change
+nor watched, and nothing holds while a watch is not running."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import pytest
 
 from registry.backends import MemoryStore, RegistryStore, WatchEvent
-from registry.engine_api import LayoutChanges, SglangRankTable, VllmRankTable
+from registry.engine_api import LayoutChanges, LayoutMark, SglangRankTable, VllmRankTable
 from registry.engine_api.vllm_payloads import RegisterWorkerPayload
 from registry.errors import RegistryUnavailable
-from router.interrupt import reap
 from testkit.polling import await_until
 
 
@@ -29,59 +27,98 @@ def _rank(rank: int) -> dict[str, object]:
     }
 
 
-async def _seen_so_far(store: RegistryStore, changes: LayoutChanges) -> None:
-    """Until the watch counted every change made so far: one more, in a namespace of its own,
-    is counted after them (a watch delivers in store order)."""
-    before = changes.mark("sync")
-    await store.put("bootstrap/sglang/sync/layout", b"{}")
+async def _marked(changes: LayoutChanges, namespace: str) -> LayoutMark:
+    """The namespace's mark once its watches run (the first ask starts them)."""
+    changes.mark(namespace)
+    await await_until(lambda: changes.live(namespace), 5.0, f"the watches of {namespace}")
+    mark = changes.mark(namespace)
+    assert mark is not None
+    return mark
+
+
+async def _seen_so_far(store: RegistryStore, changes: LayoutChanges, namespace: str) -> None:
+    """Until the namespace's watches counted every change made so far: one more, to its
+    layout key, is counted after them (a watch delivers in store order)."""
+    before = changes.mark(namespace)
     assert before is not None
-    await await_until(lambda: not changes.unchanged("sync", before), 5.0, "the sync change")
+    raw = await store.get(f"bootstrap/sglang/{namespace}/layout")
+    assert raw is not None
+    await store.put(f"bootstrap/sglang/{namespace}/layout", raw)  # the same value again
+    await await_until(lambda: not changes.unchanged(namespace, before), 5.0, "the sync change")
 
 
 @pytest.fixture
-async def running(store: RegistryStore) -> AsyncIterator[LayoutChanges]:
-    changes = LayoutChanges.of_sglang(store)
-    task = asyncio.create_task(changes.run())
-    await await_until(lambda: changes.live, 5.0, "the watch to run")
-    yield changes
-    await reap(task)
-    assert not changes.live
-    assert changes.mark("p1") is None
+async def changes(store: RegistryStore) -> AsyncIterator[LayoutChanges]:
+    watched = LayoutChanges.of_sglang(store)
+    yield watched
+    await watched.aclose()
+    assert not watched.live("p1")
+    assert watched.mark("p1") is None  # closed: every read happens
 
 
 async def test_a_mark_holds_until_its_namespace_changes(
-    store: RegistryStore, running: LayoutChanges
+    store: RegistryStore, changes: LayoutChanges
 ) -> None:
     p1, p2 = SglangRankTable(store, "p1"), SglangRankTable(store, "p2")
     await p1.register(_rank(0))
-    await _seen_so_far(store, running)
-    first, other = running.mark("p1"), running.mark("p2")
-    assert first is not None and other is not None
-    assert running.unchanged("p1", first)
+    await p2.register(_rank(0))
+    first, other = await _marked(changes, "p1"), await _marked(changes, "p2")
+    await store.get("settle")  # an http store's watches are established before a call
 
     await p1.register(_rank(1))  # the second rank: p1's layout is complete now
-    await _seen_so_far(store, running)
-    assert not running.unchanged("p1", first)
-    assert running.unchanged("p2", other)
+    await _seen_so_far(store, changes, "p1")
+    assert not changes.unchanged("p1", first)
+    assert changes.unchanged("p2", other)
+    assert changes.mark("p1") != first
 
-    second = running.mark("p1")
-    assert second is not None
-    await p1.register_dp_rank(room=7, dp_rank=1)  # a request's room: not the layout
-    await p2.register(_rank(0))
-    await _seen_so_far(store, running)
-    assert not running.unchanged("p2", other)
-    assert running.unchanged("p1", second)
+
+class _CountedWatches(MemoryStore):
+    """A memory store counting the events its watches deliver."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delivered = 0
+
+    def watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
+        return self._counted(super().watch(prefix))
+
+    async def _counted(
+        self, events: AsyncGenerator[WatchEvent, None]
+    ) -> AsyncGenerator[WatchEvent, None]:
+        try:
+            async for event in events:
+                self.delivered += 1
+                yield event
+        finally:
+            await events.aclose()
+
+
+async def test_the_requests_rooms_never_reach_the_watches() -> None:
+    """SGLang's DP rank notes (one per request where the engines use them) are not the
+    layout: no watch is told of them, so they cost the watcher nothing."""
+    store = _CountedWatches()
+    changes = LayoutChanges.of_sglang(store)
+    table = SglangRankTable(store, "p1")
+    try:
+        await table.register(_rank(0))
+        mark = await _marked(changes, "p1")
+        for room in range(20):
+            await table.register_dp_rank(room=room, dp_rank=room % 2)
+        assert await table.query_dp_ranks(range(20)) == {str(r): r % 2 for r in range(20)}
+        await _seen_so_far(store, changes, "p1")
+        assert store.delivered == 1  # the sync change alone
+        assert not changes.unchanged("p1", mark)  # (the sync change)
+    finally:
+        await changes.aclose()
+        await store.close()
 
 
 async def test_the_vllm_tables_changes_count_and_the_sglang_ones_do_not(
     store: RegistryStore,
 ) -> None:
     vllm, sglang = LayoutChanges.of_vllm(store), LayoutChanges.of_sglang(store)
-    tasks = [asyncio.create_task(changes.run()) for changes in (vllm, sglang)]
     try:
-        await await_until(lambda: vllm.live and sglang.live, 5.0, "both watches to run")
-        vllm_mark, sglang_mark = vllm.mark("p1"), sglang.mark("p1")
-        assert vllm_mark is not None and sglang_mark is not None
+        vllm_mark, sglang_mark = await _marked(vllm, "p1"), await _marked(sglang, "p1")
         await store.get("settle")  # an http store's watches are established before a call
         payload = RegisterWorkerPayload(
             engine_id="e0", dp_rank=0, tp_rank=0, pp_rank=0, addr="tcp://127.0.0.1:40000"
@@ -90,22 +127,23 @@ async def test_the_vllm_tables_changes_count_and_the_sglang_ones_do_not(
         await await_until(lambda: not vllm.unchanged("p1", vllm_mark), 5.0, "the vLLM change")
         assert sglang.unchanged("p1", sglang_mark)
     finally:
-        for task in tasks:
-            await reap(task)
+        await vllm.aclose()
+        await sglang.aclose()
 
 
-class _WatchFailsOnce(MemoryStore):
-    """A memory store whose first watch breaks after its first event, as a lost connection
-    does."""
+class _RanksWatchFailsOnce(MemoryStore):
+    """A memory store whose first watch of a ``ranks/`` prefix breaks after its first event,
+    as a lost connection does."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.watches = 0
+        self.watched: list[str] = []
 
     def watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
-        self.watches += 1
+        self.watched.append(prefix)
         events = super().watch(prefix)
-        return self._breaking(events) if self.watches == 1 else events
+        first = prefix.endswith("ranks/") and self.watched.count(prefix) == 1
+        return self._breaking(events) if first else events
 
     async def _breaking(
         self, events: AsyncGenerator[WatchEvent, None]
@@ -118,24 +156,39 @@ class _WatchFailsOnce(MemoryStore):
 
 
 async def test_marks_from_before_a_broken_watch_never_hold_again() -> None:
-    """Changes made while the watch was down are unseen: a mark from before must not hold, and
+    """Changes made while a watch was down are unseen: a mark from before must not hold, and
     none is handed out until the watch runs again."""
-    store = _WatchFailsOnce()
+    store = _RanksWatchFailsOnce()
     changes = LayoutChanges.of_sglang(store, retry_s=0.2)
-    task = asyncio.create_task(changes.run())
     try:
-        await await_until(lambda: changes.live, 5.0, "the watch to run")
-        before = changes.mark("p1")
-        assert before is not None
-        await SglangRankTable(store, "p2").register(_rank(0))  # the event that breaks it
-        await await_until(lambda: not changes.live, 5.0, "the watch to break")
+        before = await _marked(changes, "p1")
+        assert sorted(store.watched) == ["bootstrap/sglang/p1/layout", "bootstrap/sglang/p1/ranks/"]
+        await SglangRankTable(store, "p1").register(_rank(0))  # a rank: the event that breaks it
+        await await_until(lambda: not changes.live("p1"), 5.0, "the watch to break")
         assert changes.mark("p1") is None
         assert not changes.unchanged("p1", before)
-        await await_until(lambda: changes.live, 5.0, "the watch to run again")
-        assert store.watches == 2
+        await await_until(lambda: changes.live("p1"), 5.0, "the watch to run again")
+        assert store.watched.count("bootstrap/sglang/p1/ranks/") == 2
         assert not changes.unchanged("p1", before)  # p1 may have changed meanwhile
         after = changes.mark("p1")
         assert after is not None and changes.unchanged("p1", after)
     finally:
-        await reap(task)
+        await changes.aclose()
+        await store.close()
+
+
+async def test_namespaces_beyond_the_bound_are_not_watched() -> None:
+    store = MemoryStore()
+    changes = LayoutChanges.of_sglang(store)
+    bounded = LayoutChanges(store, "bootstrap/sglang/", ("layout",), max_namespaces=2)
+    try:
+        for namespace in ("p1", "p2"):
+            await _marked(bounded, namespace)
+        assert bounded.mark("p3") is None
+        assert bounded.mark("p3") is None  # still: read every time, never watched
+        assert not bounded.live("p3")
+        assert changes.mark("p3") is None  # the first ask of an unbounded one starts watching
+    finally:
+        await bounded.aclose()
+        await changes.aclose()
         await store.close()
