@@ -59,7 +59,8 @@ __all__ = ["KEY_ROOT", "LAYOUT_KEYS", "ROOM_TTL_S", "SglangParallelInfo", "Sglan
 logger = logging.getLogger(__name__)
 
 KEY_ROOT = "bootstrap/sglang/"
-LAYOUT_KEYS = ("layout", "ranks/")  # under a namespace: what its layout is read from (no rooms)
+_CONFIG_KEY, _RANKS = "layout", "ranks/"  # under a namespace (the names older routers wrote)
+LAYOUT_KEYS = (_CONFIG_KEY, _RANKS)  # what a namespace's layout is read from (not its rooms)
 ROOM_TTL_S = 120.0  # SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL
 
 T = TypeVar("T")
@@ -275,10 +276,10 @@ class SglangRankTable:
         return {c for c in (_parse_coords(k.removeprefix(prefix)) for k in keys) if c is not None}
 
     def _config_key(self) -> str:
-        return self._root + "layout"  # the key older routers wrote
+        return self._root + _CONFIG_KEY
 
     def _ranks_prefix(self, generation: int) -> str:
-        return f"{self._root}ranks/{generation}/"
+        return f"{self._root}{_RANKS}{generation}/"
 
     def _rank_key(self, generation: int, coords: Coords) -> str:
         return self._ranks_prefix(generation) + "/".join(str(c) for c in coords)

@@ -51,7 +51,8 @@ __all__ = ["KEY_ROOT", "LAYOUT_KEYS", "VllmRankSnapshot", "VllmRankTable"]
 logger = logging.getLogger(__name__)
 
 KEY_ROOT = "bootstrap/vllm/"
-LAYOUT_KEYS = ("epoch", "workers/")  # under a namespace: every key of its table
+_EPOCH_KEY, _WORKERS = "epoch", "workers/"  # under a namespace
+LAYOUT_KEYS = (_EPOCH_KEY, _WORKERS)  # every key of a namespace's table
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,10 +295,10 @@ class VllmRankTable:
         return dp_size > 0 and all(self._dp_complete(table.get(dp)) for dp in range(dp_size))
 
     def _epoch_key(self) -> str:
-        return self._root + "epoch"
+        return self._root + _EPOCH_KEY
 
     def _workers_prefix(self, epoch: int) -> str:
-        return f"{self._root}workers/{epoch}/"
+        return f"{self._root}{_WORKERS}{epoch}/"
 
     def _worker_key(self, epoch: int, payload: RegisterWorkerPayload) -> str:
         ranks = (payload.dp_rank, payload.tp_rank, payload.pp_rank)

@@ -108,11 +108,12 @@ async def test_watch_raises_when_the_registry_goes_quiet() -> None:
 
 
 class CountingStore(MemoryStore):
-    """A memory store that counts its open watches."""
+    """A memory store that counts its open watches and the events they delivered."""
 
     def __init__(self) -> None:
         super().__init__()
         self.open_watches = 0
+        self.delivered = 0
 
     def watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         return self._counted(super().watch(prefix))
@@ -123,6 +124,7 @@ class CountingStore(MemoryStore):
         self.open_watches += 1
         try:
             async for event in events:
+                self.delivered += 1
                 yield event
         finally:
             self.open_watches -= 1

@@ -13,6 +13,7 @@ from registry.engine_api import LayoutChanges, LayoutMark, SglangRankTable, Vllm
 from registry.engine_api.vllm_payloads import RegisterWorkerPayload
 from registry.errors import RegistryUnavailable
 from testkit.polling import await_until
+from tests.registry.test_http_registry import CountingStore
 
 
 def _rank(rank: int) -> dict[str, object]:
@@ -72,31 +73,10 @@ async def test_a_mark_holds_until_its_namespace_changes(
     assert changes.mark("p1") != first
 
 
-class _CountedWatches(MemoryStore):
-    """A memory store counting the events its watches deliver."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.delivered = 0
-
-    def watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
-        return self._counted(super().watch(prefix))
-
-    async def _counted(
-        self, events: AsyncGenerator[WatchEvent, None]
-    ) -> AsyncGenerator[WatchEvent, None]:
-        try:
-            async for event in events:
-                self.delivered += 1
-                yield event
-        finally:
-            await events.aclose()
-
-
 async def test_the_requests_rooms_never_reach_the_watches() -> None:
     """SGLang's DP rank notes (one per request where the engines use them) are not the
     layout: no watch is told of them, so they cost the watcher nothing."""
-    store = _CountedWatches()
+    store = CountingStore()
     changes = LayoutChanges.of_sglang(store)
     table = SglangRankTable(store, "p1")
     try:
