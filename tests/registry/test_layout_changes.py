@@ -141,9 +141,11 @@ async def test_marks_from_before_a_broken_watch_never_hold_again() -> None:
     store = _RanksWatchFailsOnce()
     changes = LayoutChanges.of_sglang(store, retry_s=0.2)
     try:
+        table = SglangRankTable(store, "p1")
+        await table.register(_rank(0))  # the layout record and a rank, before any watch
         before = await _marked(changes, "p1")
         assert sorted(store.watched) == ["bootstrap/sglang/p1/layout", "bootstrap/sglang/p1/ranks/"]
-        await SglangRankTable(store, "p1").register(_rank(0))  # a rank: the event that breaks it
+        await table.register(_rank(1))  # a rank alone: the event that breaks its watch
         await await_until(lambda: not changes.live("p1"), 5.0, "the watch to break")
         assert changes.mark("p1") is None
         assert not changes.unchanged("p1", before)
@@ -165,9 +167,10 @@ async def test_namespaces_beyond_the_bound_are_not_watched() -> None:
         for namespace in ("p1", "p2"):
             await _marked(bounded, namespace)
         assert bounded.mark("p3") is None
-        assert bounded.mark("p3") is None  # still: read every time, never watched
-        assert not bounded.live("p3")
         assert changes.mark("p3") is None  # the first ask of an unbounded one starts watching
+        await await_until(lambda: changes.live("p3"), 5.0, "the unbounded watches of p3")
+        assert not bounded.live("p3")  # beyond the bound: read every time, never watched
+        assert bounded.mark("p3") is None
     finally:
         await bounded.aclose()
         await changes.aclose()
