@@ -5,7 +5,7 @@ token_strs}`` and ``{prompt}``; SGLang 0.5.23 ``http_server.py``, also at ``/v1/
 (OpenAI's list of embeddings), which a generation model does not serve: a 404 as FastAPI's
 (``{"detail": "Not Found"}``) unless ``FakeConfig.serves_embeddings``. With ``fail_status`` set
 every route answers it with a plain-text body. The fake tokenizer: one token per character (its
-code point)."""
+code point). A ``model`` other than the engine's own is a 404, as vLLM answers it."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ MAX_MODEL_LEN = 4096
 _EMBEDDING_SIZE = 8
 
 
+def _not_served(body: dict[str, Any], served: str) -> Reply | None:
+    """vLLM's ``_check_model``: a 404 for a model the engine does not serve."""
+    model = body.get("model")
+    if model is None or model == served:
+        return None
+    return Reply(404, {"error": {"message": f"The model `{model}` does not exist.", "code": 404}})
+
+
 def passthrough_routes(protocol: str, config: Callable[[], FakeConfig], calls: list[str]) -> Routes:
     """The routes; each call's path is appended to ``calls``."""
     sglang = protocol == "sglang"
@@ -30,7 +38,8 @@ def passthrough_routes(protocol: str, config: Callable[[], FakeConfig], calls: l
             failing = config().fail_status
             if failing is not None:  # the engine fails every request (FastAPI's plain 500 body)
                 return Reply(failing, b"Internal Server Error")
-            return fn(request.json())
+            body = request.json()
+            return _not_served(body, config().model) or fn(body)
 
         return route
 

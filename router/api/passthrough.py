@@ -1,8 +1,10 @@
 """``POST /tokenize``, ``/detokenize`` and ``/v1/embeddings``: what a client expects of an engine
 and that needs no PD, passed through to one worker as a raw ASGI handler.
 
-Which worker: the least busy usable prefill (healthy, not draining, its breaker closed), else a
-decode. Every worker serves the same model and tokenizer; a prefill's work is short and
+Which worker: the least busy usable prefill (healthy, not draining, its breaker closed) of the
+pool serving the body's ``model`` (``router.scheduling.model_pools``: its alias resolved, 404 for
+a model no worker serves, 400 for none named while the workers serve several), else such a
+decode. Every worker of a pool serves the same model and tokenizer; a prefill's work is short and
 compute-bound, so a tokenization or an embedding (a forward pass with nothing to decode) there
 stretches no stream's inter-token latency, as it would on a decode. The engine's answer goes back
 unchanged, or its error in OpenAI's shape: a 4xx in another shape (FastAPI's ``{"detail": ...}``
@@ -80,9 +82,10 @@ async def handle_passthrough(
         _, authorization = authenticate(ctx, scope, path, authorization)  # --api-keys
         limit = settings.server.max_body_bytes
         body = bytes(await read_body(receive, limit, content_length, share))
-        _check_object(body, path)
+        model, body = _model_pool(ctx, path, body)
         headers = upstream_headers(request_id, authorization, trace_context)
-        await _admitted(ctx, path, body, headers, responder, client_gone(scope, receive))
+        gone = client_gone(scope, receive)
+        await _admitted(ctx, path, body, model, headers, responder, gone)
         status = responder.status or 500
     except ClientDisconnected:
         status = CLIENT_GONE_STATUS
@@ -104,19 +107,32 @@ async def handle_passthrough(
         REQUEST_ID.reset(token)
 
 
-def _check_object(body: bytes, path: str) -> None:
+def _model_pool(ctx: AppContext, path: str, body: bytes) -> tuple[str | None, bytes]:
+    """The pool of the model the body names (None: the whole fleet) and the body for the
+    engine (an alias replaced by the served name); 400 for a body that is not a JSON object
+    or names no model while the workers serve several, 404 for a model no worker serves."""
     try:
         parsed = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the body of {path} is not valid JSON: {exc}") from None
     if not isinstance(parsed, dict):
         raise InvalidRequest(f"the body of {path} must be a JSON object")
+    models = ctx.pipeline.models
+    named = parsed.get("model")
+    if named is None and models.several:
+        served = ", ".join(models.served())
+        raise InvalidRequest(f"{path} needs a 'model' here: this router serves {served}")
+    model = models.pool_of(parsed)
+    if parsed.get("model") is not named:  # an alias: the engine gets the served name
+        body = msgspec.json.encode(parsed)
+    return model, body
 
 
-def _pick_worker(ctx: AppContext) -> Worker:
-    """The least busy usable prefill whose breaker is closed, else such a decode."""
+def _pick_worker(ctx: AppContext, model: str | None) -> Worker:
+    """The least busy usable prefill of the model's pool whose breaker is closed, else such a
+    decode."""
     circuits, pool = ctx.pipeline.circuits, ctx.pool
-    for candidates in (pool.usable_prefill(), pool.usable_decode()):
+    for candidates in (pool.usable_prefill(model), pool.usable_decode(model)):
         allowed = [w for w in candidates if circuits.worker_allows(w)]
         if allowed:
             return min(allowed, key=lambda worker: worker.host_inflight())
@@ -127,6 +143,7 @@ async def _admitted(
     ctx: AppContext,
     path: str,
     body: bytes,
+    model: str | None,
     headers: dict[str, str],
     responder: Responder,
     disconnected: asyncio.Future[Any],
@@ -135,7 +152,7 @@ async def _admitted(
     try:
         await ctx.admission.acquire(disconnected, 1)
         try:
-            await _forward(ctx, path, body, headers, responder)
+            await _forward(ctx, path, body, model, headers, responder)
         finally:
             ctx.admission.release(1)
     finally:
@@ -143,9 +160,14 @@ async def _admitted(
 
 
 async def _forward(
-    ctx: AppContext, path: str, body: bytes, headers: dict[str, str], responder: Responder
+    ctx: AppContext,
+    path: str,
+    body: bytes,
+    model: str | None,
+    headers: dict[str, str],
+    responder: Responder,
 ) -> None:
-    worker = _pick_worker(ctx)
+    worker = _pick_worker(ctx, model)
     with worker.load():
         answer = await ctx.pool.client(worker).open(path, body, headers, whole=True)
         try:

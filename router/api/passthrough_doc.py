@@ -21,8 +21,11 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": "The engine's answer, unchanged (its own format: vLLM or SGLang)",
         "content": {"application/json": {}},
     },
-    400: error_doc("The body is not a JSON object (OpenAI-style error JSON)"),
+    400: error_doc(
+        "The body is not a JSON object, or names no `model` while the workers serve several"
+    ),
     401: error_doc("`--api-keys`: no API key, or an unknown one"),
+    404: error_doc("No worker serves the `model` named (the message lists those served)"),
     "4XX": error_doc("An engine's 4xx answer, passed through (404: the route is not served)"),
     405: {"description": "Only POST (with an `Allow` header)", "content": ERROR_JSON},
     413: {"description": "Body over --max-body-bytes", "content": ERROR_JSON},

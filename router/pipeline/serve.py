@@ -76,7 +76,7 @@ class Pipeline:
         self,
         pool: UpstreamPool,
         adapter: PDAdapter,
-        policies: Callable[[], tuple[Policy, Policy]],
+        policies: Callable[[str | None], tuple[Policy, Policy]],
         upstream_settings: UpstreamSettings,
         health_settings: HealthSettings,
         on_stale_layout: Callable[[Worker], None],
@@ -93,8 +93,8 @@ class Pipeline:
         agreement: AgreementBoard | None = None,
         admission: AdmissionSettings | None = None,
     ) -> None:
-        """``policies``: a fresh (prefill, decode) policy pair, for the fleet and for each
-        model's pool (``router.scheduling.model_pools``); ``session_settings``: session
+        """``policies(model)``: a fresh (prefill, decode) policy pair, for the fleet (None) and
+        for each model's pool (``router.scheduling.model_pools``); ``session_settings``: session
         affinity (default: on, with the default header; an empty header: off); ``agreement``:
         where the prefill legs' predicted and actual cached tokens go (None: nowhere);
         ``admission``: with ``queue_at_worker_caps``, requests wait for a worker below its
@@ -110,7 +110,7 @@ class Pipeline:
         cache, featurizer = cache_settings or CacheAwareSettings(), featurizer or Featurizer(None)
 
         def chooser(model: str | None) -> RouteChooser:
-            prefill_policy, decode_policy = policies()
+            prefill_policy, decode_policy = policies(model)
             return RouteChooser(
                 pool, adapter.decode_can_prefill, prefill_policy, decode_policy, metrics, cache,
                 featurizer, self.circuits, self.sessions, model,

@@ -19,6 +19,7 @@ engines with the served name. A model no worker serves (and no worker without na
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from router.errors import ModelNotFound
 from router.scheduling.chooser import RouteChooser
@@ -45,35 +46,41 @@ class ModelPools:
         self.aliases = dict(aliases)
         self._choosers: dict[str, RouteChooser] = {}
         self._served: frozenset[str] = frozenset()
-        self._unnamed: RouteChooser | None = None  # the workers without names, any model
 
     def chooser_for(self, request: ParsedRequest) -> RouteChooser:
         """The chooser of the request's model (its alias resolved in the body); raises
         ModelNotFound when no worker serves it."""
-        name = request.body.get("model")
-        if not isinstance(name, str):
+        name = self.pool_of(request.body)
+        if name is None:
             return self.default
+        if self._pool.models is not self._served:
+            self._prune(self._pool.models)
+        chooser = self._choosers.get(name)
+        if chooser is None:  # "": a name served by no one, routes among the unnamed workers
+            chooser = self._choosers[name] = self._new_chooser(name)
+        return chooser
+
+    def pool_of(self, body: dict[str, Any]) -> str | None:
+        """The pool of the model ``body`` names (its alias resolved in ``body``): None for the
+        whole fleet (no model named, or no worker names one), the model's name, or "" (a name
+        no worker serves: the workers that name none); raises ModelNotFound when no worker
+        could serve it."""
+        name = body.get("model")
+        if not isinstance(name, str):
+            return None
         target = self.aliases.get(name)
         if target is not None:
-            request.body["model"] = name = target
+            body["model"] = name = target
         pool = self._pool
         if not pool.models:  # no worker names a model: one pool
-            return self.default
-        if pool.models is not self._served:
-            self._prune(pool.models)
-        chooser = self._choosers.get(name)
-        if chooser is not None:
-            return chooser
+            return None
         if name in pool.models:
-            chooser = self._choosers[name] = self._new_chooser(name)
-            return chooser
+            return name
         if not pool.wildcards:
             raise ModelNotFound(
                 f"the model {name!r} does not exist here; served: {', '.join(self.served())}"
             )
-        if self._unnamed is None:  # "": served by no one, routes among the unnamed workers
-            self._unnamed = self._new_chooser("")
-        return self._unnamed
+        return ""
 
     @property
     def several(self) -> bool:
@@ -88,5 +95,5 @@ class ModelPools:
 
     def _prune(self, served: frozenset[str]) -> None:
         self._served = served
-        for name in [n for n in self._choosers if n not in served]:
+        for name in [n for n in self._choosers if n and n not in served]:
             del self._choosers[name]

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from pydantic_settings import EnvSettingsSource
 
 from registry.models import redact_url
+from router.scheduling.policies import POLICIES
 from router.server.settings_spec import Section, Setting, sections
 from router.settings import RouterSettings
 from router.settings.config_file import ConfigFileError, load_config_file, merged
@@ -86,6 +87,20 @@ def _name_names(parser: _Parser, items: list[str]) -> dict[str, str]:
     return names
 
 
+def _model_policies(parser: _Parser, items: list[str]) -> dict[str, str]:
+    """``MODEL=POLICY`` pairs, each a known policy."""
+    policies: dict[str, str] = {}
+    for item in items:
+        model, _, policy = item.partition("=")
+        if not model or policy not in POLICIES:
+            parser.error(
+                f"argument --model-policy: expected MODEL=POLICY (a policy of "
+                f"{', '.join(POLICIES)}), got {item!r}"
+            )
+        policies[model] = policy
+    return policies
+
+
 def _namespace_ports(parser: _Parser, items: list[str]) -> dict[str, int]:
     ports: dict[str, int] = {}
     for item in items:
@@ -103,6 +118,7 @@ _ADAPTERS: dict[str, Callable[[_Parser, Any], Any]] = {
     "urls": lambda _parser, urls: [{"url": url} for url in urls],
     "name_ports": _namespace_ports,
     "name_names": _name_names,
+    "model_policies": _model_policies,
 }
 
 

@@ -35,16 +35,27 @@ the safe loader. With `--workers N` every process reads the same file.
 
 ```yaml
 engine: vllm-mooncake
-prefill:
+prefill:                      # each worker's fields, as its --prefill flag gives them
   - url: http://p1:8100
     bootstrap_port: 8998
+    models: [llama-8b]        # the model pools: else read from the worker's /v1/models
+  - url: http://p2:8100
+    bootstrap_port: 8998
+    models: [qwen-7b]
 decode:
   - url: http://d1:8200
+    models: [llama-8b]
+  - url: http://d2:8200
+    models: [qwen-7b]
 server:
   port: 8000
   workers: auto
 policy:
-  policy: cache_aware
+  policy: round_robin
+  model_policies:             # a pool's own policy (--model-policy MODEL=POLICY)
+    llama-8b: cache_aware
+  model_aliases:              # --model-alias ALIAS=NAME
+    llama: llama-8b
 cache:
   tokenizer: /models/llama/
 ```

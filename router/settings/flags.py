@@ -25,7 +25,8 @@ def cli(
     repeat: bool = False,
     nargs: Literal["+"] | None = None,
     switch: bool | None = None,
-    adapter: Literal["prefill", "decode", "urls", "name_ports", "name_names"] | None = None,
+    adapter: Literal["prefill", "decode", "urls", "name_ports", "name_names", "model_policies"]
+    | None = None,
     default: str | None = None,
     help: str | None = None,
 ) -> JsonDict:

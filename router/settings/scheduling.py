@@ -39,6 +39,15 @@ class PolicySettings(BaseModel):
         ),
     )
     """a model name clients may send for the served model NAME (the engines get NAME)"""
+    model_policies: dict[str, str] = Field(
+        default_factory=dict,
+        json_schema_extra=cli(
+            "--model-policy", metavar="MODEL=POLICY", repeat=True, adapter="model_policies"
+        ),
+    )
+    """the policy of MODEL's pool, as `--policy` sets it for both roles (`cache_aware`: its
+    prefills by cache, its decodes by load); the other models' pools follow `--policy`,
+    `--prefill-policy` and `--decode-policy`"""
 
 
 class CacheAwareSettings(BaseModel):

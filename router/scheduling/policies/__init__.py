@@ -51,14 +51,20 @@ def build_policies(
     cache: CacheAwareSettings,
     index: KVBlockIndex,
     tree: ApproxPrefixTree,
+    model: str | None = None,
 ) -> tuple[Policy, Policy]:
-    """The (prefill, decode) policies. ``cache_aware`` works over the shared ``index`` (fed by
-    the KV event feed) and ``tree``; as ``--policy`` it applies to the prefill side only, and
-    the decode side is least_load (a decode's cache is not what makes a prefill fast)."""
-    prefill_name = settings.prefill_policy or settings.policy
-    decode_name = settings.decode_policy or (
-        "least_load" if settings.policy == CACHE_AWARE else settings.policy
-    )
+    """The (prefill, decode) policies, of ``model``'s pool (None: the whole fleet's).
+    ``cache_aware`` works over the shared ``index`` (fed by the KV event feed) and ``tree``; as
+    ``--policy`` (or a model's ``--model-policy``) it applies to the prefill side only, and the
+    decode side is least_load (a decode's cache is not what makes a prefill fast)."""
+    own = settings.model_policies.get(model) if model else None
+    if own is not None:
+        prefill_name, decode_name = own, "least_load" if own == CACHE_AWARE else own
+    else:
+        prefill_name = settings.prefill_policy or settings.policy
+        decode_name = settings.decode_policy or (
+            "least_load" if settings.policy == CACHE_AWARE else settings.policy
+        )
     if prefill_name == CACHE_AWARE:
         prefill: Policy = CacheAware(cache, index=index, tree=tree)
     else:

@@ -157,3 +157,56 @@ def test_a_worker_that_comes_back_serving_another_model_is_pooled_anew(
     response = _complete(cluster, "c")
     assert response.status_code == 200 and response.headers["x-pdr-model"] == "c"
     assert _complete(cluster, "b").status_code == 404
+
+
+def test_pass_through_routes_go_to_the_pool_of_their_model(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    """``/tokenize`` and ``/detokenize`` reach a worker serving the body's model (its alias as
+    the served name); a model no worker serves is a 404 naming those served, and no model at
+    all a 400, since the workers' tokenizers differ."""
+    cluster = make_cluster(
+        "vllm-mooncake",
+        prefill=2,
+        decode=2,
+        config=_two_models(),
+        declare_models=["a", "b"],
+        policy={"model_aliases": {"latest": "b"}},
+    )
+    url = cluster.router_url
+    for model in ("a", "b", "a", "b", "latest"):
+        answer = httpx.post(url + "/tokenize", json={"model": model, "prompt": "hi"}, timeout=10)
+        assert answer.status_code == 200, answer.text
+    assert len(cluster.prefills[0].passthrough_calls) == 2
+    assert len(cluster.prefills[1].passthrough_calls) == 3
+    unknown = httpx.post(url + "/detokenize", json={"model": "c", "tokens": [104]}, timeout=10)
+    assert unknown.status_code == 404
+    assert "served: a, b, latest" in unknown.json()["error"]["message"]
+    unnamed = httpx.post(url + "/tokenize", json={"prompt": "hi"}, timeout=10)
+    assert unnamed.status_code == 400 and "'model'" in unnamed.json()["error"]["message"]
+    assert sum(len(engine.passthrough_calls) for engine in cluster.prefills) == 5
+
+
+def test_a_model_policy_sets_its_pools_policy_and_the_others_keep_the_fleets(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    """``--model-policy a=cache_aware``: model a's pool routes its prefills by cache (its
+    decodes by load), model b's keeps ``--policy round_robin``."""
+    cluster = make_cluster(
+        "vllm-mooncake",
+        prefill=2,
+        decode=2,
+        config=_two_models(),
+        declare_models=["a", "b"],
+        policy={"policy": "round_robin", "model_policies": {"a": "cache_aware"}},
+    )
+
+    def policies(model: str) -> Any:
+        body = {"model": model, "prompt": "hello", "max_tokens": 3}
+        answer = httpx.post(cluster.router_url + "/admin/explain", json=body, timeout=10)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["policy"]
+
+    assert policies("a") == {"prefill": "cache_aware", "decode": "least_load"}
+    assert policies("b") == {"prefill": "round_robin", "decode": "round_robin"}
+    _check_each_model_reaches_its_own_workers(cluster)

@@ -141,12 +141,14 @@ def test_workers_declare_their_models_and_aliases_map_names() -> None:
             "--decode", "http://d1:8200", "model=a",
             "--decode", "http://d2:8200",
             "--model-alias", "latest=a", "--model-alias", "old=b",
+            "--model-policy", "a=cache_aware",
         ]
     )  # fmt: skip
     assert (s.prefill[0].models, s.prefill[0].bootstrap_port) == (("a", "b"), 8998)
     assert s.prefill[0].kv_events == "tcp://p1:5557"
     assert [w.models for w in s.decode] == [("a",), ()]
     assert s.policy.model_aliases == {"latest": "a", "old": "b"}
+    assert s.policy.model_policies == {"a": "cache_aware"}
 
 
 @pytest.mark.parametrize(
@@ -154,6 +156,7 @@ def test_workers_declare_their_models_and_aliases_map_names() -> None:
     [
         (["--decode", "http://d:8200", "8998"], "expected URL [model=NAME]"),
         (["--model-alias", "latest"], "expected ALIAS=NAME"),
+        (["--model-policy", "a=fastest"], "expected MODEL=POLICY (a policy of round_robin"),
         (["--decode", "http://d:8200", "model="], "a model name is 1 to 256"),
     ],
 )

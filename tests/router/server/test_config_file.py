@@ -156,3 +156,7 @@ def test_the_documented_example_is_a_valid_file(tmp_path: Path) -> None:
     example = page.split("```yaml\n", 1)[1].split("```", 1)[0]
     settings = parse_args(["--config", write(tmp_path, "example.yaml", example)])
     assert settings.server.workers == "auto" and settings.prefill[0].bootstrap_port == 8998
+    # the model pools: each worker's models, a pool's own policy, an alias
+    assert [w.models for w in settings.decode] == [("llama-8b",), ("qwen-7b",)]
+    assert settings.policy.model_policies == {"llama-8b": "cache_aware"}
+    assert settings.policy.model_aliases == {"llama": "llama-8b"}
