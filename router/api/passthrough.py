@@ -12,9 +12,13 @@ for a route it does not serve: a generation model has no embeddings) with its me
 5xx as a 502 (429 and 503: the engine is full, as it said).
 
 The same bounds as the completion routes: POST only (405), the body limit and budget (413,
-429), a JSON object (400), an admission unit while it runs (429), the worker caps, the answer
-limit (``--max-answer-bytes``), the client's Authorization and X-Request-Id forwarded; the
-requests are counted in ``pdr_requests_total`` under their path; errors are OpenAI-style JSON.
+429), a JSON object (400), the caller's tenant limits (``--api-keys``: one request, its tokens:
+the token ids to detokenize, else the body's bytes / 4, and a place in its concurrency; 429),
+an admission unit while it runs (429), the worker caps (a prefill at its cap passes to a
+decode below its own; 429 when every one is at its cap: these requests do not wait in the
+worker queue), the answer limit (``--max-answer-bytes``), the client's Authorization and
+X-Request-Id forwarded; the requests are counted in ``pdr_requests_total`` under their path;
+errors are OpenAI-style JSON.
 """
 
 from __future__ import annotations
@@ -43,12 +47,14 @@ from router.errors import (
     Overloaded,
     RouterError,
     UpstreamStatusError,
+    WorkersBusy,
 )
 from router.interrupt import ClientDisconnected
 from router.observability.logs import REQUEST_ID
 from router.observability.receipt import RoutingReceipt
 from router.pipeline.responder import Responder
 from router.pipeline.verdicts import error_detail
+from router.tenancy.limiter import Admitted
 from router.types import Receive, Scope, Send
 from router.workers import Worker
 
@@ -79,13 +85,18 @@ async def handle_passthrough(
             raise MethodNotAllowed(f"method {scope['method']} is not allowed on {path}")
         if bad_id is not None:
             raise bad_id
-        _, authorization = authenticate(ctx, scope, path, authorization)  # --api-keys
+        tenant, authorization = authenticate(ctx, scope, path, authorization)  # --api-keys
         limit = settings.server.max_body_bytes
         body = bytes(await read_body(receive, limit, content_length, share))
-        model, body = _model_pool(ctx, path, body)
+        model, body, tokens = _model_pool(ctx, path, body)
         headers = upstream_headers(request_id, authorization, trace_context)
-        gone = client_gone(scope, receive)
-        await _admitted(ctx, path, body, model, headers, responder, gone)
+        admitted = await _tenant_admits(ctx, tenant, tokens, responder)
+        try:
+            gone = client_gone(scope, receive)
+            await _admitted(ctx, path, body, model, headers, responder, gone)
+        finally:
+            if admitted is not None:
+                await admitted.finish()
         status = responder.status or 500
     except ClientDisconnected:
         status = CLIENT_GONE_STATUS
@@ -107,9 +118,24 @@ async def handle_passthrough(
         REQUEST_ID.reset(token)
 
 
-def _model_pool(ctx: AppContext, path: str, body: bytes) -> tuple[str | None, bytes]:
-    """The pool of the model the body names (None: the whole fleet) and the body for the
-    engine (an alias replaced by the served name); 400 for a body that is not a JSON object
+async def _tenant_admits(
+    ctx: AppContext, tenant: str | None, tokens: int, responder: Responder
+) -> Admitted | None:
+    """The request charged to its tenant's limits (``--api-keys`` with limits: one request,
+    ``tokens``, a place in its concurrency; raises RateLimited), or None without limits."""
+    clients = ctx.clients
+    if tenant is None or clients is None or clients.limiter is None:
+        return None
+    admitted = await clients.limiter.admit(tenant, tokens)
+    if admitted.headers:
+        responder.add_headers(admitted.headers)
+    return admitted
+
+
+def _model_pool(ctx: AppContext, path: str, body: bytes) -> tuple[str | None, bytes, int]:
+    """The pool of the model the body names (None: the whole fleet), the body for the engine
+    (an alias replaced by the served name) and its tokens for the tenant's limits (token ids
+    to detokenize, else the body's UTF-8 bytes / 4); 400 for a body that is not a JSON object
     or names no model while the workers serve several, 404 for a model no worker serves."""
     try:
         parsed = msgspec.json.decode(body)
@@ -125,17 +151,27 @@ def _model_pool(ctx: AppContext, path: str, body: bytes) -> tuple[str | None, by
     model = models.pool_of(parsed)
     if parsed.get("model") is not named:  # an alias: the engine gets the served name
         body = msgspec.json.encode(parsed)
-    return model, body
+    ids = parsed.get("tokens")
+    return model, body, len(ids) if isinstance(ids, list) else len(body) // 4
 
 
 def _pick_worker(ctx: AppContext, model: str | None) -> Worker:
-    """The least busy usable prefill of the model's pool whose breaker is closed, else such a
-    decode."""
+    """The least busy usable prefill of the model's pool whose breaker is closed and that is
+    below its in-flight cap, else such a decode; WorkersBusy (429) when each role's usable
+    workers are at their caps."""
     circuits, pool = ctx.pipeline.circuits, ctx.pool
-    for candidates in (pool.usable_prefill(model), pool.usable_decode(model)):
+    busy: WorkersBusy | None = None
+    for available in (pool.available_prefill, pool.available_decode):
+        try:
+            candidates = available(model)
+        except WorkersBusy as exc:
+            busy = busy or exc
+            continue
         allowed = [w for w in candidates if circuits.worker_allows(w)]
         if allowed:
             return min(allowed, key=lambda worker: worker.host_inflight())
+    if busy is not None:
+        raise busy
     raise NoWorkerAvailable("no healthy worker to pass the request to")
 
 

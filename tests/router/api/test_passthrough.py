@@ -114,3 +114,28 @@ def test_a_failing_engine_is_a_502_in_openai_shape(make_cluster: FakeClusterFact
     assert "answered HTTP 500: Internal Server Error" in answer.json()["error"]["message"]
     cluster.prefills[0].config.fail_status = 503  # full: the client may come back
     assert post(cluster.router_url, "/tokenize", {"prompt": "a"}).status_code == 503
+
+
+def test_the_worker_caps_hold_them_too(make_cluster: FakeClusterFactory) -> None:
+    """With one request in flight per worker, a prefill busy with a completion's leg passes a
+    tokenization to the decode; with both busy it is a 429 that reaches no engine."""
+    cluster = make_cluster(
+        "sglang",
+        config=lambda: FakeConfig(tokens=20, token_delay=0.1, check_kv=False),
+        admission={"max_inflight_per_worker": 1},
+    )
+    url = cluster.router_url
+    cluster.prefills[0].config.hang = True  # its leg stays in flight
+    tokenize = {"model": "fake-model", "prompt": "a"}
+    streamed = {"model": "fake-model", "prompt": "p", "max_tokens": 12, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=streamed, timeout=30) as streaming:
+        assert streaming.status_code == 200  # SGLang: both legs run together
+        busy = post(url, "/tokenize", tokenize)
+        assert busy.status_code == 429, busy.text
+        assert "at its limit of 1" in busy.json()["error"]["message"]
+        assert cluster.prefills[0].passthrough_calls == cluster.decodes[0].passthrough_calls == []
+        for _ in streaming.iter_lines():
+            pass
+        wait_until(lambda: cluster.ready_body()["decode"][0]["inflight"] == 0, 10, "decode free")
+        assert post(url, "/tokenize", tokenize).status_code == 200
+        assert cluster.decodes[0].passthrough_calls == ["/tokenize"]  # the prefill is busy

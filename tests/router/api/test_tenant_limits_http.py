@@ -103,3 +103,27 @@ def test_requests_in_flight_are_capped_per_tenant(
     assert asyncio.run(two_at_once()) == [200, 429]
     assert _post(cluster, KEY_A).status_code == 200  # the slot came back with the answer
     assert _rejected(cluster, "tenant_concurrency") == 1
+
+
+def test_pass_through_requests_count_in_their_tenants_limits(
+    make_cluster: FakeClusterFactory, tmp_path: Path
+) -> None:
+    """``/tokenize`` and ``/detokenize`` charge a request and their tokens (the token ids to
+    detokenize): a tenant at its rate gets the same 429 there, reaching no engine."""
+    limits = "    requests_per_minute: 3\n    tokens_per_minute: 50\n"
+    cluster = _cluster(make_cluster, tmp_path, limits)
+    headers = {"authorization": f"Bearer {KEY_A}"}
+
+    def post(path: str, body: object) -> httpx.Response:
+        return httpx.post(cluster.router_url + path, json=body, headers=headers, timeout=10)
+
+    first = post("/tokenize", {"model": "fake-model", "prompt": "hello"})
+    assert first.status_code == 200 and first.headers["x-ratelimit-remaining-requests"] == "2"
+    too_many_tokens = post("/detokenize", {"model": "fake-model", "tokens": [104] * 60})
+    assert too_many_tokens.status_code == 429
+    assert too_many_tokens.json()["error"]["type"] == "tokens"
+    assert post("/detokenize", {"model": "fake-model", "tokens": [104]}).status_code == 200
+    assert _post(cluster, KEY_A).status_code == 200  # a completion: the third request
+    refused = post("/tokenize", {"model": "fake-model", "prompt": "hello"})
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert cluster.prefills[0].passthrough_calls == ["/tokenize", "/detokenize"]
