@@ -197,7 +197,7 @@ class RouteChooser:
             decodes = [w for w in decodes if w.id not in failed] or decodes
         held = None
         if session is not None and self.sessions is not None:
-            held = self.sessions.hold(session, prefills, decodes, failed)
+            held = self.sessions.hold(session, prefills, decodes, failed, self.model)
         pinned_decode = None if held is None else held.decode
         decode = pinned_decode or self._decode_policy.choose(decodes)
         if self._may_skip and self.saturated(prefills):

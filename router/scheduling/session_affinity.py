@@ -99,18 +99,27 @@ class SessionAffinity:
         self._circuits = circuits
 
     def hold(
-        self, ask: SessionAsk, prefills: list[Worker], decodes: list[Worker], failed: set[str]
+        self,
+        ask: SessionAsk,
+        prefills: list[Worker],
+        decodes: list[Worker],
+        failed: set[str],
+        model: str | None = None,
     ) -> Held:
-        """The session's pin and which of its workers still hold; raises PinUnavailable when a
-        hard pin's worker is in the fleet but not usable."""
+        """The session's pin and which of its workers still hold, for a request to ``model``'s
+        pool (None: the whole fleet); raises PinUnavailable when a hard pin's worker is in that
+        pool but not usable. A pinned worker that does not serve ``model`` is gone for it: a
+        session that moves to another model re-pins there."""
         pin = self.pins.get(ask.key)
         if pin is None:
             return Held(None)
         hard = self._hard if ask.hard is None else ask.hard
         prefill, why_prefill = None, None
         if pin.prefill is not None:
-            prefill, why_prefill = self._usable(pin.prefill, pin.rank, prefills, failed, hard)
-        decode, why_decode = self._usable(pin.decode, None, decodes, failed, hard)
+            prefill, why_prefill = self._usable(
+                pin.prefill, pin.rank, prefills, failed, hard, model
+            )
+        decode, why_decode = self._usable(pin.decode, None, decodes, failed, hard, model)
         why = why_prefill or why_decode
         if hard and why is not None and why != "gone":
             role, wid = ("prefill", pin.prefill) if why_prefill else ("decode", pin.decode)
@@ -130,11 +139,14 @@ class SessionAffinity:
         candidates: list[Worker],
         failed: set[str],
         hard: bool,
+        model: str | None,
     ) -> tuple[Worker | None, str | None]:
         """The pinned worker if it still holds, else None and why it yields."""
         worker = self._pool.get(worker_id)
         if worker is None or rank is not None and rank >= max(worker.dp_size, 1):
             return None, "gone"  # removed, or its DP layout changed under the pin
+        if model is not None and worker.models and model not in worker.models:
+            return None, "gone"  # not in this model's pool
         why = None
         if worker.id in failed:
             why = "failed"

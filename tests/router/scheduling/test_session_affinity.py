@@ -248,3 +248,35 @@ def test_explain_shows_the_pin_and_the_table_without_pinning() -> None:
     assert explained["choice"]["prefill"] == pin["prefill"]
     assert fleet.chooser.explain(None, SessionAsk("unknown"))["session"]["pin"] is None
     assert len(fleet.sessions.pins) == 1  # explaining pinned nothing
+
+
+def test_a_session_that_moves_to_another_model_re_pins_in_its_pool_even_when_hard() -> None:
+    """Workers 0 serve model a, workers 1 model b: a session pinned (hard) on a's workers that
+    asks for b is re-pinned on b's (its pin is gone for b, not a busy worker to wait for)."""
+    fleet = Fleet(mode="hard")
+    for index, name in enumerate("ab"):
+        for worker in (fleet.prefills[index], fleet.decodes[index]):
+            fleet.pool.set_models(worker, frozenset({name}), declared=True)
+    choosers = {
+        name: RouteChooser(
+            fleet.pool,
+            False,
+            build_policy("round_robin"),
+            build_policy("round_robin"),
+            fleet.metrics,
+            CacheAwareSettings(),
+            Featurizer(None),
+            fleet.circuits,
+            fleet.sessions,
+            name,
+        )  # fmt: skip
+        for name in "ab"
+    }
+
+    def route(model: str) -> tuple[str | None, str]:
+        return where(choosers[model].route(set(), None, count=True, session=SESSION))
+
+    assert route("a") == ("p0", "d0")
+    assert route("b") == ("p1", "d1")
+    assert fleet.counted("repinned", "gone") == 1
+    assert route("b") == ("p1", "d1")
