@@ -62,7 +62,8 @@ class RequestAccounting:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s status=%d prefill=%s dp_rank=%s decode=%s outcome=%s attempts=%d "
-                "route=%dus prefill_leg=%s kv_wait=%s ttft=%s total=%s transfer=%s cached=%s/%s%s",
+                "route=%dus prefill_leg=%s kv_wait=%s ttft=%s total=%s transfer=%s "
+                "cached=%s/%s%s%s",
                 endpoint,
                 status,
                 receipt.prefill or f"skipped:{receipt.skipped}",
@@ -79,4 +80,5 @@ class RequestAccounting:
                 _count(receipt.cached_tokens),
                 _count(receipt.predicted_cached_tokens),
                 " RECOMPUTED" if receipt.recomputed else "",
+                f" model={receipt.model}" if receipt.model else "",
             )

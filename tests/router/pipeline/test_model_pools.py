@@ -7,11 +7,13 @@ ones; ``/v1/models`` lists each model once with its pools; round robin turns per
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.errors import ModelNotFound
 from router.scheduling.model_pools import ModelPools
@@ -210,3 +212,26 @@ def test_a_model_policy_sets_its_pools_policy_and_the_others_keep_the_fleets(
     assert policies("a") == {"prefill": "cache_aware", "decode": "least_load"}
     assert policies("b") == {"prefill": "round_robin", "decode": "round_robin"}
     _check_each_model_reaches_its_own_workers(cluster)
+
+
+def test_metrics_and_receipts_carry_the_pool_and_only_served_names(
+    make_cluster: FakeClusterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``pdr_model_requests_total{model}`` counts each pool's requests and makes no series for
+    a name no worker serves; the receipt (``x-pdr-model``, its log line) names the pool."""
+    cluster = make_cluster(
+        "vllm-mooncake", prefill=2, decode=2, config=_two_models(), declare_models=["a", "b"]
+    )
+    caplog.set_level(logging.DEBUG, logger="router.observability.request_accounting")
+    for model in ("a", "a", "b", "c", "d"):
+        _complete(cluster, model)
+    metrics = httpx.get(cluster.router_url + "/metrics", timeout=5).text
+    counted = {
+        sample.labels["model"]: sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "pdr_model_requests_total"
+    }
+    assert counted == {"a": 2, "b": 1}
+    logged = [r.getMessage() for r in caplog.records if "status=200" in r.getMessage()]
+    assert sorted(line.rsplit("model=", 1)[-1] for line in logged) == ["a", "a", "b"]
