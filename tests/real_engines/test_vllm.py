@@ -487,7 +487,7 @@ class TestMooncake:
         self, mooncake: Cluster, colocated: Engine, endpoint: str, stream: bool
     ) -> None:
         """``/v1/responses`` and ``/v1/messages`` through PD answer as the co-located engine
-        does (text, ending, the stream's events), and the decode used the prefill's KV."""
+        does (text, ending, the stream's events) and report their usage."""
         got = check_conversation_matches(
             mooncake.router.url, colocated.url, endpoint, PROMPTS[1], stream=stream, tokens=SHORT
         )

@@ -235,3 +235,28 @@ def test_metrics_and_receipts_carry_the_pool_and_only_served_names(
     assert counted == {"a": 2, "b": 1}
     logged = [r.getMessage() for r in caplog.records if "status=200" in r.getMessage()]
     assert sorted(line.rsplit("model=", 1)[-1] for line in logged) == ["a", "a", "b"]
+
+
+def test_a_prefix_cached_for_one_model_never_attracts_another_models_request(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    """``cache_aware``: a's prefill holds (by prediction) a long prompt's blocks; the same
+    prompt for model b still goes to b's prefill, and a's requests keep going to a's."""
+    cluster = make_cluster(
+        "vllm-mooncake",
+        prefill=2,
+        decode=2,
+        config=_two_models(),
+        declare_models=["a", "b"],
+        policy={"policy": "cache_aware"},
+    )
+    prompt = "a long shared system prompt, the same for both models. " * 20
+
+    def prefill_of(model: str) -> str:
+        body = {"model": model, "prompt": prompt, "max_tokens": 3}
+        answer = httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=10)
+        assert answer.status_code == 200, answer.text
+        return answer.headers["x-pdr-prefill"]
+
+    assert [prefill_of("a") for _ in range(3)] == [cluster.prefill_urls[0]] * 3
+    assert [prefill_of("b") for _ in range(2)] == [cluster.prefill_urls[1]] * 2
