@@ -294,12 +294,15 @@ def routing_states(
 ) -> RoutingStates:
     """The router's routing states, judged from its settings' policy and token source."""
     predicts = predicts_cache(settings)
-    tokenizes = settings.cache.tokenizer is not None or settings.cache.render_url is not None
+    cache = settings.cache
+    tokenizes = bool(cache.tokenizer or cache.render_url or cache.model_tokenizers)
     inputs = RoutingInputs(prefills, feed, index, board, predicts, tokenizes, caches)
     return RoutingStates(inputs, settings.observability, on_transition)
 
 
 def predicts_cache(settings: RouterSettings) -> bool:
-    """Whether the prefill policy predicts the cache (``cache_aware``)."""
+    """Whether the prefill policy predicts the cache (``cache_aware``), the fleet's or a
+    model's (``--model-policy``)."""
     policy = settings.policy
-    return (policy.prefill_policy or policy.policy) == "cache_aware"
+    own = policy.model_policies.values()
+    return (policy.prefill_policy or policy.policy) == "cache_aware" or "cache_aware" in own

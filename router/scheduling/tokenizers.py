@@ -273,12 +273,40 @@ def _render_ids(answer: Any) -> list[int]:
     return ids
 
 
+class ModelTokenSources:
+    """Each request tokenized by its model's source (several models with their own
+    tokenizers, ``--model-tokenizer``), else by ``default`` (None: its ids are not known)."""
+
+    def __init__(self, default: TokenSource | None, by_model: dict[str, TokenSource]) -> None:
+        self.default = default
+        self.by_model = by_model
+
+    async def tokens(self, request: ParsedRequest) -> list[int] | None:
+        model = request.body.get("model")
+        source = self.by_model.get(model, self.default) if isinstance(model, str) else None
+        source = source or self.default
+        return None if source is None else await source.tokens(request)
+
+    async def aclose(self) -> None:
+        for source in (*self.by_model.values(), self.default):
+            if source is not None:
+                await source.aclose()
+
+
 def open_token_source(settings: CacheAwareSettings) -> TokenSource | None:
-    """The configured token source: a local tokenizer (preferred), the render API, or None."""
+    """The configured token source: a local tokenizer (preferred), the render API, or None;
+    with ``model_tokenizers``, each of those models' own local tokenizer first."""
+    default: TokenSource | None = None
     if settings.tokenizer is not None:
-        return LocalTokenizer.from_dir(
+        default = LocalTokenizer.from_dir(
             settings.tokenizer, cache_entries=settings.tokenize_cache_entries
         )
-    if settings.render_url is not None:
-        return RenderTokenizer(settings.render_url)
-    return None
+    elif settings.render_url is not None:
+        default = RenderTokenizer(settings.render_url)
+    if not settings.model_tokenizers:
+        return default
+    by_model: dict[str, TokenSource] = {
+        model: LocalTokenizer.from_dir(path, cache_entries=settings.tokenize_cache_entries)
+        for model, path in settings.model_tokenizers.items()
+    }
+    return ModelTokenSources(default, by_model)

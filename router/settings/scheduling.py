@@ -58,6 +58,15 @@ class CacheAwareSettings(BaseModel):
     tokenizer: str | None = Field(default=None, json_schema_extra=cli("--tokenizer", metavar="DIR"))
     """the engines' Hugging Face tokenizer directory (`tokenizer.json`, the chat template from
     `tokenizer_config.json`): precise `cache_aware`"""
+    model_tokenizers: dict[str, str] = Field(
+        default_factory=dict,
+        json_schema_extra=cli(
+            "--model-tokenizer", metavar="MODEL=DIR", repeat=True, adapter="name_names"
+        ),
+    )
+    """MODEL's own tokenizer directory (as `--tokenizer`) when the workers serve several models:
+    precise `cache_aware` tokenizes each request with its model's (the other models':
+    `--tokenizer` or `--render-url`)"""
     render_url: str | None = Field(
         default=None, json_schema_extra=cli("--render-url", metavar="URL")
     )
