@@ -196,7 +196,7 @@ def _build_fleet(
     token = settings.registry.store_token
     store = open_store(settings.registry.url, token=token.get_secret_value() if token else None)
     service = RegistryService(store)
-    prober = HealthProber(pool, settings.engine, settings.health, tables, store)
+    prober = HealthProber(pool, settings.engine, settings.health, tables, store, settings.auth)
     discovery = Discovery(pool, service, settings, prober)
     load_monitor = EngineLoadMonitor(pool, settings.engine, settings.load,
                                      read_caches=predicts_cache(settings))  # fmt: skip

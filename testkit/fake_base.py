@@ -70,6 +70,8 @@ class FakeConfig:
     die_after_answer: bool = False  # prefill: after a 200 answer, die (ports refuse, KV never sent)
     withhold_kv: bool = False  # prefill: answer, but never hand this request's KV to the decode
     health_status: int = 200  # what /health answers
+    # vLLM's --api-key: every /v1/* route answers 401 without `Authorization: Bearer KEY`
+    api_key: str | None = None
     health_delay: float = 0.0  # /health answers after this many seconds
     health_delay_under_load: float = 0.0  # ... plus this many while completions are in flight
     sglang_n_hang: bool = True  # sglang decode: n > 1 waits for a KV that never comes (real)

@@ -216,7 +216,9 @@ class FakeEngine:
     # -- HTTP port --------------------------------------------------------------------------
 
     async def _serve_http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["path"] not in (COMPLETIONS_PATH, CHAT_PATH, *FORMAT_PATHS):
+        if self._unauthorized(scope):
+            await Output(send, None, errors=_errors(scope["path"])).error(401, "Unauthorized")
+        elif scope["path"] not in (COMPLETIONS_PATH, CHAT_PATH, *FORMAT_PATHS):
             await serve_routes(self._routes, scope, receive, send)
         elif scope["method"] != "POST":
             request_id = header_dict(scope).get("x-request-id")
@@ -225,6 +227,13 @@ class FakeEngine:
             )
         else:
             await self._serve_completion(scope, receive, send)
+
+    def _unauthorized(self, scope: Scope) -> bool:
+        """A /v1/* request without the `FakeConfig.api_key` bearer (vLLM's --api-key)."""
+        key = self.config.api_key
+        if key is None or not scope["path"].startswith("/v1"):
+            return False
+        return header_dict(scope).get("authorization") != f"Bearer {key}"
 
     async def _health(self, _: RouteRequest) -> Reply:
         """Real engines answer /health slowly when busy (NIXL on a small machine: > 2 s)."""

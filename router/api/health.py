@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -120,9 +119,11 @@ def _describe(worker: Worker) -> dict[str, Any]:
 async def models(ctx: Context, request: Request) -> Response:
     """The models served, each once with its pools (the workers serving it, and the aliases
     naming it) when workers name their models; else the union of the healthy decode workers'
-    ``/v1/models`` lists."""
+    ``/v1/models`` lists, read with the ``Authorization`` a completion's legs carry."""
+    authorization = request.headers.get("authorization")
     if ctx.clients is not None:  # --api-keys: clients list models with their key
-        ctx.clients.tenant(request.headers.get("authorization"))
+        ctx.clients.tenant(authorization)
+        authorization = None  # the engines get --engine-api-key, not the client's key
     if ctx.pool.models:
         return JSONResponse({"object": "list", "data": _served_models(ctx)})
     decodes = ctx.pool.usable_decode()
@@ -131,9 +132,8 @@ async def models(ctx: Context, request: Request) -> Response:
         return Response(
             error_body(unavailable), status_code=unavailable.status, media_type="application/json"
         )
-    timeout = ctx.settings.health.timeout_s
     answers = await asyncio.gather(
-        *(_models_of(ctx, w.id, timeout) for w in decodes), return_exceptions=True
+        *(_models_of(ctx, w.id, authorization) for w in decodes), return_exceptions=True
     )
     merged: dict[str, Any] = {}
     for answer in answers:
@@ -162,13 +162,12 @@ def _served_models(ctx: AppContext) -> list[dict[str, Any]]:
     return served + [entry(alias, aliases[alias]) for alias in sorted(aliases)]
 
 
-async def _models_of(ctx: AppContext, worker_id: str, timeout: float) -> list[dict[str, Any]]:
+async def _models_of(
+    ctx: AppContext, worker_id: str, authorization: str | None
+) -> list[dict[str, Any]]:
+    """The worker's ``/v1/models`` entries, read as the health probes read them (with
+    ``authorization``, else ``--engine-api-key``'s)."""
     worker = ctx.pool.get(worker_id)
     if worker is None:
         return []
-    status, content = await ctx.pool.client(worker).get("/v1/models", timeout)
-    data = msgspec.json.decode(content) if status == 200 else None
-    entries = data.get("data") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
-        return []
-    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
+    return await ctx.fleet.prober.read_models(worker, authorization)

@@ -15,7 +15,8 @@ the last read (``registry.engine_api.LayoutChanges``), and on every probe while 
 not running or the prefill is not healthy: with a store over the network (etcd, or ``--workers
 N``'s supervisor) a read is two round trips per prefill per probe. A worker
 that joins or comes back, and declares no models, has its ``/v1/models`` read (the model pools,
-``router.scheduling.model_pools``).
+``router.scheduling.model_pools``), with ``--engine-api-key`` as its ``Authorization`` (engines
+behind ``--api-key`` refuse the read without).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import httpx
 
 from registry.backends.base import RegistryStore
 from registry.engine_api import LayoutChanges, LayoutMark, RankTables
+from router.errors import UpstreamError
 from router.fleet.rank_layout import (
     RankLayoutUnavailable,
     RegistryDown,
@@ -38,8 +40,9 @@ from router.fleet.rank_layout import (
     namespace_rank_layout,
 )
 from router.interrupt import reap
-from router.settings import EngineProtocol, HealthSettings
+from router.settings import ClientAuthSettings, EngineProtocol, HealthSettings
 from router.upstream.base import NODELAY
+from router.upstream.httpx_client import raise_httpx_error
 from router.workers import Role, Worker, WorkerPool
 
 __all__ = ["HealthProber", "connection_refused"]
@@ -54,7 +57,9 @@ class _Probe(Enum):
 
 
 class HealthProber:
-    """Owns the probe client and the probe loop; run ``run()`` as a lifespan task."""
+    """Owns the probe client and the probe loop; run ``run()`` as a lifespan task.
+    ``auth``: its ``engine_api_key`` (the engines' ``--api-key``) goes on the ``/v1/models``
+    reads."""
 
     def __init__(
         self,
@@ -63,8 +68,12 @@ class HealthProber:
         settings: HealthSettings,
         tables: RankTables | None = None,
         store: RegistryStore | None = None,
+        auth: ClientAuthSettings | None = None,
     ) -> None:
         self._pool = pool
+        key = None if auth is None else auth.engine_api_key
+        secret = None if key is None else key.get_secret_value()
+        self._engine_authorization = f"Bearer {secret}" if secret else None
         self._tables = tables
         # the namespaces' layout changes, when ``tables`` are over ``store`` (None: read always)
         self._layout_changes = _layout_changes(engine, store) if tables is not None else None
@@ -193,22 +202,29 @@ class HealthProber:
             return _Probe.FAILED
         return _Probe.OK
 
+    async def read_models(
+        self, worker: Worker, authorization: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The entries of ``worker``'s ``/v1/models`` (OpenAI's list; none for an error status
+        or another body), read with ``authorization`` (None: ``--engine-api-key``'s, if any).
+        Raises UpstreamError."""
+        authorization = authorization or self._engine_authorization
+        headers = {} if authorization is None else {"Authorization": authorization}
+        try:
+            response = await self._client.get(worker.url + "/v1/models", headers=headers)
+        except httpx.HTTPError as exc:
+            raise_httpx_error(exc, worker)
+        return _model_entries(response)
+
     async def _learn_models(self, worker: Worker) -> None:
         """The model names in the worker's ``/v1/models`` (OpenAI's list); on any failure the
         names it had stay (none: a candidate for every model)."""
         try:
-            response = await self._client.get(worker.url + "/v1/models")
-            entries = response.json().get("data") if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            entries = await self.read_models(worker)
+        except UpstreamError as exc:
             logger.debug("reading the models of %s failed: %r", worker.public_url, exc)
             return
-        if not isinstance(entries, list):
-            return
-        names = frozenset(
-            entry["id"]
-            for entry in entries
-            if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"]
-        )
+        names = frozenset(entry["id"] for entry in entries if entry["id"])
         if names and names != worker.models:
             logger.info(
                 "%s worker %s serves %s", worker.role.value, worker.public_url, sorted(names)
@@ -282,6 +298,19 @@ class HealthProber:
                 exc,
             )
         return _Probe.OK
+
+
+def _model_entries(response: httpx.Response) -> list[dict[str, Any]]:
+    """The entries with a string ``id`` of an OpenAI model list answered with 200 (else none)."""
+    if response.status_code != 200:  # 401: the engine wants a key (--engine-api-key)
+        return []
+    try:
+        entries = response.json().get("data")
+    except (ValueError, AttributeError):
+        return []
+    if not isinstance(entries, list):
+        return []
+    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
 
 
 def _layout_changes(engine: EngineProtocol, store: RegistryStore | None) -> LayoutChanges | None:
