@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 MAX_MODELS_PER_WORKER = 64  # names kept per worker: the model label's and pools' bound
 _NONE: tuple[list[Worker], ...] = ([], [])  # the pools of a model nobody serves
+Names = frozenset[str]
+_NO_NAMES: Names = frozenset()
 
 
 class Role(StrEnum):
@@ -48,8 +50,7 @@ class Worker:
     probe_successes: int = 0  # good health probes in a row
     seen_healthy: bool = False  # a new worker needs one good probe, a fallen one more
     last_success: float = -1e18  # time.monotonic() of the last request it served
-    # time.monotonic() until which it is avoided: it answered it is full (429/503), not broken
-    full_until: float = 0.0
+    full_until: float = 0.0  # monotonic time until which it is avoided: it said it is full
     inflight: int = 0
     dp_size: int = 1
     engine_ids: tuple[str, ...] = ()  # vLLM Mooncake: engine id per DP rank, from /query
@@ -84,10 +85,10 @@ class Worker:
     # the model names it serves (declared, or read from its /v1/models); empty: not known, it
     # is a candidate for any model (``WorkerPool.set_models``, router.scheduling.model_pools)
     models: frozenset[str] = frozenset()
+    adapters: frozenset[str] = frozenset()  # those of them it serves as LoRA adapters
     models_declared: bool = False  # from its spec or record: never replaced by what it lists
     leg_ended: Callable[[], None] | None = None  # each leg's end (router.pipeline.worker_queue)
-    # Resolved (with the reason) when this prefill is lost: requests waiting for its KV give up.
-    _loss: asyncio.Future[str] | None = None
+    _loss: asyncio.Future[str] | None = None  # resolved (why) when lost: its KV's waiters end
 
     def __post_init__(self) -> None:
         self.public_url = redact_url(self.url)
@@ -102,10 +103,8 @@ class Worker:
         return f"http://{self.bootstrap_host}:{self.bootstrap_port}{self.bootstrap_path}"
 
     def set_layout(self, dp_size: int, engine_ids: tuple[str, ...] = ()) -> None:
-        """Record the prefill's DP layout (from its bootstrap server).
-
-        New engine ids mean the engines restarted: the KV of requests it answered is gone.
-        """
+        """Record the prefill's DP layout (from its bootstrap server); new engine ids mean the
+        engines restarted: the KV of requests it answered is gone."""
         if self.engine_ids and engine_ids != self.engine_ids:
             self.signal_loss(f"its engine ids changed from {list(self.engine_ids)}")
         self.engine_ids = engine_ids
@@ -150,11 +149,9 @@ class Worker:
         return sum(self.rank_load(rank) for rank in range(len(self.rank_inflight)))
 
     def load_score(self, rank: int | None = None) -> float:
-        """Work queued at this worker (or one DP rank), for load-aware choices.
-
-        The engine's own report (running + waiting) plus what this router sent since that
-        reading when a fresh reading exists; else this router's in-flight count.
-        """
+        """Work queued at this worker (or one DP rank), for load-aware choices: the engine's
+        own report (running + waiting) plus what this router sent since that reading when a
+        fresh reading exists; else this router's in-flight count."""
         if rank is None:
             return self._total_score()
         if rank >= len(self.rank_inflight):
@@ -236,8 +233,7 @@ class Worker:
             loss.set_result(reason)
 
     def mark_up(self) -> None:
-        self.healthy = self.seen_healthy = True
-        self.ejected = False
+        self.healthy, self.seen_healthy, self.ejected = True, True, False
 
     def mark_down(self, reason: str) -> None:
         self.healthy = False
@@ -285,6 +281,7 @@ class WorkerPool(Generic[C]):
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
         self.models: frozenset[str] = frozenset()
+        self.adapters: frozenset[str] = frozenset()  # served as a LoRA adapter by some worker
         self.wildcards = False
         self._pools: dict[str, tuple[list[Worker], ...]] = {}
         self.leg_ended: Callable[[], None] | None = None  # set before workers are added
@@ -344,10 +341,13 @@ class WorkerPool(Generic[C]):
     def available_decode(self, model: str | None = None) -> list[Worker]:
         return self._candidates(self.usable_decode(model), self._decode_cap)
 
-    def set_models(self, worker: Worker, names: frozenset[str], *, declared: bool) -> None:
-        """The models ``worker`` serves (at most ``MAX_MODELS_PER_WORKER`` names, sorted)."""
+    def set_models(
+        self, worker: Worker, names: Names, *, declared: bool, adapters: Names = _NO_NAMES
+    ) -> None:
+        """The models ``worker`` serves (at most ``MAX_MODELS_PER_WORKER`` names, sorted) and
+        which of them are LoRA adapters."""
         worker.models = frozenset(sorted(names)[:MAX_MODELS_PER_WORKER])
-        worker.models_declared = declared
+        worker.adapters, worker.models_declared = adapters & worker.models, declared
         self._rebuild()
 
     def ready(self) -> bool:
@@ -389,9 +389,9 @@ class WorkerPool(Generic[C]):
         workers = list(self._workers.values())
         self.prefill = [w for w in workers if w.role is Role.PREFILL]
         self.decode = [w for w in workers if w.role is Role.DECODE]
-        # the names served; any worker without names is a candidate for every model ("": for
-        # a name no worker serves)
+        # the names served; a worker naming none serves any ("": a name no worker serves)
         self.models = frozenset(name for w in workers for name in w.models)
+        self.adapters = frozenset(name for w in workers for name in w.adapters)
         self.wildcards = any(not w.models for w in workers)
         self._pools = {
             name: tuple([w for w in role if not w.models or name in w.models] for role in both)

@@ -288,6 +288,7 @@ class KVEventFeed:
                     event.token_ids,
                     event.block_size,
                     tier,
+                    event.lora_name,
                 )
         elif isinstance(event, BlockRemoved):
             tier = tier_of_medium(event.medium)

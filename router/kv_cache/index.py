@@ -34,7 +34,14 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from router.kv_cache.eviction import Eviction
-from router.kv_cache.keys import INT_BYTES, KEY_BITS, KEY_MASK, ROOT_KEY, chain_keys
+from router.kv_cache.keys import (
+    INT_BYTES,
+    KEY_BITS,
+    KEY_MASK,
+    ROOT_KEY,
+    adapter_root,
+    chain_keys,
+)
 from router.kv_cache.lower_tiers import LowerTiers
 from router.kv_cache.predictions import Predictions
 from router.kv_cache.slots import (
@@ -108,21 +115,21 @@ class KVBlockIndex:
         token_ids: Sequence[int],
         block_size: int,
         tier: Tier = Tier.GPU,
+        lora_name: str | None = None,
     ) -> None:
         """An engine's ``BlockStored``: mark the blocks present in ``tier`` at ``location``.
 
         Own keys chain from the own key of ``parent_block_hash`` at this location, in any tier
-        (``None``: the root). An unknown parent cannot be chained: the blocks are counted as
-        ``orphaned`` and skipped. Only full blocks that have a hash are used when ``token_ids``
-        and ``block_hashes`` disagree in length. A block stored on the GPU replaces a prediction
-        for it, and ``block_size`` becomes the location's block size.
-        """
+        (``None``: the root of ``lora_name``'s blocks, ``adapter_root``). An unknown parent
+        cannot be chained: the blocks are counted as ``orphaned`` and skipped. Only full blocks
+        that have a hash are used when ``token_ids`` and ``block_hashes`` disagree in length. A
+        block stored on the GPU replaces a prediction for it; ``block_size`` is the location's."""
         if block_size <= 0:
             return
         slot = self._slot_for(location)
         self._slots.block_sizes[slot] = block_size
         if parent_block_hash is None:
-            parent = ROOT_KEY
+            parent = ROOT_KEY if lora_name is None else adapter_root(lora_name)
         else:
             folded = parent_block_hash & KEY_MASK
             found = self._engine_maps[slot].get(folded)

@@ -11,9 +11,10 @@ Standard library only: the hash-seed test loads this file alone, outside the ``r
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
-__all__ = ["INT_BYTES", "KEY_BITS", "KEY_MASK", "ROOT_KEY", "chain_keys"]
+__all__ = ["INT_BYTES", "KEY_BITS", "KEY_MASK", "ROOT_KEY", "adapter_root", "chain_keys"]
 
 KEY_BITS = 60
 KEY_MASK = (1 << KEY_BITS) - 1
@@ -21,6 +22,18 @@ ROOT_KEY = 0x0B5E55ED_C0FFEE1
 """The parent of a sequence's first block (an arbitrary fixed constant below 2**60)."""
 
 INT_BYTES = 32  # a 60-bit int object
+
+
+def adapter_root(adapter: str | None) -> int:
+    """The parent of a sequence's first block computed through LoRA ``adapter`` (None: the
+    base model, ``ROOT_KEY``). The engines key an adapter's blocks apart from the base model's
+    (vLLM and SGLang add the adapter to the block hash's extra keys and name it in the events'
+    ``lora_name``), so the same tokens under another adapter are other blocks. A digest, not
+    ``hash(str)``, which ``PYTHONHASHSEED`` salts per process."""
+    if adapter is None:
+        return ROOT_KEY
+    digest = int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=8).digest(), "big")
+    return hash((ROOT_KEY, digest)) & KEY_MASK
 
 
 def chain_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:

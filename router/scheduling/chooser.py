@@ -103,7 +103,10 @@ class RouteChooser:
         """The prompt's text and (when a choice needs them) token ids; None when unused."""
         if not self._wants_features:
             return None
-        return await self._featurizer.features(request, tokens=self._wants_tokens)
+        features = await self._featurizer.features(request, tokens=self._wants_tokens)
+        if self.model and self.model in self._pool.adapters:  # a LoRA adapter's own blocks
+            features.adapter = self.model
+        return features
 
     def route(
         self,

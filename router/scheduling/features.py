@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from router.conversations import conversation_messages
-from router.kv_cache.index import chain_keys
+from router.kv_cache.keys import adapter_root, chain_keys
 from router.scheduling.tokenizers import (
     INLINE_ENCODE_CHARS,
     LocalTokenizer,
@@ -51,6 +51,7 @@ class RequestFeatures:
 
     text: str | None = None
     tokens: Sequence[int] | None = None
+    adapter: str | None = None  # the LoRA adapter its model is on its pool's workers
     _keys: dict[int, list[int]] = field(default_factory=dict)
 
     @property
@@ -64,8 +65,16 @@ class RequestFeatures:
         """The chained keys of the prompt's full blocks of ``block_size`` tokens."""
         keys = self._keys.get(block_size)
         if keys is None:
-            keys = self._keys[block_size] = chain_keys(self.tokens or (), block_size)
+            root = adapter_root(self.adapter)
+            keys = self._keys[block_size] = chain_keys(self.tokens or (), block_size, root)
         return keys
+
+    @property
+    def match_text(self) -> str | None:
+        """The text the approximate prefix tree matches: an adapter's requests apart from the
+        base model's and from other adapters' (their KV is not shared)."""
+        text, adapter = self.text, self.adapter
+        return text if adapter is None or text is None else f"\x00{adapter}\x00{text}"
 
 
 def request_text(request: ParsedRequest) -> str | None:

@@ -157,8 +157,9 @@ class CacheAware:
         requests that follow (a conversation's next turn) find it before the engine's events
         confirm it. Not called when the prefill leg is skipped."""
         location = (choice.worker.id, choice.rank)
-        if choice.mode == APPROXIMATE and features.text:
-            self.tree.insert(features.text, location)
+        text = features.match_text
+        if choice.mode == APPROXIMATE and text:
+            self.tree.insert(text, location)
         if choice.mode != PRECISE or features.tokens is None:
             return
         size = self.index.block_size_of(location) or self._any_block_size()
@@ -183,8 +184,9 @@ class CacheAware:
             and any(self.index.block_size_of((w.id, rank)) for w, rank in places)
         ):
             return self._precise(places, features)
-        if features.text:
-            return _Cached(APPROXIMATE, self._approximate(places, features.text, features))
+        text = features.match_text
+        if text:
+            return _Cached(APPROXIMATE, self._approximate(places, text, features))
         return _Cached(LOAD, [0] * len(places))
 
     def _precise(self, places: list[tuple[Worker, int]], features: RequestFeatures) -> _Cached:

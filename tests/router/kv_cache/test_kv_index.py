@@ -10,7 +10,7 @@ from pathlib import Path
 
 from router.kv_cache import keys as kv_keys
 from router.kv_cache.index import KVBlockIndex
-from router.kv_cache.keys import KEY_BITS, ROOT_KEY, chain_keys
+from router.kv_cache.keys import KEY_BITS, ROOT_KEY, adapter_root, chain_keys
 from router.kv_cache.slots import Location
 from router.kv_tiers import Tier, TierMatch
 
@@ -59,7 +59,7 @@ def test_chain_keys_do_not_depend_on_the_hash_seed() -> None:
     code = (
         "import importlib.util as u, sys; s = u.spec_from_file_location('kv', sys.argv[1]); "
         "m = sys.modules['kv'] = u.module_from_spec(s); s.loader.exec_module(m); "
-        "print(m.chain_keys(range(40), 4))"
+        "print(m.chain_keys(range(40), 4), m.adapter_root('sql-lora'))"
     )
     path = str(Path(kv_keys.__file__))
     children = [
@@ -72,7 +72,7 @@ def test_chain_keys_do_not_depend_on_the_hash_seed() -> None:
         for seed in ("1", "2")
     ]
     outputs = {child.communicate(timeout=30)[0] for child in children}
-    assert outputs == {f"{chain_keys(list(range(40)), 4)}\n"}
+    assert outputs == {f"{chain_keys(list(range(40)), 4)} {adapter_root('sql-lora')}\n"}
 
 
 def test_locations_with_different_engine_hashes_match_the_same_prompt() -> None:
@@ -452,3 +452,18 @@ def test_tier_matches_agree_with_a_brute_force_model() -> None:
                 if any(by_tier):
                     expected[loc] = tiered(*by_tier)
             assert index.match_tiers(query, BS) == expected
+
+
+def test_a_lora_adapters_blocks_are_apart_from_the_base_models_and_other_adapters() -> None:
+    """The engines key an adapter's blocks apart (the events' ``lora_name``): the same tokens
+    match only requests through the same adapter."""
+    index = KVBlockIndex(max_blocks=100)
+    tokens = prompt(1, 3)
+    index.apply_stored(A, [1, 2], None, tokens[:8], BS, lora_name="sql-lora")
+    index.apply_stored(A, [3], 2, tokens[8:], BS, lora_name="sql-lora")  # chained on its parent
+    index.apply_stored(B, [7, 8, 9], None, tokens, BS)  # the base model's
+    base, own = chain_keys(tokens, BS), chain_keys(tokens, BS, adapter_root("sql-lora"))
+    assert index.match(base, BS) == {B: 3}
+    assert index.match(own, BS) == {A: 3}
+    assert index.match(chain_keys(tokens, BS, adapter_root("other-lora")), BS) == {}
+    assert adapter_root(None) == ROOT_KEY

@@ -423,3 +423,25 @@ def test_a_short_shared_header_does_not_pull_every_prompt_along() -> None:
         assert other.worker is not chosen.worker and other.how == "load"
         again = chooser.choose_prefill([a, b], RequestFeatures(text=first_text + " more"))
         assert again.worker is chosen.worker and again.how == "approximate"
+
+
+def test_a_lora_adapters_request_goes_where_that_adapter_cached_the_prefix() -> None:
+    """Both prefills serve the base model and its adapter: the base model's blocks at p0 do
+    not attract the adapter's request, the adapter's own at p1 do; the text tree (approximate)
+    keeps them apart too."""
+    chooser = policy()
+    a, b = prefills(2)
+    chooser.index.apply_stored(("p0", 0), [1, 2, 3], None, TOKENS[:12], 4)
+    chooser.index.apply_stored(("p1", 0), [4], None, TOKENS[:4], 4, lora_name="sql-lora")
+    base = chooser.choose_prefill([a, b], RequestFeatures(text="x", tokens=TOKENS))
+    assert (base.worker, base.cached_tokens) == (a, 12)
+    adapted = RequestFeatures(text="x", tokens=TOKENS, adapter="sql-lora")
+    choice = chooser.choose_prefill([a, b], adapted)
+    assert (choice.worker, choice.cached_tokens) == (b, 4)
+    tree = CacheAware(CacheAwareSettings(), index=KVBlockIndex(100), tree=ApproxPrefixTree(1 << 20))
+    text = "a long system prompt shared by every request " * 4
+    first = tree.choose_prefill([a, b], RequestFeatures(text=text))
+    tree.record(first, RequestFeatures(text=text))
+    assert tree.choose_prefill([a, b], RequestFeatures(text=text)).cached_tokens > 0
+    adapter_text = RequestFeatures(text=text, adapter="sql-lora")
+    assert tree.choose_prefill([a, b], adapter_text).cached_tokens == 0
