@@ -280,3 +280,20 @@ def test_a_session_that_moves_to_another_model_re_pins_in_its_pool_even_when_har
     assert route("b") == ("p1", "d1")
     assert fleet.counted("repinned", "gone") == 1
     assert route("b") == ("p1", "d1")
+
+
+@pytest.mark.parametrize("name", ["least_load", "power_of_two"])
+def test_a_soft_pin_holds_under_the_load_policies_too(name: str) -> None:
+    """Under least_load and power_of_two the pinned rank is taken as it is: the session stays
+    while its prefill carries a little more load than the other (within the load bound)."""
+    fleet = Fleet(prefill_policy=build_policy(name))
+    first = where(fleet.route())
+    pinned = fleet.pool.get(first[0] or "")
+    assert pinned is not None
+    pinned.inflight = pinned.rank_inflight[0] = 1  # alone, the policy takes the other prefill
+    assert {where(fleet.route(session=None))[0] for _ in range(4)} == (
+        {w.id for w in fleet.prefills} - {pinned.id}
+    )
+    for _ in range(4):
+        assert where(fleet.route()) == first
+    assert fleet.counted("hit") == 4
