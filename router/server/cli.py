@@ -4,6 +4,7 @@ settings tree (``router.server.settings_spec``); the flags given override the en
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +29,16 @@ _EPILOG = (
     "the effective settings. The whole reference: docs/configuration.md."
 )
 _CONFIG_DEST = "config_file"
+# the settings that hold URLs or HOST:PORT addresses, per section (each worker's: _WORKER_URLS)
+_URLS = {
+    "registry": ("url",),
+    "auth": ("rate_limit_storage",),
+    "tracing": ("otlp_endpoint",),
+    "cache": ("render_url",),
+    "replicas": ("listen", "peers", "peers_dns"),
+}
+_WORKER_URLS = ("url", "kv_events", "kv_events_replay")
+_BARE_USERINFO = re.compile(r"^[^/?#]*@")  # HOST:PORT with a user:password@ (no scheme)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -255,14 +266,25 @@ def _given_at(tree: Any, loc: Sequence[Any]) -> bool:
 
 def show_settings(settings: RouterSettings) -> str:
     """The effective settings as YAML, in the shape ``--config`` reads; secrets shown as
-    ``**********`` (and a URL's password as ``***``)."""
+    ``**********`` (and any ``user:password@`` of a URL or address as ``***@``)."""
     tree = settings.model_dump(mode="json")
-    for role in ("prefill", "decode"):
-        for worker in tree[role]:
-            worker["url"] = redact_url(worker["url"])
-    tree["registry"]["url"] = redact_url(tree["registry"]["url"])
-    tree["auth"]["rate_limit_storage"] = redact_url(tree["auth"]["rate_limit_storage"])
+    for worker in tree["prefill"] + tree["decode"]:
+        for key in _WORKER_URLS:
+            worker[key] = _redacted(worker[key])
+    for section, keys in _URLS.items():
+        for key in keys:
+            tree[section][key] = _redacted(tree[section][key])
     return str(yaml.safe_dump(tree, sort_keys=False, allow_unicode=True))
+
+
+def _redacted(value: Any) -> Any:
+    """A URL or ``HOST:PORT`` (or a list of them; None stays) with any ``user:password@``
+    shown as ``***@``."""
+    if isinstance(value, list):
+        return [_redacted(item) for item in value]
+    if not isinstance(value, str):
+        return value
+    return redact_url(value) if "://" in value else _BARE_USERINFO.sub("***@", value)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -113,16 +113,30 @@ def test_config_show_prints_what_the_file_reads_back_with_secrets_redacted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PDR_SERVER__MAX_N", "9")
+    monkeypatch.setenv("PDR_REPLICAS__TOKEN", "replica-token-0123")  # not shown: read again
     argv = ["--config", write(tmp_path, "router.yaml", YAML), "--registry", "etcd://u:pw@e:2379"]
     secrets = ["--engine-api-key", "engine-key-0123", "--rate-limit-storage", "redis://:rp@r:6379"]
-    main(["config", "show", *argv, *secrets])
+    urls = {  # each URL or address with a password, and how it is shown
+        "--otlp-endpoint": ("http://o:Otel7@otel:4318", "http://***@otel:4318"),
+        "--render-url": ("http://r:Render7@render:8000", "http://***@render:8000"),
+        "--replica-listen": ("u:Listen7@127.0.0.1:5557", "***@127.0.0.1:5557"),
+        "--replica-peer": ("tcp://u:Peer7@10.0.0.2:5557", "tcp://***@10.0.0.2:5557"),
+        "--replica-peers-dns": ("u:Dns7@routers:5557", "***@routers:5557"),
+    }
+    given = [part for flag, (url, _) in urls.items() for part in (flag, url)]
+    main(["config", "show", *argv, *secrets, *given])
     shown = capsys.readouterr().out
     assert "file-admin-token-0123" not in shown and "pw@" not in shown
     assert "admin_token: '**********'" in shown and "etcd://***@e:2379" in shown
     assert "engine-key-0123" not in shown and "rp@" not in shown
+    assert "replica-token-0123" not in shown
+    for password in ("Otel7", "Render7", "Listen7", "Peer7", "Dns7"):
+        assert password not in shown
     monkeypatch.delenv("PDR_SERVER__MAX_N")
     again = parse_args(["--config", write(tmp_path, "shown.yaml", shown)])
-    effective = parse_args(argv[:2])
+    redacted = [part for flag, (_, url) in urls.items() for part in (flag, url)]
+    effective = parse_args([*argv[:2], *redacted])
+    assert again.tracing == effective.tracing
     for section in ("server", "policy", "cache", "health", "admission", "replicas"):
         assert getattr(again, section) == getattr(effective, section).model_copy(
             update={"max_n": 9} if section == "server" else {}
