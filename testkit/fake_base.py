@@ -53,6 +53,9 @@ class FakeConfig:
     """Runtime knobs; tests may change them while the engine serves."""
 
     model: str = "fake-model"
+    # LoRA adapters served besides it: listed in /v1/models with their ``parent`` (as vLLM and
+    # SGLang list them), and taken as a request's model
+    adapters: tuple[str, ...] = ()
     serves_embeddings: bool = False  # /v1/embeddings (a generation model does not: 404)
     tokens: int = 16  # output tokens per choice, capped by max_tokens / max_completion_tokens
     token_delay: float = 0.0  # seconds between SSE events

@@ -245,13 +245,10 @@ class FakeEngine:
         return Reply(config.health_status, b"")
 
     async def _models(self, _: RouteRequest) -> Reply:
-        model = {
-            "id": self.config.model,
-            "object": "model",
-            "created": self._created,
-            "owned_by": "fake",
-        }
-        return Reply(200, {"object": "list", "data": [model]})
+        base = self.config.model
+        card = {"object": "model", "created": self._created, "owned_by": "fake"}
+        adapters = [{**card, "id": name, "parent": base} for name in self.config.adapters]
+        return Reply(200, {"object": "list", "data": [{**card, "id": base}, *adapters]})
 
     async def _serve_completion(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = await read_body(receive)
@@ -309,7 +306,7 @@ class FakeEngine:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise EngineError(400, "'model' is required and must be a string")
-        if model != self.config.model:
+        if model != self.config.model and model not in self.config.adapters:
             raise EngineError(404, f"The model `{model}` does not exist.")
         path, server = record.path, server_address(scope)
         if path in FORMAT_PATHS:  # Responses / Messages: a chat turn with its own fields

@@ -217,19 +217,23 @@ class HealthProber:
         return _model_entries(response)
 
     async def _learn_models(self, worker: Worker) -> None:
-        """The model names in the worker's ``/v1/models`` (OpenAI's list); on any failure the
-        names it had stay (none: a candidate for every model)."""
+        """The model names in the worker's ``/v1/models`` (OpenAI's list) and which are LoRA
+        adapters (an entry with a ``parent``: vLLM's and SGLang's adapter cards); on any failure
+        the names it had stay (none: a candidate for every model)."""
         try:
             entries = await self.read_models(worker)
         except UpstreamError as exc:
             logger.debug("reading the models of %s failed: %r", worker.public_url, exc)
             return
         names = frozenset(entry["id"] for entry in entries if entry["id"])
-        if names and names != worker.models:
+        adapters = frozenset(
+            entry["id"] for entry in entries if entry["id"] and entry.get("parent")
+        )
+        if names and (names, adapters) != (worker.models, worker.adapters):
             logger.info(
                 "%s worker %s serves %s", worker.role.value, worker.public_url, sorted(names)
             )
-            self._pool.set_models(worker, names, declared=False)
+            self._pool.set_models(worker, names, declared=False, adapters=adapters)
 
     async def _learn_layout(self, worker: Worker) -> _Probe:
         namespace, mark = worker.bootstrap_namespace, None

@@ -54,6 +54,7 @@ class WorkerView(msgspec.Struct, array_like=True):
     dp_size: int
     engine_ids: list[str]
     models: list[str] | None  # learned from its /v1/models (None: declared, or none learned)
+    adapters: list[str]  # those of the learned models that are LoRA adapters
     loads: list[RankReading | None]
     caches: list[
         CacheReading | None
@@ -149,9 +150,9 @@ class HostProbes:
         if view.dp_size != worker.dp_size or engine_ids != worker.engine_ids:
             worker.set_layout(view.dp_size, engine_ids)
         if view.models is not None and not worker.models_declared:
-            names = frozenset(view.models)
-            if names != worker.models:
-                self._pool.set_models(worker, names, declared=False)
+            names, adapters = frozenset(view.models), frozenset(view.adapters)
+            if (names, adapters) != (worker.models, worker.adapters):
+                self._pool.set_models(worker, names, declared=False, adapters=adapters)
         self._apply_health(worker, view.healthy)
         if len(view.loads) == worker.dp_size:
             worker.engine_load = [None if r is None else _reading(r) for r in view.loads]
@@ -192,8 +193,9 @@ def _view(worker: Worker, caches: EngineCaches | None) -> WorkerView:
     # a worker this process ejected is told as its probes see it: the ejection itself reaches
     # the siblings as one (router.fleet.shared_ejections), where each keeps its own budget
     healthy = worker.healthy or (worker.ejected and time.monotonic() < worker.ejected_until)
+    adapters = sorted(worker.adapters) if models else []
     return WorkerView(
-        worker.id, healthy, worker.dp_size, list(worker.engine_ids), models, loads, cached
+        worker.id, healthy, worker.dp_size, list(worker.engine_ids), models, adapters, loads, cached
     )
 
 

@@ -73,7 +73,7 @@ async def test_the_leaders_verdicts_layouts_models_and_loads_reach_the_follower(
         prefill.set_layout(2, ("engine-a", "engine-b"))
         prefill.mark_up()
         decode.mark_up()
-        lead.set_models(decode, frozenset({"m1", "m2"}), declared=False)
+        lead.set_models(decode, frozenset({"m1", "m2"}), declared=False, adapters=frozenset({"m2"}))
         now = time.monotonic()
         prefill.record_engine_load(
             [EngineLoad(3, 1, 0.5), None], at=now, stale_after=60, dispatched=[7, 0]
@@ -82,6 +82,7 @@ async def test_the_leaders_verdicts_layouts_models_and_loads_reach_the_follower(
         await await_until(lambda: theirs_p.healthy and theirs_d.healthy, 10, "both up")
         assert theirs_p.engine_ids == ("engine-a", "engine-b") and theirs_p.dp_size == 2
         assert theirs_d.models == frozenset({"m1", "m2"}) and not theirs_d.models_declared
+        assert theirs_d.adapters == frozenset({"m2"})  # a LoRA adapter there too
         reading = theirs_p.engine_load[0]
         assert reading is not None and theirs_p.engine_load[1] is None
         assert (reading.load, reading.at, reading.dispatched) == (EngineLoad(3, 1, 0.5), now, 7)
