@@ -24,7 +24,7 @@ ERROR_JSON: dict[str, Any] = {
                         "message": {"type": "string"},
                         "type": {"type": "string"},
                         "param": {"type": ["string", "null"]},
-                        "code": {"type": "integer"},
+                        "code": {"type": ["integer", "string"]},  # model_not_found
                     },
                 }
             },

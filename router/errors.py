@@ -46,6 +46,7 @@ __all__ = [
 class RouterError(Exception):
     status: int = 500
     error_type: str = "internal_server_error"
+    code: str | None = None  # OpenAI's error code, when it names one (else the status is sent)
     # response headers the error owes (405: Allow)
     headers: tuple[tuple[bytes, bytes], ...] = ()
 
@@ -83,6 +84,10 @@ class ModelNotFound(RouterError):
 
     status = 404
     error_type = "invalid_request_error"
+    code = "model_not_found"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model")
 
 
 class Unauthorized(RouterError):
@@ -228,7 +233,7 @@ def error_body(exc: RouterError) -> bytes:
                 "message": exc.message,
                 "type": exc.error_type,
                 "param": exc.param,
-                "code": exc.status,
+                "code": exc.status if exc.code is None else exc.code,
             }
         }
     )

@@ -260,3 +260,20 @@ def test_a_prefix_cached_for_one_model_never_attracts_another_models_request(
 
     assert [prefill_of("a") for _ in range(3)] == [cluster.prefill_urls[0]] * 3
     assert [prefill_of("b") for _ in range(2)] == [cluster.prefill_urls[1]] * 2
+
+
+def test_an_unknown_models_404_carries_openais_code_and_param(
+    make_cluster: FakeClusterFactory,
+) -> None:
+    """OpenAI's answer to a model it does not serve: ``code: "model_not_found"``, ``param:
+    "model"``, type ``invalid_request_error``."""
+    cluster = make_cluster(
+        "vllm-mooncake", prefill=2, decode=2, config=_two_models(), declare_models=["a", "b"]
+    )
+    body = {"model": "c", "prompt": "hello", "max_tokens": 3}
+    answer = httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=10)
+    assert answer.status_code == 404
+    error = answer.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert error["type"] == "invalid_request_error" and "served: a, b" in error["message"]
+    assert not any(engine.records for engine in (*cluster.prefills, *cluster.decodes))
