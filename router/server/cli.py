@@ -88,13 +88,13 @@ def _decode_spec(parser: _Parser, values: list[str]) -> dict[str, Any]:
 
 
 def _name_names(parser: _Parser, items: list[str]) -> dict[str, str]:
-    """``ALIAS=NAME`` pairs."""
+    """``NAME=VALUE`` pairs (``--model-alias ALIAS=NAME``, ``--model-tokenizer MODEL=DIR``)."""
     names: dict[str, str] = {}
     for item in items:
-        alias, _, name = item.partition("=")
-        if not alias or not name:
-            parser.error(f"argument --model-alias: expected ALIAS=NAME, got {item!r}")
-        names[alias] = name
+        name, _, value = item.partition("=")
+        if not name or not value:
+            parser.error(f"expected NAME=VALUE pairs (ALIAS=NAME, MODEL=DIR), got {item!r}")
+        names[name] = value
     return names
 
 

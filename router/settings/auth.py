@@ -25,7 +25,8 @@ class ClientAuthSettings(BaseModel):
     engine_api_key: SecretStr | None = Field(
         default=None, json_schema_extra=cli("--engine-api-key", metavar="KEY")
     )
-    """with `--api-keys`: the `Authorization: Bearer` the engines get (their `--api-key`);
+    """the `Authorization: Bearer` the engines get (their `--api-key`): on the router's reads
+    of their `/v1/models`, and with `--api-keys` on every request in place of the client's;
     unset: none (without `--api-keys` the client's own header goes to the engines, as before)"""
     reload_interval_s: PositiveFloat = Field(
         default=2.0, json_schema_extra=cli("--api-keys-reload-interval")

@@ -155,15 +155,6 @@ class AiohttpUpstream:
         await refuse_invalid_status(self.worker, answer)
         return answer
 
-    async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
-        try:
-            async with asyncio.timeout(timeout):
-                response = await self._client.get(self._url + path)
-                answer = _AiohttpResponse(response, self.worker, self._settings)
-                return answer.status, await answer.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise_aiohttp_error(exc, self.worker)
-
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -78,10 +78,6 @@ class UpstreamClient(Protocol):
         all of it arrived (still bounded by ``answer_limit``)."""
         ...
 
-    async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
-        """A small GET (model listing). Raises UpstreamError."""
-        ...
-
     async def aclose(self) -> None: ...
 
 

@@ -119,14 +119,5 @@ class HttpxUpstream:
         await refuse_invalid_status(self.worker, answer)
         return answer
 
-    async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
-        request = self._client.build_request("GET", path, timeout=timeout)
-        try:
-            response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise_httpx_error(exc, self.worker)
-        answer = _HttpxResponse(response, self.worker, self._settings)
-        return answer.status, await answer.read()
-
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -71,11 +71,10 @@ class LeanUpstream:
         headers: dict[str, str],
         *,
         whole: bool = False,
-        method: bytes = b"POST",
     ) -> LeanAnswer:
         """Send on a pooled (else new) connection; the answer once its head arrived (``whole``:
         once all of it arrived, one wake-up instead of two)."""
-        head = self._head(method, path, headers, len(body) if method == b"POST" else None)
+        head = self._head(path, headers, len(body))
         conn = self._idle_connection() or await self._acquire()
         answer = conn.send(head, body, self._limit, whole=whole)
         try:
@@ -85,14 +84,6 @@ class LeanUpstream:
             raise
         await refuse_invalid_status(self.worker, answer)
         return answer
-
-    async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
-        try:
-            async with asyncio.timeout(timeout):
-                answer = await self.open(path, b"", {}, whole=True, method=b"GET")
-                return answer.status, await answer.read()
-        except TimeoutError as exc:
-            raise transport_error(exc, self.worker, connect_failed=False, timed_out=True) from exc
 
     async def aclose(self) -> None:
         self._closed = True
@@ -111,19 +102,17 @@ class LeanUpstream:
 
     # --- one exchange -----------------------------------------------------------------------
 
-    def _head(self, method: bytes, path: str, headers: dict[str, str], length: int | None) -> bytes:
-        sized = b"" if length is None else b"content-length: %d\r\n" % length
+    def _head(self, path: str, headers: dict[str, str], length: int) -> bytes:
+        """A POST's request head."""
         return b"".join(
             (
-                method,
-                b" ",
+                b"POST ",
                 self._prefix,
                 path.encode("latin-1"),
                 b" HTTP/1.1\r\n",
                 self._fixed,
                 _head_block(headers),
-                sized,
-                b"\r\n",
+                b"content-length: %d\r\n\r\n" % length,
             )
         )
 

@@ -155,7 +155,8 @@ def test_workers_declare_their_models_and_aliases_map_names() -> None:
     ("argv", "message"),
     [
         (["--decode", "http://d:8200", "8998"], "expected URL [model=NAME]"),
-        (["--model-alias", "latest"], "expected ALIAS=NAME"),
+        (["--model-alias", "latest"], "expected NAME=VALUE pairs (ALIAS=NAME, MODEL=DIR)"),
+        (["--model-tokenizer", "/models/b"], "got '/models/b'"),
         (["--model-policy", "a=fastest"], "expected MODEL=POLICY (a policy of round_robin"),
         (["--decode", "http://d:8200", "model="], "a model name is 1 to 256"),
     ],
