@@ -225,20 +225,23 @@ class UpstreamStatusError(UpstreamError):
 _encoder = msgspec.json.Encoder()
 
 
-def error_body(exc: RouterError) -> bytes:
-    """The OpenAI error envelope for ``exc`` as JSON bytes."""
-    return _encoder.encode(
-        {
-            "error": {
-                "message": exc.message,
-                "type": exc.error_type,
-                "param": exc.param,
-                "code": exc.status if exc.code is None else exc.code,
-            }
-        }
-    )
+def error_body(exc: RouterError, *, anthropic: bool = False) -> bytes:
+    """The OpenAI error envelope for ``exc`` as JSON bytes; ``anthropic``: Anthropic's around the
+    same fields (``{"type": "error", "error": {...}}``, as vLLM's ``/v1/messages`` answers its
+    errors; Anthropic's clients read ``error.type`` and ``error.message``)."""
+    fields = {
+        "message": exc.message,
+        "type": exc.error_type,
+        "param": exc.param,
+        "code": exc.status if exc.code is None else exc.code,
+    }
+    return _encoder.encode({"type": "error", "error": fields} if anthropic else {"error": fields})
 
 
-def sse_error_event(exc: RouterError) -> bytes:
-    """The same envelope as a final SSE ``data:`` event, for failures after streaming began."""
+def sse_error_event(exc: RouterError, *, anthropic: bool = False) -> bytes:
+    """The same envelope as a final SSE ``data:`` event, for failures after streaming began;
+    ``anthropic``: an ``event: error`` (what Anthropic's clients raise on; they skip events
+    without a name)."""
+    if anthropic:
+        return b"event: error\ndata: " + error_body(exc, anthropic=True) + b"\n\n"
     return b"data: " + error_body(exc) + b"\n\n"

@@ -83,5 +83,6 @@ async def responses() -> None:
 )
 async def messages() -> None:
     """Anthropic Messages, split across a prefill and a decode worker; streams are the
-    engine's `event:`/`data:` SSE."""
+    engine's `event:`/`data:` SSE. Errors come in Anthropic's envelope, `{"type": "error",
+    "error": {...}}` around the fields shown (a stream cut mid-way: an `event: error`)."""
     _never()

@@ -76,7 +76,7 @@ async def handle_completion(
         _completion_headers(ctx, scope)
     )
     token = REQUEST_ID.set(request_id)
-    responder = responder_for(scope, send, request_id)
+    responder = responder_for(scope, send, request_id, anthropic=endpoint is Endpoint.MESSAGES)
     receipt = RoutingReceipt()
     span = _request_span(ctx, endpoint, trace_context)
     stream = False
@@ -214,10 +214,17 @@ def authenticate(
     return tenant, clients.engine_authorization
 
 
-def responder_for(scope: Scope, send: Send, request_id: str) -> Responder:
-    """The request's responder; whole answers go as one message where the server takes it."""
+def responder_for(
+    scope: Scope, send: Send, request_id: str, *, anthropic: bool = False
+) -> Responder:
+    """The request's responder; whole answers go as one message where the server takes it;
+    ``anthropic``: errors in Anthropic's envelope (``/v1/messages``)."""
     whole_message = WHOLE_RESPONSE in scope.get("extensions", ())
-    return Responder(send, [(b"x-request-id", request_id.encode())], whole_message=whole_message)
+    responder = Responder(
+        send, [(b"x-request-id", request_id.encode())], whole_message=whole_message
+    )
+    responder.anthropic = anthropic
+    return responder
 
 
 def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[Any]:

@@ -23,6 +23,7 @@ class Responder:
     ``complete``: the last body message went out. ``status``: the status sent (0: none yet);
     ``started_at``: ``time.monotonic()`` when it was sent. ``receipt_headers`` go out with it.
     ``whole_message``: the server takes a whole response as one ``WHOLE_RESPONSE`` message.
+    ``anthropic``: errors in Anthropic's envelope (``/v1/messages``).
     """
 
     __slots__ = (
@@ -30,6 +31,7 @@ class Responder:
         "_extra_headers",
         "_send",
         "_whole_message",
+        "anthropic",
         "complete",
         "receipt_headers",
         "sse",
@@ -51,6 +53,7 @@ class Responder:
         self.status = 0
         self.started_at = 0.0
         self._at_boundary = True
+        self.anthropic = False
 
     def add_headers(self, headers: tuple[tuple[bytes, bytes], ...]) -> None:
         """More headers for the response, whatever its status (a tenant's ``x-ratelimit-*``)."""
@@ -120,10 +123,10 @@ class Responder:
         if not self.started:
             if exc.headers:
                 self.receipt_headers = [*self.receipt_headers, *exc.headers]
-            await self.whole(exc.status, _JSON, error_body(exc))
+            await self.whole(exc.status, _JSON, error_body(exc, anthropic=self.anthropic))
             return
         if self.sse:
             prefix = b"" if self._at_boundary else _SSE_BOUNDARY
-            await self.finish(prefix + sse_error_event(exc))
+            await self.finish(prefix + sse_error_event(exc, anthropic=self.anthropic))
             return
         await self.finish()

@@ -93,7 +93,25 @@ def test_a_stateful_or_incomplete_conversation_is_a_400_and_reaches_no_engine(
     response = _post(cluster, path, body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
+    # on /v1/messages in Anthropic's envelope, as the engine's own errors there
+    assert ("type" in response.json()) == (path == "/v1/messages")
     assert cluster.prefills[0].records == [] and cluster.decodes[0].records == []
+
+
+@pytest.mark.parametrize("engine", ["vllm-mooncake", "sglang"])
+def test_a_messages_stream_cut_by_its_decode_ends_with_anthropics_error_event(
+    make_cluster: FakeClusterFactory, engine: str
+) -> None:
+    """Anthropic's clients raise on an ``event: error`` and skip an event without a name: a
+    decode that dies mid-stream ends the client's stream with one, in Anthropic's envelope."""
+    cluster = make_cluster(engine)
+    cluster.decodes[0].config.fail_after_events = 2
+    response = _post(cluster, "/v1/messages", {**MESSAGE, "stream": True})
+    assert response.status_code == 200
+    event, data = _events(response)[-1]
+    assert event == "error" and data["type"] == "error"
+    assert "decode worker" in data["error"]["message"]
+    wait_until(lambda: all(r.done for r in cluster.decodes[0].records), 10, "the decode idle")
 
 
 @pytest.mark.parametrize("engine", ["vllm-mooncake", "vllm-nixl"])
