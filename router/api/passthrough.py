@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -90,10 +91,10 @@ async def handle_passthrough(
         body = bytes(await read_body(receive, limit, content_length, share))
         model, body, tokens = _model_pool(ctx, path, body)
         headers = upstream_headers(request_id, authorization, trace_context)
+        passage = _Passage(path, body, model, headers)
         admitted = await _tenant_admits(ctx, tenant, tokens, responder)
         try:
-            gone = client_gone(scope, receive)
-            await _admitted(ctx, path, body, model, headers, responder, gone)
+            await _admitted(ctx, passage, responder, client_gone(scope, receive))
         finally:
             if admitted is not None:
                 await admitted.finish()
@@ -175,37 +176,36 @@ def _pick_worker(ctx: AppContext, model: str | None) -> Worker:
     raise NoWorkerAvailable("no healthy worker to pass the request to")
 
 
+@dataclass(frozen=True, slots=True)
+class _Passage:
+    """One pass-through request as it goes to the engine: its path, body (an alias replaced),
+    model pool (None: the whole fleet) and upstream headers."""
+
+    path: str
+    body: bytes
+    model: str | None
+    headers: dict[str, str]
+
+
 async def _admitted(
-    ctx: AppContext,
-    path: str,
-    body: bytes,
-    model: str | None,
-    headers: dict[str, str],
-    responder: Responder,
-    disconnected: asyncio.Future[Any],
+    ctx: AppContext, passage: _Passage, responder: Responder, disconnected: asyncio.Future[Any]
 ) -> None:
     """``_forward`` holding an admission unit (429 when overloaded)."""
     try:
         await ctx.admission.acquire(disconnected, 1)
         try:
-            await _forward(ctx, path, body, model, headers, responder)
+            await _forward(ctx, passage, responder)
         finally:
             ctx.admission.release(1)
     finally:
         disconnected.cancel()
 
 
-async def _forward(
-    ctx: AppContext,
-    path: str,
-    body: bytes,
-    model: str | None,
-    headers: dict[str, str],
-    responder: Responder,
-) -> None:
-    worker = _pick_worker(ctx, model)
+async def _forward(ctx: AppContext, passage: _Passage, responder: Responder) -> None:
+    worker = _pick_worker(ctx, passage.model)
     with worker.load():
-        answer = await ctx.pool.client(worker).open(path, body, headers, whole=True)
+        client = ctx.pool.client(worker)
+        answer = await client.open(passage.path, passage.body, passage.headers, whole=True)
         try:
             data = await answer.read()  # bounded: --max-answer-bytes
         finally:

@@ -29,6 +29,13 @@ def _two_models() -> Callable[[], FakeConfig]:
     return lambda: FakeConfig(kv_timeout=20.0, model=next(names))
 
 
+def _declared(make_cluster: FakeClusterFactory, engine: str, **policy: Any) -> FakeCluster:
+    """2 prefills and 2 decodes, worker i of each role serving model a or b, declared."""
+    return make_cluster(
+        engine, prefill=2, decode=2, config=_two_models(), declare_models=["a", "b"], policy=policy
+    )
+
+
 def _complete(cluster: FakeCluster, model: str) -> httpx.Response:
     body = {"model": model, "prompt": "hello", "max_tokens": 3}
     return httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=10)
@@ -71,14 +78,7 @@ def test_declared_models_and_an_alias_route_without_asking_the_engines(
 ) -> None:
     """``model=NAME`` on the worker specs (the router never reads /v1/models then) and
     ``--model-alias``: the engines get the served name."""
-    cluster = make_cluster(
-        "sglang",
-        prefill=2,
-        decode=2,
-        config=_two_models(),
-        declare_models=["a", "b"],
-        policy={"model_aliases": {"latest": "b"}},
-    )
+    cluster = _declared(make_cluster, "sglang", model_aliases={"latest": "b"})
     _check_each_model_reaches_its_own_workers(cluster)
     response = _complete(cluster, "latest")
     assert response.status_code == 200, response.text
@@ -167,14 +167,7 @@ def test_pass_through_routes_go_to_the_pool_of_their_model(
     """``/tokenize`` and ``/detokenize`` reach a worker serving the body's model (its alias as
     the served name); a model no worker serves is a 404 naming those served, and no model at
     all a 400, since the workers' tokenizers differ."""
-    cluster = make_cluster(
-        "vllm-mooncake",
-        prefill=2,
-        decode=2,
-        config=_two_models(),
-        declare_models=["a", "b"],
-        policy={"model_aliases": {"latest": "b"}},
-    )
+    cluster = _declared(make_cluster, "vllm-mooncake", model_aliases={"latest": "b"})
     url = cluster.router_url
     for model in ("a", "b", "a", "b", "latest"):
         answer = httpx.post(url + "/tokenize", json={"model": model, "prompt": "hi"}, timeout=10)
@@ -194,13 +187,8 @@ def test_a_model_policy_sets_its_pools_policy_and_the_others_keep_the_fleets(
 ) -> None:
     """``--model-policy a=cache_aware``: model a's pool routes its prefills by cache (its
     decodes by load), model b's keeps ``--policy round_robin``."""
-    cluster = make_cluster(
-        "vllm-mooncake",
-        prefill=2,
-        decode=2,
-        config=_two_models(),
-        declare_models=["a", "b"],
-        policy={"policy": "round_robin", "model_policies": {"a": "cache_aware"}},
+    cluster = _declared(
+        make_cluster, "vllm-mooncake", policy="round_robin", model_policies={"a": "cache_aware"}
     )
 
     def policies(model: str) -> Any:
@@ -219,9 +207,7 @@ def test_metrics_and_receipts_carry_the_pool_and_only_served_names(
 ) -> None:
     """``pdr_model_requests_total{model}`` counts each pool's requests and makes no series for
     a name no worker serves; the receipt (``x-pdr-model``, its log line) names the pool."""
-    cluster = make_cluster(
-        "vllm-mooncake", prefill=2, decode=2, config=_two_models(), declare_models=["a", "b"]
-    )
+    cluster = _declared(make_cluster, "vllm-mooncake")
     caplog.set_level(logging.DEBUG, logger="router.observability.request_accounting")
     for model in ("a", "a", "b", "c", "d"):
         _complete(cluster, model)
@@ -242,14 +228,7 @@ def test_a_prefix_cached_for_one_model_never_attracts_another_models_request(
 ) -> None:
     """``cache_aware``: a's prefill holds (by prediction) a long prompt's blocks; the same
     prompt for model b still goes to b's prefill, and a's requests keep going to a's."""
-    cluster = make_cluster(
-        "vllm-mooncake",
-        prefill=2,
-        decode=2,
-        config=_two_models(),
-        declare_models=["a", "b"],
-        policy={"policy": "cache_aware"},
-    )
+    cluster = _declared(make_cluster, "vllm-mooncake", policy="cache_aware")
     prompt = "a long shared system prompt, the same for both models. " * 20
 
     def prefill_of(model: str) -> str:
@@ -267,9 +246,7 @@ def test_an_unknown_models_404_carries_openais_code_and_param(
 ) -> None:
     """OpenAI's answer to a model it does not serve: ``code: "model_not_found"``, ``param:
     "model"``, type ``invalid_request_error``."""
-    cluster = make_cluster(
-        "vllm-mooncake", prefill=2, decode=2, config=_two_models(), declare_models=["a", "b"]
-    )
+    cluster = _declared(make_cluster, "vllm-mooncake")
     body = {"model": "c", "prompt": "hello", "max_tokens": 3}
     answer = httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=10)
     assert answer.status_code == 404
