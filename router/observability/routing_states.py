@@ -295,7 +295,9 @@ def routing_states(
     """The router's routing states, judged from its settings' policy and token source."""
     predicts = predicts_cache(settings)
     cache = settings.cache
-    tokenizes = bool(cache.tokenizer or cache.render_url or cache.model_tokenizers)
+    tokenizes = bool(
+        cache.tokenizer or cache.render_url or cache.model_tokenizers or cache.model_render_urls
+    )
     inputs = RoutingInputs(prefills, feed, index, board, predicts, tokenizes, caches)
     return RoutingStates(inputs, settings.observability, on_transition)
 

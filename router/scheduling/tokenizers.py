@@ -275,7 +275,8 @@ def _render_ids(answer: Any) -> list[int]:
 
 class ModelTokenSources:
     """Each request tokenized by its model's source (several models with their own
-    tokenizers, ``--model-tokenizer``), else by ``default`` (None: its ids are not known)."""
+    tokenizers or render APIs, ``--model-tokenizer``, ``--model-render-url``), else by
+    ``default`` (None: its ids are not known)."""
 
     def __init__(self, default: TokenSource | None, by_model: dict[str, TokenSource]) -> None:
         self.default = default
@@ -295,7 +296,8 @@ class ModelTokenSources:
 
 def open_token_source(settings: CacheAwareSettings) -> TokenSource | None:
     """The configured token source: a local tokenizer (preferred), the render API, or None;
-    with ``model_tokenizers``, each of those models' own local tokenizer first."""
+    with ``model_tokenizers`` or ``model_render_urls``, each of those models' own first (its
+    tokenizer before its render API)."""
     default: TokenSource | None = None
     if settings.tokenizer is not None:
         default = LocalTokenizer.from_dir(
@@ -303,10 +305,15 @@ def open_token_source(settings: CacheAwareSettings) -> TokenSource | None:
         )
     elif settings.render_url is not None:
         default = RenderTokenizer(settings.render_url)
-    if not settings.model_tokenizers:
+    if not settings.model_tokenizers and not settings.model_render_urls:
         return default
     by_model: dict[str, TokenSource] = {
-        model: LocalTokenizer.from_dir(path, cache_entries=settings.tokenize_cache_entries)
-        for model, path in settings.model_tokenizers.items()
+        model: RenderTokenizer(url)
+        for model, url in settings.model_render_urls.items()
+        if model not in settings.model_tokenizers
     }
+    for model, path in settings.model_tokenizers.items():
+        by_model[model] = LocalTokenizer.from_dir(
+            path, cache_entries=settings.tokenize_cache_entries
+        )
     return ModelTokenSources(default, by_model)

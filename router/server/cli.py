@@ -34,7 +34,7 @@ _URLS = {
     "registry": ("url",),
     "auth": ("rate_limit_storage",),
     "tracing": ("otlp_endpoint",),
-    "cache": ("render_url",),
+    "cache": ("render_url", "model_render_urls"),
     "replicas": ("listen", "peers", "peers_dns"),
 }
 _WORKER_URLS = ("url", "kv_events", "kv_events_replay")
@@ -278,10 +278,12 @@ def show_settings(settings: RouterSettings) -> str:
 
 
 def _redacted(value: Any) -> Any:
-    """A URL or ``HOST:PORT`` (or a list of them; None stays) with any ``user:password@``
+    """A URL or ``HOST:PORT`` (or a list or mapping of them; None stays) with any ``user:password@``
     shown as ``***@``."""
     if isinstance(value, list):
         return [_redacted(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _redacted(item) for key, item in value.items()}
     if not isinstance(value, str):
         return value
     return redact_url(value) if "://" in value else _BARE_USERINFO.sub("***@", value)

@@ -66,7 +66,15 @@ class CacheAwareSettings(BaseModel):
     )
     """MODEL's own tokenizer directory (as `--tokenizer`) when the workers serve several models:
     precise `cache_aware` tokenizes each request with its model's (the other models':
-    `--tokenizer` or `--render-url`)"""
+    `--model-render-url`, else `--tokenizer` or `--render-url`)"""
+    model_render_urls: dict[str, str] = Field(
+        default_factory=dict,
+        json_schema_extra=cli(
+            "--model-render-url", metavar="MODEL=URL", repeat=True, adapter="name_names"
+        ),
+    )
+    """MODEL's own render API (as `--render-url`: a vLLM engine or render server serving MODEL)
+    when the workers serve several models; `--model-tokenizer` goes first"""
     render_url: str | None = Field(
         default=None, json_schema_extra=cli("--render-url", metavar="URL")
     )

@@ -171,7 +171,7 @@ async def test_featurizer_times_tokenization(local: LocalTokenizer) -> None:
     assert len(seen) == 1 and seen[0] >= 0
 
 
-def _render_app(token_ids: list[int], calls: list[tuple[str, dict[str, Any]]]) -> Starlette:
+def render_app(token_ids: list[int], calls: list[tuple[str, dict[str, Any]]]) -> Starlette:
     """vLLM 0.32's render API shapes: chat -> one GenerateRequest, completions -> a list."""
 
     async def chat_render(request: Request) -> JSONResponse:
@@ -196,7 +196,7 @@ def _render_app(token_ids: list[int], calls: list[tuple[str, dict[str, Any]]]) -
 
 async def test_render_mode_reads_token_ids_from_the_engine_and_falls_back_on_failure() -> None:
     calls: list[tuple[str, dict[str, Any]]] = []
-    async with arun_server(_render_app([9, 8, 7], calls)) as port:
+    async with arun_server(render_app([9, 8, 7], calls)) as port:
         source = RenderTokenizer(f"http://127.0.0.1:{port}")
         broken = RenderTokenizer(f"http://127.0.0.1:{port}/broken")
         try:
@@ -220,7 +220,7 @@ async def test_render_mode_sends_a_large_bodys_unread_fields_verbatim() -> None:
     calls: list[tuple[str, dict[str, Any]]] = []
     bias = {str(token): 1 for token in range(120_000)}  # > 1 MiB of logit_bias
     body = {**chat(("user", "hi")), "logit_bias": bias}
-    async with arun_server(_render_app([9, 8, 7], calls)) as port:
+    async with arun_server(render_app([9, 8, 7], calls)) as port:
         source = RenderTokenizer(f"http://127.0.0.1:{port}")
         try:
             assert await source.tokens(parsed(Endpoint.CHAT, body)) == [9, 8, 7]

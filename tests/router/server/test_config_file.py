@@ -119,6 +119,7 @@ def test_config_show_prints_what_the_file_reads_back_with_secrets_redacted(
     urls = {  # each URL or address with a password, and how it is shown
         "--otlp-endpoint": ("http://o:Otel7@otel:4318", "http://***@otel:4318"),
         "--render-url": ("http://r:Render7@render:8000", "http://***@render:8000"),
+        "--model-render-url": ("b=http://r:Model7@render-b:8000", "b=http://***@render-b:8000"),
         "--replica-listen": ("u:Listen7@127.0.0.1:5557", "***@127.0.0.1:5557"),
         "--replica-peer": ("tcp://u:Peer7@10.0.0.2:5557", "tcp://***@10.0.0.2:5557"),
         "--replica-peers-dns": ("u:Dns7@routers:5557", "***@routers:5557"),
@@ -130,7 +131,7 @@ def test_config_show_prints_what_the_file_reads_back_with_secrets_redacted(
     assert "admin_token: '**********'" in shown and "etcd://***@e:2379" in shown
     assert "engine-key-0123" not in shown and "rp@" not in shown
     assert "replica-token-0123" not in shown
-    for password in ("Otel7", "Render7", "Listen7", "Peer7", "Dns7"):
+    for password in ("Otel7", "Render7", "Model7", "Listen7", "Peer7", "Dns7"):
         assert password not in shown
     monkeypatch.delenv("PDR_SERVER__MAX_N")
     again = parse_args(["--config", write(tmp_path, "shown.yaml", shown)])
