@@ -171,6 +171,21 @@ class RouterMetrics:
             ["model"],
             registry=registry,
         )
+        self.model_responses = Counter(
+            "pdr_model_responses",
+            "Completion responses of a model's pool (only when the workers serve more than one "
+            "model), by model (as pdr_model_requests) and HTTP status",
+            ["model", "status"],
+            registry=registry,
+        )
+        self.model_ttft_seconds = Histogram(
+            "pdr_model_ttft_seconds",
+            "Time to the first byte of a streamed completion of a model's pool (only when the "
+            "workers serve more than one model), by model",
+            ["model"],
+            registry=registry,
+            buckets=_STAGE_BUCKETS,
+        )
         self.tenant_requests = Counter(
             "pdr_tenant_requests",
             "Requests authenticated with an API key (--api-keys), by tenant (the configured "

@@ -53,6 +53,10 @@ class RequestAccounting:
             metrics.observe(metrics.request_seconds, duration, endpoint, streamed)
             if ttft is not None:
                 metrics.observe(metrics.ttft_seconds, ttft, endpoint)
+            if receipt.model:  # several models: per pool too (served names only)
+                metrics.count(metrics.model_responses, receipt.model, str(status))
+                if ttft is not None:
+                    metrics.observe(metrics.model_ttft_seconds, ttft, receipt.model)
             if receipt.prefill_s is not None:
                 metrics.prefill_seconds.observe(receipt.prefill_s)
             if receipt.kv_wait_s is not None:

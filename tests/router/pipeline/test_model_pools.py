@@ -205,22 +205,28 @@ def test_a_model_policy_sets_its_pools_policy_and_the_others_keep_the_fleets(
 def test_metrics_and_receipts_carry_the_pool_and_only_served_names(
     make_cluster: FakeClusterFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``pdr_model_requests_total{model}`` counts each pool's requests and makes no series for
-    a name no worker serves; the receipt (``x-pdr-model``, its log line) names the pool."""
+    """``pdr_model_requests_total{model}``, ``pdr_model_responses_total{model,status}`` and
+    ``pdr_model_ttft_seconds{model}`` count each pool's requests and make no series for a name
+    no worker serves; the receipt (``x-pdr-model``, its log line) names the pool."""
     cluster = _declared(make_cluster, "vllm-mooncake")
     caplog.set_level(logging.DEBUG, logger="router.observability.request_accounting")
     for model in ("a", "a", "b", "c", "d"):
         _complete(cluster, model)
+    body = {"model": "b", "prompt": "hello", "max_tokens": 3, "stream": True}
+    streamed = httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=10)
+    assert streamed.status_code == 200
     metrics = httpx.get(cluster.router_url + "/metrics", timeout=5).text
-    counted = {
-        sample.labels["model"]: sample.value
-        for family in text_string_to_metric_families(metrics)
-        for sample in family.samples
-        if sample.name == "pdr_model_requests_total"
-    }
-    assert counted == {"a": 2, "b": 1}
+    samples = [s for family in text_string_to_metric_families(metrics) for s in family.samples]
+
+    def by_labels(name: str, *labels: str) -> dict[tuple[str, ...], float]:
+        return {tuple(s.labels[k] for k in labels): s.value for s in samples if s.name == name}
+
+    assert by_labels("pdr_model_requests_total", "model") == {("a",): 2, ("b",): 2}
+    responses = by_labels("pdr_model_responses_total", "model", "status")
+    assert responses == {("a", "200"): 2, ("b", "200"): 2}
+    assert by_labels("pdr_model_ttft_seconds_count", "model") == {("b",): 1}
     logged = [r.getMessage() for r in caplog.records if "status=200" in r.getMessage()]
-    assert sorted(line.rsplit("model=", 1)[-1] for line in logged) == ["a", "a", "b"]
+    assert sorted(line.rsplit("model=", 1)[-1] for line in logged) == ["a", "a", "b", "b"]
 
 
 def test_a_prefix_cached_for_one_model_never_attracts_another_models_request(
