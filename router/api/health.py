@@ -99,6 +99,8 @@ def _describe(worker: Worker) -> dict[str, Any]:
         "draining": worker.draining,
         "ejected": worker.ejected,
     }
+    if worker.models:  # several models: the names it serves, its LoRA adapters among them
+        info["models"], info["adapters"] = sorted(worker.models), sorted(worker.adapters)
     if worker.role is Role.PREFILL:
         info["bootstrap_port"] = worker.bootstrap_port
         info["dp_size"] = worker.dp_size

@@ -27,6 +27,7 @@
     }
 
     W = {"id", "url", "role", "healthy", "draining", "inflight", "dp_size",
+         "models": [...], "adapters": [...],  # the names it serves ([]: any), its LoRA ones
          "ejected": bool,                    # out by outlier detection (healthy is false too)
          "full_retry_in_s": 0.8 | null,      # capacity back-off: it said it is full (429/503)
          "circuit": {"state", "reason", "retry_in_s"} | null,     # its breaker, unless closed
@@ -168,6 +169,8 @@ def _worker(
         "ejected": worker.ejected,
         "inflight": worker.host_inflight(),
         "dp_size": worker.dp_size,
+        "models": sorted(worker.models),
+        "adapters": sorted(worker.adapters),
         "full_retry_in_s": round(worker.full_until - now, 3) if worker.full_until > now else None,
         "circuit": None if breaker is None else {k: breaker[k] for k in _CIRCUIT_KEYS},
         "ranks": [_rank(worker, rank, index, now) for rank in range(len(worker.rank_inflight))],

@@ -50,7 +50,7 @@ SNAPSHOT_KEYS = {
 }
 WORKER_KEYS = {
     *("id", "url", "role", "healthy", "draining", "ejected", "inflight", "dp_size", "ranks"),
-    *("full_retry_in_s", "circuit"),
+    *("full_retry_in_s", "circuit", "models", "adapters"),
 }
 ADMISSION_KEYS = {
     "inflight",

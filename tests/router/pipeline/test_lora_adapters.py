@@ -42,6 +42,12 @@ def test_an_adapters_request_never_counts_the_base_models_cached_prefix(
         policy={"policy": "cache_aware"},
     )
     wait_until(lambda: _served(cluster) == ["fake-model", "sql-lora"], 10, "the names learned")
+    status = httpx.get(cluster.router_url + "/status/data", timeout=5).json()
+    workers = status["workers"]
+    for worker in [*workers["prefill"], *workers["decode"]]:  # the status page shows them
+        assert (worker["models"], worker["adapters"]) == (["fake-model", "sql-lora"], ["sql-lora"])
+    ready = httpx.get(cluster.router_url + "/ready", timeout=5).json()
+    assert all(w["adapters"] == ["sql-lora"] for w in [*ready["prefill"], *ready["decode"]])
     body = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 3}
     answer = httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=10)
     assert answer.status_code == 200, answer.text
