@@ -1,7 +1,8 @@
 """A tiny random-weight Llama and a byte-level BPE tokenizer, built locally (no hub access).
 
 Run with an engine's Python (it needs ``torch``, ``transformers`` and ``tokenizers``):
-``python tests/real_engines/model.py OUT_DIR``. Takes a few seconds and ~3 MB. Greedy decoding of
+``python tests/real_engines/model.py OUT_DIR`` (``--lora OUT_DIR BASE_DIR``: a LoRA adapter of
+it). Takes a few seconds and ~3 MB. Greedy decoding of
 fixed random weights is deterministic, so a co-located engine and a PD pair must agree.
 """
 
@@ -56,5 +57,40 @@ def build(out: Path) -> None:
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
 
 
+def build_lora(out: Path, base: Path, rank: int = 8) -> None:
+    """A random LoRA adapter of the tiny model (PEFT's files: ``adapter_config.json`` and
+    ``adapter_model.safetensors``) on its attention's q and v projections."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    hidden = 128
+    tensors = {}
+    for layer in range(2):
+        for proj in ("q_proj", "v_proj"):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = (torch.randn(rank, hidden) * 0.1).bfloat16()
+            tensors[f"{name}.lora_B.weight"] = (torch.randn(hidden, rank) * 0.1).bfloat16()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": str(base),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config))
+
+
 if __name__ == "__main__":
-    build(Path(sys.argv[1]))
+    if sys.argv[1] == "--lora":  # model.py --lora OUT BASE
+        build_lora(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        build(Path(sys.argv[1]))
