@@ -220,11 +220,12 @@ def responder_for(
     """The request's responder; whole answers go as one message where the server takes it;
     ``anthropic``: errors in Anthropic's envelope (``/v1/messages``)."""
     whole_message = WHOLE_RESPONSE in scope.get("extensions", ())
-    responder = Responder(
-        send, [(b"x-request-id", request_id.encode())], whole_message=whole_message
+    return Responder(
+        send,
+        [(b"x-request-id", request_id.encode())],
+        whole_message=whole_message,
+        anthropic=anthropic,
     )
-    responder.anthropic = anthropic
-    return responder
 
 
 def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[Any]:

@@ -41,7 +41,12 @@ class Responder:
     )
 
     def __init__(
-        self, send: Send, extra_headers: list[tuple[bytes, bytes]], *, whole_message: bool = False
+        self,
+        send: Send,
+        extra_headers: list[tuple[bytes, bytes]],
+        *,
+        whole_message: bool = False,
+        anthropic: bool = False,
     ) -> None:
         self._send = send
         self._whole_message = whole_message
@@ -53,7 +58,7 @@ class Responder:
         self.status = 0
         self.started_at = 0.0
         self._at_boundary = True
-        self.anthropic = False
+        self.anthropic = anthropic
 
     def add_headers(self, headers: tuple[tuple[bytes, bytes], ...]) -> None:
         """More headers for the response, whatever its status (a tenant's ``x-ratelimit-*``)."""

@@ -284,8 +284,7 @@ class ModelTokenSources:
 
     async def tokens(self, request: ParsedRequest) -> list[int] | None:
         model = request.body.get("model")
-        source = self.by_model.get(model, self.default) if isinstance(model, str) else None
-        source = source or self.default
+        source = (self.by_model.get(model) if isinstance(model, str) else None) or self.default
         return None if source is None else await source.tokens(request)
 
     async def aclose(self) -> None:
