@@ -26,13 +26,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.errors import UpstreamError
 from router.fleet.engine_cache import EngineCaches
+from router.fleet.probe_client import ProbeAnswer, ProbeClient
 from router.settings import EngineProtocol, LoadSettings
-from router.upstream.base import NODELAY
 from router.workers import EngineLoad, Role, Worker, WorkerPool
 
 __all__ = [
@@ -240,10 +240,7 @@ class EngineLoadMonitor:
         self._pool = pool
         self._read_caches = read_caches
         self._settings = settings
-        self._client = httpx.AsyncClient(
-            timeout=settings.timeout_s,
-            transport=httpx.AsyncHTTPTransport(socket_options=NODELAY, retries=0),
-        )
+        self._client = ProbeClient(settings.timeout_s)
         sglang = engine is EngineProtocol.SGLANG
         self._read: _Reader = self._read_sglang if sglang else self._read_vllm
         self._metrics_only: set[str] = set()  # SGLang workers whose /v1/loads answered 404
@@ -268,6 +265,7 @@ class EngineLoadMonitor:
         self._known = {wid: known for wid, known in self._known.items() if wid in ids}
         self._answered &= ids
         self.caches.prune(ids)
+        await self._client.prune(ids)
         await asyncio.gather(*(self.poll(worker) for worker in workers))
 
     async def poll(self, worker: Worker) -> None:
@@ -297,31 +295,31 @@ class EngineLoadMonitor:
     async def _read_sglang(self, worker: Worker) -> RankLoads:
         if worker.id not in self._metrics_only:
             response = await self._get(worker, "/v1/loads?include=core,disagg", missing_ok=True)
-            if response.status_code != 404:
+            if response.status != 404:
                 if self._read_caches and worker.role is Role.PREFILL:
                     self._cache_counters(worker, await self._get(worker, "/metrics"))
-                return parse_sglang_loads(response.content)
+                return parse_sglang_loads(response.body)
             logger.info("SGLang worker %s has no /v1/loads: reading /metrics", worker.public_url)
             self._metrics_only.add(worker.id)
         return parse_sglang_metrics(
             self._cache_counters(worker, await self._get(worker, "/metrics"))
         )
 
-    def _cache_counters(self, worker: Worker, response: httpx.Response) -> str:
+    def _cache_counters(self, worker: Worker, response: ProbeAnswer) -> str:
         """A prefill's ``/metrics`` text, its prefix-cache counters recorded on the way."""
         text = response.text
         if worker.role is Role.PREFILL:
             self.caches.record(worker.id, worker.dp_size, text, time.monotonic())
         return text
 
-    async def _get(self, worker: Worker, path: str, *, missing_ok: bool = False) -> httpx.Response:
+    async def _get(self, worker: Worker, path: str, *, missing_ok: bool = False) -> ProbeAnswer:
         try:
-            response = await self._client.get(worker.url + path)
-        except httpx.HTTPError as exc:
+            response = await self._client.get(worker, path)
+        except UpstreamError as exc:
             raise LoadUnavailable(f"GET {path} failed: {exc!r}") from exc
         self._answered.add(worker.id)
-        if response.status_code != 200 and not (missing_ok and response.status_code == 404):
-            raise LoadUnavailable(f"GET {path} answered HTTP {response.status_code}")
+        if response.status != 200 and not (missing_ok and response.status == 404):
+            raise LoadUnavailable(f"GET {path} answered HTTP {response.status}")
         return response
 
     def _note(self, worker: Worker, known: bool, detail: object) -> None:

@@ -28,11 +28,12 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-import httpx
+import msgspec
 
 from registry.backends.base import RegistryStore
 from registry.engine_api import LayoutChanges, LayoutMark, RankTables
 from router.errors import UpstreamError
+from router.fleet.probe_client import ProbeAnswer, ProbeClient
 from router.fleet.rank_layout import (
     RankLayoutUnavailable,
     RegistryDown,
@@ -41,8 +42,6 @@ from router.fleet.rank_layout import (
 )
 from router.interrupt import reap
 from router.settings import ClientAuthSettings, EngineProtocol, HealthSettings
-from router.upstream.base import NODELAY
-from router.upstream.httpx_client import raise_httpx_error
 from router.workers import Role, Worker, WorkerPool
 
 __all__ = ["HealthProber", "connection_refused"]
@@ -80,10 +79,7 @@ class HealthProber:
         self._layout_marks: dict[str, LayoutMark] = {}  # worker id -> its last layout read's
         self._engine = engine
         self._settings = settings
-        self._client = httpx.AsyncClient(
-            timeout=settings.timeout_s,
-            transport=httpx.AsyncHTTPTransport(socket_options=NODELAY, retries=0),
-        )
+        self._client = ProbeClient(settings.timeout_s)
         self._refreshing: dict[str, asyncio.Task[None]] = {}
         # told when a worker marked down comes back up (the circuit breakers forget it)
         self.on_back: Callable[[Worker], None] | None = None
@@ -102,8 +98,9 @@ class HealthProber:
     async def probe_all(self) -> None:
         workers = self._pool.all()
         await asyncio.gather(*(self.probe(worker) for worker in workers))
+        ids = {worker.id for worker in workers}
+        await self._client.prune(ids)
         if len(self._layout_marks) > len(workers):  # some left the pool
-            ids = {worker.id for worker in workers}
             self._layout_marks = {k: m for k, m in self._layout_marks.items() if k in ids}
         self.rounds += 1
         if self.rounds == 1 and self.on_verdict is not None:
@@ -190,15 +187,12 @@ class HealthProber:
 
     async def _alive(self, worker: Worker) -> _Probe:
         try:
-            response = await self._client.get(worker.url + "/health")
-        except httpx.ConnectError as exc:
+            response = await self._client.get(worker, "/health")
+        except UpstreamError as exc:
             logger.debug("health probe of %s failed: %r", worker.public_url, exc)
             return _Probe.REFUSED if connection_refused(exc) else _Probe.FAILED
-        except httpx.HTTPError as exc:
-            logger.debug("health probe of %s failed: %r", worker.public_url, exc)
-            return _Probe.FAILED
-        if response.status_code != 200:
-            logger.debug("health probe of %s: HTTP %d", worker.public_url, response.status_code)
+        if response.status != 200:
+            logger.debug("health probe of %s: HTTP %d", worker.public_url, response.status)
             return _Probe.FAILED
         return _Probe.OK
 
@@ -209,12 +203,8 @@ class HealthProber:
         or another body), read with ``authorization`` (None: ``--engine-api-key``'s, if any).
         Raises UpstreamError."""
         authorization = authorization or self._engine_authorization
-        headers = {} if authorization is None else {"Authorization": authorization}
-        try:
-            response = await self._client.get(worker.url + "/v1/models", headers=headers)
-        except httpx.HTTPError as exc:
-            raise_httpx_error(exc, worker)
-        return _model_entries(response)
+        headers = {} if authorization is None else {"authorization": authorization}
+        return _model_entries(await self._client.get(worker, "/v1/models", headers))
 
     async def _learn_models(self, worker: Worker) -> None:
         """The model names in the worker's ``/v1/models`` (OpenAI's list) and which are LoRA
@@ -304,12 +294,12 @@ class HealthProber:
         return _Probe.OK
 
 
-def _model_entries(response: httpx.Response) -> list[dict[str, Any]]:
+def _model_entries(response: ProbeAnswer) -> list[dict[str, Any]]:
     """The entries with a string ``id`` of an OpenAI model list answered with 200 (else none)."""
-    if response.status_code != 200:  # 401: the engine wants a key (--engine-api-key)
+    if response.status != 200:  # 401: the engine wants a key (--engine-api-key)
         return []
     try:
-        entries = response.json().get("data")
+        entries = msgspec.json.decode(response.body).get("data")
     except (ValueError, AttributeError):
         return []
     if not isinstance(entries, list):

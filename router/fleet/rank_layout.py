@@ -9,11 +9,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
-import httpx
+import msgspec
 
 from registry.engine_api import RankTables
 from registry.errors import RegistryError, RegistryUnavailable
+from router.errors import UpstreamError
+from router.fleet.probe_client import ProbeClient
 from router.settings import EngineProtocol
 from router.workers import Worker
 
@@ -69,7 +72,7 @@ def parse_vllm_query(data: Any) -> RankLayout:
 
 
 async def fetch_rank_layout(
-    client: httpx.AsyncClient, engine: EngineProtocol, worker: Worker
+    client: ProbeClient, engine: EngineProtocol, worker: Worker
 ) -> RankLayout:
     """Ask ``worker``'s bootstrap server for its layout; raises RankLayoutUnavailable."""
     if engine is EngineProtocol.VLLM_NIXL:
@@ -82,7 +85,7 @@ async def fetch_rank_layout(
         if engine is EngineProtocol.VLLM_MOONCAKE:
             return parse_vllm_query(await _get_json(client, worker, "/query", {}))
         return await _sglang_layout(client, worker)
-    except (httpx.HTTPError, ValueError) as exc:
+    except (UpstreamError, _StatusError, ValueError) as exc:
         raise RankLayoutUnavailable(f"bootstrap server {worker.bootstrap_addr}: {exc!r}") from exc
 
 
@@ -114,24 +117,32 @@ async def namespace_rank_layout(
         raise RankLayoutUnavailable(f"namespace {namespace!r}: {exc}") from exc
 
 
-async def _get_json(
-    client: httpx.AsyncClient, worker: Worker, path: str, params: dict[str, str]
-) -> Any:
-    response = await client.get(worker.bootstrap_addr + path, params=params)
-    if response.status_code == 503:
+class _StatusError(Exception):
+    """The bootstrap server answered an error status (other than 503: not registered yet)."""
+
+    def __init__(self, path: str, status: int) -> None:
+        super().__init__(f"GET {path} answered HTTP {status}")
+        self.status = status
+
+
+async def _get_json(client: ProbeClient, worker: Worker, path: str, params: dict[str, str]) -> Any:
+    query = f"{path}?{urlencode(params)}" if params else path
+    response = await client.get(worker, query, base_url=worker.bootstrap_addr)
+    if response.status == 503:
         raise RankLayoutUnavailable(
             f"{worker.bootstrap_addr}{path}: not all ranks registered (503)"
         )
-    response.raise_for_status()
-    return response.json()
+    if not 200 <= response.status < 300:
+        raise _StatusError(path, response.status)
+    return msgspec.json.decode(response.body)
 
 
-async def _sglang_layout(client: httpx.AsyncClient, worker: Worker) -> RankLayout:
+async def _sglang_layout(client: ProbeClient, worker: Worker) -> RankLayout:
     try:
         info = await _get_json(client, worker, "/route", _SGLANG_INFO_NEW)
         return RankLayout(dp_size=_positive_int(info, "dp_size"))
-    except httpx.HTTPStatusError as exc:
-        if exc.response.status_code != 400:
+    except _StatusError as exc:
+        if exc.status != 400:
             raise
     info = await _get_json(client, worker, "/route", _SGLANG_INFO_OLD)
     return RankLayout(dp_size=_positive_int(info, "prefill_dp_size"))

@@ -42,10 +42,12 @@ def _head_block(headers: dict[str, str]) -> bytes:
 class LeanUpstream:
     """The pooled keep-alive connections to one worker."""
 
-    def __init__(self, worker: Worker, settings: UpstreamSettings) -> None:
+    def __init__(self, worker: Worker, settings: UpstreamSettings, base_url: str = "") -> None:
+        """``base_url``: another server of the worker's (its bootstrap server); default its
+        own URL."""
         self.worker = worker
         self._settings = settings
-        url = urlsplit(worker.url)
+        url = urlsplit(base_url or worker.url)
         self._tls: ssl.SSLContext | None = (
             ssl.create_default_context() if url.scheme == "https" else None
         )
@@ -71,10 +73,12 @@ class LeanUpstream:
         headers: dict[str, str],
         *,
         whole: bool = False,
+        method: bytes = b"POST",
     ) -> LeanAnswer:
         """Send on a pooled (else new) connection; the answer once its head arrived (``whole``:
-        once all of it arrived, one wake-up instead of two)."""
-        head = self._head(path, headers, len(body))
+        once all of it arrived, one wake-up instead of two). ``method``: ``b"GET"`` sends no
+        body (the fleet's probes and load reads)."""
+        head = self._head(method, path, headers, len(body))
         conn = self._idle_connection() or await self._acquire()
         answer = conn.send(head, body, self._limit, whole=whole)
         try:
@@ -102,17 +106,18 @@ class LeanUpstream:
 
     # --- one exchange -----------------------------------------------------------------------
 
-    def _head(self, path: str, headers: dict[str, str], length: int) -> bytes:
-        """A POST's request head."""
+    def _head(self, method: bytes, path: str, headers: dict[str, str], length: int) -> bytes:
+        """A request's head (a GET's without a content-length)."""
         return b"".join(
             (
-                b"POST ",
+                method,
+                b" ",
                 self._prefix,
                 path.encode("latin-1"),
                 b" HTTP/1.1\r\n",
                 self._fixed,
                 _head_block(headers),
-                b"content-length: %d\r\n\r\n" % length,
+                b"\r\n" if method == b"GET" else b"content-length: %d\r\n\r\n" % length,
             )
         )
 

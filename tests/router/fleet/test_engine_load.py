@@ -515,7 +515,7 @@ async def test_a_starting_engine_is_quiet_until_it_first_answers_then_failing_is
         return [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
 
     def refused() -> int:
-        return sum("ConnectError" in r.getMessage() for r in caplog.records)
+        return sum("ConnectionRefusedError" in r.getMessage() for r in caplog.records)
 
     async with _monitoring(pool, EngineProtocol.VLLM_MOONCAKE):
         worker = _decode(f"http://127.0.0.1:{port}")
@@ -533,7 +533,7 @@ async def test_a_starting_engine_is_quiet_until_it_first_answers_then_failing_is
         (logging.INFO, False),
         (logging.WARNING, True),
     ], loud()
-    assert "GET /metrics failed" in records[1].getMessage()  # ConnectError, or a reset read
+    assert "GET /metrics failed" in records[1].getMessage()  # a refused connection, or a reset read
 
 
 async def test_an_engine_hanging_past_the_timeout_is_unknown_while_others_are_read() -> None:
