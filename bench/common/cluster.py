@@ -20,6 +20,7 @@ __all__ = [
     "cluster_argv",
     "layout",
     "router_pid",
+    "router_pids",
     "start_cluster",
     "started_cluster",
 ]
@@ -35,6 +36,7 @@ class Cluster:
     decodes: tuple[str, ...]
     model: str
     router_pid: int | None
+    router_pids: tuple[int, ...] = ()  # every router child: the replicas, with --router-replicas
 
 
 def cluster_argv(
@@ -83,11 +85,14 @@ def start_cluster(argv: Sequence[str], ready_timeout_s: float) -> tuple[Child, s
 
 
 def router_pid(cluster_pid: int) -> int | None:
-    """The child of pd-cluster's that runs ``python -m router``."""
-    for pid in children(cluster_pid):
-        if cmdline(pid)[1:3] == ["-m", "router"]:
-            return pid
-    return None
+    """The (first) child of pd-cluster's that runs ``python -m router``."""
+    pids = router_pids(cluster_pid)
+    return pids[0] if pids else None
+
+
+def router_pids(cluster_pid: int) -> tuple[int, ...]:
+    """pd-cluster's children that run ``python -m router`` (one per replica)."""
+    return tuple(pid for pid in children(cluster_pid) if cmdline(pid)[1:3] == ["-m", "router"])
 
 
 def layout(url: str) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], str]:
@@ -114,4 +119,5 @@ def started_cluster(
         if every_worker:
             for worker in [*(prefill for prefill, _port in prefills), *decodes]:
                 wait_health(child, worker, ready_timeout_s)
-        yield Cluster(child, url, prefills, decodes, model, router_pid(child.pid))
+        pids = router_pids(child.pid)
+        yield Cluster(child, url, prefills, decodes, model, pids[0] if pids else None, pids)

@@ -200,11 +200,11 @@ def _run(
             ):
                 prefills = [url for url, _port in cluster.prefills]
                 tiers_before = _scrape(cluster, http, prefills)
-                before = take_snapshot(http, prefills, cluster.url, cluster.router_pid)
+                before = take_snapshot(http, prefills, cluster.url, cluster.router_pids)
                 outcomes, wall_s = asyncio.run(
                     drive(trace, cluster.url, cluster.model, POOLED, load)
                 )
-                after = take_snapshot(http, prefills, cluster.url, cluster.router_pid, after=True)
+                after = take_snapshot(http, prefills, cluster.url, cluster.router_pids, after=True)
                 delta: TierCounters = _scrape(cluster, http, prefills) - tiers_before
         except BenchError as exc:
             failed = replace(base, not_run=f"failed: {exc}", failed=True)

@@ -268,11 +268,12 @@ def _engines_cache(
     return tuple(counts)
 
 
-def _cpu(pid: int | None) -> float | None:
-    if pid is None:
+def _cpu(pids: Sequence[int]) -> float | None:
+    """CPU seconds of the routers' process trees (every replica's); None if one is gone."""
+    if not pids:
         return None
     try:
-        return tree_cpu_seconds(pid)
+        return sum(tree_cpu_seconds(pid) for pid in pids)
     except OSError:
         return None
 
@@ -281,7 +282,7 @@ def take_snapshot(
     client: httpx.Client,
     prefills: Sequence[str],
     router_url: str | None,
-    cpu_pid: int | None,
+    cpu_pids: Sequence[int],
     *,
     after: bool = False,
 ) -> Snapshot:
@@ -291,13 +292,13 @@ def take_snapshot(
     router's ``/metrics`` costs it CPU (with ``--workers N`` it merges every process's), which
     is no request's.
     """
-    cpu_s = _cpu(cpu_pid) if after else None
+    cpu_s = _cpu(cpu_pids) if after else None
     router = _metrics(client, router_url) if router_url else None
     return Snapshot(
         cache=_engines_cache(client, prefills),
         decision=histogram_buckets(router, DECISION) if router else None,
         tokenize=histogram_buckets(router, TOKENIZE) if router else None,
-        cpu_s=cpu_s if after else _cpu(cpu_pid),
+        cpu_s=cpu_s if after else _cpu(cpu_pids),
     )
 
 
@@ -619,14 +620,19 @@ def summarize(
 
 
 def _measure(
-    cfg: WorkloadConfig, trace: Trace, base: RunResult, cluster: Cluster, url: str, pid: int | None
+    cfg: WorkloadConfig,
+    trace: Trace,
+    base: RunResult,
+    cluster: Cluster,
+    url: str,
+    pids: Sequence[int],
 ) -> RunResult:
     router_metrics = cluster.url if base.router == "ours" else None
     prefills = [prefill for prefill, _port in cluster.prefills]
     with httpx.Client(timeout=5.0) as client:
-        before = take_snapshot(client, prefills, router_metrics, pid)
+        before = take_snapshot(client, prefills, router_metrics, pids)
         outcomes, wall_s = asyncio.run(drive(trace, url, cluster.model, base.client, cfg))
-        after = take_snapshot(client, prefills, router_metrics, pid, after=True)
+        after = take_snapshot(client, prefills, router_metrics, pids, after=True)
     return summarize(base, outcomes, wall_s, before, after)
 
 
@@ -638,9 +644,9 @@ def run_one(
     try:
         with started(cfg, setup, spec, pages) as cluster:
             if spec.router == "ours":
-                return _measure(cfg, trace, base, cluster, cluster.url, cluster.router_pid)
+                return _measure(cfg, trace, base, cluster, cluster.url, cluster.router_pids)
             with started_peer(cfg, spec, cluster) as (peer, url):
-                return _measure(cfg, trace, base, cluster, url, peer.pid)
+                return _measure(cfg, trace, base, cluster, url, (peer.pid,))
     except BenchError as exc:
         return replace(base, not_run=f"failed: {exc}", failed=True)
 

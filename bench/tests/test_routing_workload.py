@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -237,7 +239,7 @@ def test_the_cpu_time_is_read_next_to_the_run(monkeypatch: pytest.MonkeyPatch) -
     before it after the run."""
     order: list[str] = []
 
-    def cpu(pid: int | None) -> float:
+    def cpu(pids: Sequence[int]) -> float:
         order.append("cpu")
         return 1.0
 
@@ -248,11 +250,32 @@ def test_the_cpu_time_is_read_next_to_the_run(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(workload, "_cpu", cpu)
     monkeypatch.setattr(workload, "_metrics", scrape)
     with httpx.Client() as client:
-        workload.take_snapshot(client, [], "http://127.0.0.1:9/metrics", 1)
+        workload.take_snapshot(client, [], "http://127.0.0.1:9/metrics", (1,))
         assert order == ["scrape", "cpu"]
         order.clear()
-        workload.take_snapshot(client, [], "http://127.0.0.1:9/metrics", 1, after=True)
+        workload.take_snapshot(client, [], "http://127.0.0.1:9/metrics", (1,), after=True)
         assert order == ["cpu", "scrape"]
+
+
+def test_the_cpu_of_every_router_replica_counts() -> None:
+    """With --router-replicas the routers' CPU is every replica's (it was the first one's)."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.2: pass\n"
+    burn += "print(flush=True)\ntime.sleep(30)"
+    children = [
+        subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE) for _ in range(2)
+    ]
+    try:
+        for child in children:
+            assert child.stdout is not None
+            child.stdout.readline()  # burnt its 0.2 s
+        one = workload._cpu((children[0].pid,))
+        both = workload._cpu(tuple(child.pid for child in children))
+    finally:
+        for child in children:
+            child.kill()
+            child.communicate()
+    assert one is not None and both is not None
+    assert both >= one + 0.19
 
 
 def test_render_and_json(tmp_path: Path) -> None:

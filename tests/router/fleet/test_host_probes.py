@@ -111,6 +111,11 @@ async def test_a_verdict_of_the_leaders_probes_reaches_the_follower_at_once(
         prober = HealthProber(pools[0], EngineProtocol.SGLANG, HealthSettings())
         prober.on_verdict = probes[0].changed  # as router.sharing.probe_tasks wires the leader
         async with running(*(p.run() for p in probes)):
+            async with asyncio.timeout(10):  # a SUB socket joins a few ms after it connects
+                while not buses[1].received:
+                    probes[0].changed()  # a round of the verdicts as they are (all down)
+                    await asyncio.sleep(0.01)
+            assert not pools[1].decode[0].healthy
             prober._probe_succeeded(pools[0].decode[0])  # its first good probe: up
             await await_until(lambda: pools[1].decode[0].healthy, 2.0, "up at once")
         await prober.aclose()
