@@ -1,9 +1,9 @@
 """The seam for outbound HTTP to one worker (its implementations and their table: the package).
 
-Two implementations keep the same contract: ``aiohttp`` (default: ~4.5x less CPU per proxied
-request than httpx in ``bench/load/clients.py``) and ``httpx`` (the reference client, with a lean
-pool).
-Both raise only ``UpstreamError`` subclasses, set TCP_NODELAY and use idle (per-read) timeouts,
+Three implementations keep the same contract: ``lean`` (the default: keep-alive HTTP/1.1 on
+asyncio protocols, ``lean_client``), ``aiohttp`` (~4.5x less CPU per proxied request than httpx
+in ``bench/load/clients.py``) and ``httpx`` (the reference client, with a lean pool).
+All raise only ``UpstreamError`` subclasses, set TCP_NODELAY and use idle (per-read) timeouts,
 and read a whole answer only up to a bound (``answer_limit``: 502 beyond it, connection closed).
 """
 
