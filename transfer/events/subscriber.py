@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Self, cast
@@ -27,6 +26,19 @@ from .sequence import SeqTracker, SubscriberStats
 __all__ = ["KVEventSubscriber", "ReceivedBatch", "SubscriberStats"]
 
 logger = logging.getLogger(__name__)
+
+# how long a wait for the live stream trusts the socket's descriptor alone: a wake-up lost
+# (libzmq folds edges together; pyzmq#1203) delays a batch by at most this long
+_WAKE_CHECK_S = 0.5
+
+
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +93,10 @@ class KVEventSubscriber(AsyncClosing):
         self._hwm = hwm
         self._context = context or zmq.asyncio.Context.instance()
         self._pending: deque[ReceivedBatch] = deque()
-        self._sub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._descriptor = -1
+        self._waiter: asyncio.Future[None] | None = None
         self._replay: ReplayClient | None = None
         self.stats = SubscriberStats()
         self._seqs = SeqTracker(endpoint, self.stats, start_seq=start_seq, strict=strict)
@@ -92,20 +107,29 @@ class KVEventSubscriber(AsyncClosing):
         return self._seqs.expected
 
     async def __aenter__(self) -> Self:
-        sub = self._socket(zmq.SUB)
+        # the live stream on a plain socket read with NOBLOCK when its descriptor wakes the
+        # loop: zmq.asyncio's poll and receive futures cost several times the batch's decoding
+        sub: zmq.Socket[bytes] = zmq.Socket(self._context, zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self._hwm)
         sub.setsockopt_string(zmq.SUBSCRIBE, self._topic)
         self._sub = sub
         sub.connect(self._endpoint)
+        self._loop = loop = asyncio.get_running_loop()
+        self._descriptor = int(sub.getsockopt(zmq.FD))
+        loop.add_reader(self._descriptor, self._on_descriptor)
         if self._replay_endpoint is not None:
             self._replay = ReplayClient(self._replay_endpoint, self._replay_timeout, self._socket)
         return self
 
     async def aclose(self) -> None:
         if self._sub is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._descriptor)
             self._sub.close(linger=0)
         if self._replay is not None:
             self._replay.close()
-        self._sub, self._replay = None, None
+        self._sub, self._replay, self._loop = None, None, None
 
     def __aiter__(self) -> Self:
         return self
@@ -118,9 +142,9 @@ class KVEventSubscriber(AsyncClosing):
 
         ``timeout`` bounds the wait for live messages (TimeoutError when it passes); a
         replay started meanwhile is bounded by ``replay_timeout`` on top. Cancelling is safe:
-        the wait is a poll, so a timeout or a cancellation never takes a message off the
-        socket without returning it, and a batch being recovered is asked for again on the
-        next gap.
+        a message is taken off the socket only when it can be handled at once, so a timeout
+        or a cancellation never takes one without returning it, and a batch being recovered
+        is asked for again on the next gap.
         """
         sub = self._sub
         if sub is None:
@@ -128,19 +152,20 @@ class KVEventSubscriber(AsyncClosing):
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while not self._pending:
-            # Awaiting recv_multipart under a timeout would lose the message whose arrival
-            # races the timeout (the future resolves, then the task is cancelled). So wait
-            # with a poll, which takes nothing off the socket; once a message is there,
-            # recv_multipart returns an already resolved future and awaiting it does not
-            # suspend, so nothing can cancel the task in between.
-            if not self._readable(sub):
-                wait = None if deadline is None else max(0.0, deadline - loop.time())
-                if wait == 0.0 or not await sub.poll(
-                    None if wait is None else math.ceil(wait * 1000)
-                ):
-                    raise TimeoutError
-            frames = await sub.recv_multipart()
-            await self._on_live(frames)
+            # A message is taken off the socket only here, and handled before anything can
+            # cancel this task: a timeout or a cancellation never loses one.
+            if _readable(sub):  # reading the events also re-arms the descriptor
+                try:
+                    frames: list[bytes] | None = sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    frames = None
+                if frames is not None:
+                    await self._on_live(frames)
+                    continue
+            wait = _WAKE_CHECK_S if deadline is None else deadline - loop.time()
+            if wait <= 0.0:
+                raise TimeoutError
+            await self._until_readable(min(wait, _WAKE_CHECK_S))
         return self._pending.popleft()
 
     async def catch_up(self) -> int:
@@ -201,9 +226,26 @@ class KVEventSubscriber(AsyncClosing):
         if seqs.gap is not None:
             raise seqs.gap
 
-    @staticmethod
-    def _readable(sock: zmq.asyncio.Socket) -> bool:
-        return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
+    async def _until_readable(self, wait_s: float) -> None:
+        """Return once the socket's descriptor woke the loop with a message there, or after
+        ``wait_s``. Called right after its events were read (nothing there), with no turn of
+        the loop in between: a message that comes in later wakes the descriptor."""
+        assert self._loop is not None
+        waiter = self._waiter = self._loop.create_future()
+        timer = self._loop.call_later(wait_s, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _on_descriptor(self) -> None:
+        """The socket's descriptor woke the loop: reading its events re-arms it (a reader with
+        no waiter would otherwise be called again at once); a waiter is woken when a message
+        is there."""
+        sub, waiter = self._sub, self._waiter
+        if sub is not None and _readable(sub) and waiter is not None:
+            _wake(waiter)
 
     async def _recover(self, start: int, live_seq: int) -> None:
         """Fill ``start..live_seq-1`` from replay; whatever is not there is lost."""
