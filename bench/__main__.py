@@ -60,6 +60,7 @@ BENCHMARKS = (
     Benchmark("kv_tiers", "tiered KV cache: TTFT per tier, a workload with tiers, disk speed"),
     Benchmark("soak", "fault-matrix soak: recovery, clean outcomes, fd/task/RSS leaks"),
     Benchmark("soak.rss_drift", "the router's RSS under steady traffic; KV pages left once idle"),
+    Benchmark("transfer.event_read", "a KV event reader's CPU per batch; old build, floor"),
     Benchmark("transfer.kv_transfer", "the KV transfer library vs raw Mooncake: GB/s, overhead"),
     Benchmark("transfer.engine", "transfer engine: GB/s of pages, one entry per page vs coalesced"),
 )
