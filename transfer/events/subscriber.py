@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Self, cast
+from typing import Any, Self, cast
 
 import zmq
 import zmq.asyncio
@@ -39,6 +39,58 @@ def _readable(sock: zmq.Socket[bytes]) -> bool:
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+class _LiveSocket:
+    """The live stream's SUB socket, a plain (blocking-mode) one read with ``NOBLOCK`` when its
+    descriptor wakes the event loop (``zmq.asyncio``'s poll and receive futures cost several
+    times a batch's decoding). The descriptor is edge-triggered: it signals that the socket's
+    events may have changed, and reading them re-arms it."""
+
+    def __init__(self, context: zmq.Context[Any], endpoint: str, topic: str, hwm: int) -> None:
+        sock: zmq.Socket[bytes] = zmq.Socket(context, zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt_string(zmq.SUBSCRIBE, topic)
+        sock.connect(endpoint)
+        self._socket = sock
+        self._loop = asyncio.get_running_loop()
+        self._descriptor = int(sock.getsockopt(zmq.FD))
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop.add_reader(self._descriptor, self._on_descriptor)
+
+    def take(self) -> list[bytes] | None:
+        """The next message's frames, None when none is there (the events read: re-armed)."""
+        if not _readable(self._socket):
+            return None
+        try:
+            return self._socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    async def wait(self, wait_s: float) -> None:
+        """Return once the descriptor woke the loop with a message there, or after ``wait_s``.
+        Called right after ``take`` found nothing, with no turn of the loop in between: a
+        message that comes in later wakes the descriptor."""
+        waiter = self._waiter = self._loop.create_future()
+        timer = self._loop.call_later(wait_s, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._descriptor)
+        self._socket.close(linger=0)
+
+    def _on_descriptor(self) -> None:
+        # reading the events re-arms the descriptor (a reader with no waiter would otherwise be
+        # called again at once); a waiter is woken when a message is there
+        waiter = self._waiter
+        if _readable(self._socket) and waiter is not None:
+            _wake(waiter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +145,7 @@ class KVEventSubscriber(AsyncClosing):
         self._hwm = hwm
         self._context = context or zmq.asyncio.Context.instance()
         self._pending: deque[ReceivedBatch] = deque()
-        self._sub: zmq.Socket[bytes] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._descriptor = -1
-        self._waiter: asyncio.Future[None] | None = None
+        self._sub: _LiveSocket | None = None
         self._replay: ReplayClient | None = None
         self.stats = SubscriberStats()
         self._seqs = SeqTracker(endpoint, self.stats, start_seq=start_seq, strict=strict)
@@ -107,29 +156,17 @@ class KVEventSubscriber(AsyncClosing):
         return self._seqs.expected
 
     async def __aenter__(self) -> Self:
-        # the live stream on a plain socket read with NOBLOCK when its descriptor wakes the
-        # loop: zmq.asyncio's poll and receive futures cost several times the batch's decoding
-        sub: zmq.Socket[bytes] = zmq.Socket(self._context, zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self._hwm)
-        sub.setsockopt_string(zmq.SUBSCRIBE, self._topic)
-        self._sub = sub
-        sub.connect(self._endpoint)
-        self._loop = loop = asyncio.get_running_loop()
-        self._descriptor = int(sub.getsockopt(zmq.FD))
-        loop.add_reader(self._descriptor, self._on_descriptor)
+        self._sub = _LiveSocket(self._context, self._endpoint, self._topic, self._hwm)
         if self._replay_endpoint is not None:
             self._replay = ReplayClient(self._replay_endpoint, self._replay_timeout, self._socket)
         return self
 
     async def aclose(self) -> None:
         if self._sub is not None:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._descriptor)
-            self._sub.close(linger=0)
+            self._sub.close()
         if self._replay is not None:
             self._replay.close()
-        self._sub, self._replay, self._loop = None, None, None
+        self._sub, self._replay = None, None
 
     def __aiter__(self) -> Self:
         return self
@@ -154,18 +191,14 @@ class KVEventSubscriber(AsyncClosing):
         while not self._pending:
             # A message is taken off the socket only here, and handled before anything can
             # cancel this task: a timeout or a cancellation never loses one.
-            if _readable(sub):  # reading the events also re-arms the descriptor
-                try:
-                    frames: list[bytes] | None = sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    frames = None
-                if frames is not None:
-                    await self._on_live(frames)
-                    continue
+            frames = sub.take()
+            if frames is not None:
+                await self._on_live(frames)
+                continue
             wait = _WAKE_CHECK_S if deadline is None else deadline - loop.time()
             if wait <= 0.0:
                 raise TimeoutError
-            await self._until_readable(min(wait, _WAKE_CHECK_S))
+            await sub.wait(min(wait, _WAKE_CHECK_S))
         return self._pending.popleft()
 
     async def catch_up(self) -> int:
@@ -225,27 +258,6 @@ class KVEventSubscriber(AsyncClosing):
             self._accept(message, replayed=False)
         if seqs.gap is not None:
             raise seqs.gap
-
-    async def _until_readable(self, wait_s: float) -> None:
-        """Return once the socket's descriptor woke the loop with a message there, or after
-        ``wait_s``. Called right after its events were read (nothing there), with no turn of
-        the loop in between: a message that comes in later wakes the descriptor."""
-        assert self._loop is not None
-        waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(wait_s, _wake, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-
-    def _on_descriptor(self) -> None:
-        """The socket's descriptor woke the loop: reading its events re-arms it (a reader with
-        no waiter would otherwise be called again at once); a waiter is woken when a message
-        is there."""
-        sub, waiter = self._sub, self._waiter
-        if sub is not None and _readable(sub) and waiter is not None:
-            _wake(waiter)
 
     async def _recover(self, start: int, live_seq: int) -> None:
         """Fill ``start..live_seq-1`` from replay; whatever is not there is lost."""
