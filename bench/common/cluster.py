@@ -35,7 +35,6 @@ class Cluster:
     prefills: tuple[tuple[str, int], ...]  # (URL, bootstrap port)
     decodes: tuple[str, ...]
     model: str
-    router_pid: int | None
     router_pids: tuple[int, ...] = ()  # every router child: the replicas, with --router-replicas
 
 
@@ -119,5 +118,4 @@ def started_cluster(
         if every_worker:
             for worker in [*(prefill for prefill, _port in prefills), *decodes]:
                 wait_health(child, worker, ready_timeout_s)
-        pids = router_pids(child.pid)
-        yield Cluster(child, url, prefills, decodes, model, pids[0] if pids else None, pids)
+        yield Cluster(child, url, prefills, decodes, model, router_pids(child.pid))

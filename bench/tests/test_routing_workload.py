@@ -408,7 +408,6 @@ def test_sglang_router_gets_each_prefill_with_its_bootstrap_port() -> None:
         prefills=(("http://127.0.0.1:2", 92), ("http://127.0.0.1:3", 93)),
         decodes=("http://127.0.0.1:4",),
         model="m",
-        router_pid=None,
     )
     argv = peer_argv(_spec("sgl_cache_aware"), cluster, 7000, 7001)
     text = " ".join(argv)

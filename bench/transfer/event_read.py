@@ -30,6 +30,8 @@ from typing import IO
 
 __all__ = ["main", "read_once"]
 
+TREE = str(Path(__file__).resolve().parents[2])  # this source tree
+
 _PUBLISHER = """
 import asyncio, sys, time
 from transfer.events import BlockStored, KVEventPublisher
@@ -92,7 +94,6 @@ print(f"{1e6 * spent / (count - 1):.1f}", flush=True)
 def read_once(reader_path: str, kind: str, batches: int, rate: float, blocks: int) -> float:
     """One run: µs of the reader's CPU per batch (``kind``: ``subscriber`` or ``floor``), the
     reader importing ``transfer`` from ``reader_path``."""
-    here = str(Path(__file__).resolve().parents[2])
     limit_s = batches / rate + 30  # a reader that lost batches fails, never hangs
     publisher_argv = [sys.executable, "-P", "-c", _PUBLISHER, str(batches), str(rate), str(blocks)]
     with subprocess.Popen(
@@ -100,7 +101,7 @@ def read_once(reader_path: str, kind: str, batches: int, rate: float, blocks: in
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": here},
+        env={**os.environ, "PYTHONPATH": TREE},
     ) as publisher:
         assert publisher.stdin is not None and publisher.stdout is not None
         try:
@@ -141,8 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.batches < 2 or args.rate <= 0 or args.blocks < 1 or args.repeats < 1:
         parser.error("--batches >= 2, --rate > 0, --blocks >= 1, --repeats >= 1")
-    here = str(Path(__file__).resolve().parents[2])
-    readers = {"current": (here, "subscriber"), "floor": (here, "floor")}
+    readers = {"current": (TREE, "subscriber"), "floor": (TREE, "floor")}
     if args.compare_pythonpath:
         readers["compare"] = (str(Path(args.compare_pythonpath).resolve()), "subscriber")
     runs: dict[str, list[float]] = {name: [] for name in readers}
