@@ -387,6 +387,27 @@ async def test_timeouts_racing_arrivals_lose_no_batch(ctx: zmq.asyncio.Context) 
     assert got == list(range(first, first + count))
 
 
+async def test_a_waiting_reader_is_woken_by_each_batch(ctx: zmq.asyncio.Context) -> None:
+    """A reader waiting on an idle stream gets each batch as it arrives, not when its wait's
+    periodic re-check (0.5 s, for a wake-up libzmq lost) comes round: the router's KV index is
+    that much fresher."""
+    async with (
+        KVEventPublisher(LOCAL, context=ctx) as pub,
+        KVEventSubscriber(pub.endpoint, context=ctx) as sub,
+    ):
+        await join(sub, lambda: pub.publish([AllBlocksCleared()]))
+        loop = asyncio.get_running_loop()
+        delays = []
+        for i in range(10):
+            waiting = asyncio.create_task(sub.next(timeout=DEADLINE))
+            await asyncio.sleep(0.02)  # let the reader reach its wait on the idle stream
+            sent = loop.time()
+            await pub.publish(batch_of(i))
+            await waiting
+            delays.append(loop.time() - sent)
+    assert sorted(delays)[5] < 0.1, delays  # the median: a wake-up, not the 0.5 s re-check
+
+
 async def test_publish_requires_an_open_publisher() -> None:
     pub = KVEventPublisher(LOCAL)
     with pytest.raises(RuntimeError):
