@@ -60,16 +60,69 @@ def free_port() -> int:
 LifespanMode = Literal["auto", "on", "off"]
 ASGIApp = Any  # any ASGI 3 application
 SHUTDOWN_GRACE_S = 2
+_SHUTDOWN_POLL_S = 0.005
 
 
 class TestServer(uvicorn.Server):
-    """A uvicorn server that leaves process signal handlers to pytest."""
+    """A uvicorn server that leaves process signal handlers to pytest and stops as soon as it
+    can: uvicorn notices ``should_exit`` on its next 0.1 s tick, then sleeps 0.1 s and polls its
+    connections every 0.1 s, ~0.2-0.3 s a server that a test's teardown waits for, server after
+    server. Here setting ``should_exit`` (from any thread) wakes the main loop, and the
+    shutdown polls every ``_SHUTDOWN_POLL_S``; what it waits for is uvicorn's."""
 
     __test__ = False  # not a pytest test class
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        self._should_exit = False
+        self._exit_wakeup: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        super().__init__(config)
+
+    @property
+    def should_exit(self) -> bool:
+        return self._should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        self._should_exit = value
+        if value and self._exit_wakeup is not None:
+            loop, event = self._exit_wakeup
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nothing to wake
+                loop.call_soon_threadsafe(event.set)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def main_loop(self) -> None:
+        """uvicorn's: ``on_tick`` every 0.1 s until it says to exit, and at once when told."""
+        woken = asyncio.Event()
+        self._exit_wakeup = (asyncio.get_running_loop(), woken)
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), 0.1)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown (no new connections, each open one asked to close once its
+        response is out, then the lifespan's shutdown), its waits polled every
+        ``_SHUTDOWN_POLL_S`` instead of every 0.1 s."""
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        state = self.server_state
+        for connection in list(state.connections):
+            connection.shutdown()
+        try:
+            async with asyncio.timeout(self.config.timeout_graceful_shutdown):
+                while (state.connections or state.tasks) and not self.force_exit:  # noqa: ASYNC110 - uvicorn sets no event for these
+                    await asyncio.sleep(_SHUTDOWN_POLL_S)
+        except TimeoutError:
+            for task in state.tasks:
+                task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        if not self.force_exit:
+            await self.lifespan.shutdown()
 
 
 def make_server(app: ASGIApp, *, host: str, port: int, lifespan: LifespanMode) -> TestServer:
