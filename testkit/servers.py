@@ -66,7 +66,7 @@ _SHUTDOWN_POLL_S = 0.005
 class TestServer(uvicorn.Server):
     """A uvicorn server that leaves process signal handlers to pytest and stops as soon as it
     can: uvicorn notices ``should_exit`` on its next 0.1 s tick, then sleeps 0.1 s and polls its
-    connections every 0.1 s, ~0.2-0.3 s a server that a test's teardown waits for, server after
+    connections every 0.1 s, 0.1-0.2 s a server that a test's teardown waits for, server after
     server. Here setting ``should_exit`` (from any thread) wakes the main loop, and the
     shutdown polls every ``_SHUTDOWN_POLL_S``; what it waits for is uvicorn's."""
 
