@@ -136,19 +136,28 @@ def colocated(fleet: Fleet) -> Engine:
     return engine
 
 
-@pytest.fixture(scope="module")
-def expected(colocated: Engine) -> Callable[[str, str, bool], Answer]:
-    """The co-located engine's answer to a conformance request (asked once per request)."""
+@dataclass(frozen=True, eq=False)  # hashed by identity: its answers are cached per instance
+class Reference:
+    """The co-located engine's answers to the conformance requests."""
 
-    @cache
-    def answer(endpoint: str, prompt: str, stream: bool) -> Answer:
-        got = call(
-            colocated.url, endpoint, request_body(endpoint, prompt, stream=stream, max_tokens=SHORT)
-        )
+    engine: Engine
+
+    @cache  # noqa: B019 - one per module (the fixture below), kept while the module runs
+    def __call__(self, endpoint: str, prompt: str, stream: bool) -> Answer:
+        """Its answer, asked once per request."""
+        return self.fresh(endpoint, prompt, stream)
+
+    def fresh(self, endpoint: str, prompt: str, stream: bool) -> Answer:
+        """Its answer, asked now."""
+        body = request_body(endpoint, prompt, stream=stream, max_tokens=SHORT)
+        got = call(self.engine.url, endpoint, body)
         assert got.status == 200, got.body
         return got
 
-    return answer
+
+@pytest.fixture(scope="module")
+def expected(colocated: Engine) -> Reference:
+    return Reference(colocated)
 
 
 @dataclass
@@ -222,19 +231,29 @@ def nixl(fleet: Fleet) -> Iterator[Cluster]:
 
 def check_matches_colocated(
     cluster: Cluster,
-    expected: Callable[[str, str, bool], Answer],
+    expected: Reference,
     endpoint: str,
     stream: bool,
     prompts: tuple[str, ...],
 ) -> None:
-    """Greedy output through the router equals the co-located engine's (text, finish_reason)."""
+    """Greedy output through the router equals the co-located engine's (text, finish_reason).
+    A mismatch is asked once more, both sides afresh, as ``check_conversation_matches`` does: a
+    greedy pick can flip on a near tie between two processes' float sums."""
     for prompt in prompts:
         body = request_body(endpoint, prompt, stream=stream, max_tokens=SHORT)
-        got = call(cluster.router.url, endpoint, body)
-        assert got.status == 200, (got.body, got.error)
-        assert got.error is None, got.error
-        assert got.done == stream, "a stream must end with data: [DONE]"
-        assert got.outcome == expected(endpoint, prompt, stream).outcome, prompt
+        want = expected(endpoint, prompt, stream)
+        mismatches: list[tuple[Any, Any]] = []  # (router's, engine's) outcome, per try
+        for again in (False, True):
+            if again:
+                want = expected.fresh(endpoint, prompt, stream)
+            got = call(cluster.router.url, endpoint, body)
+            assert got.status == 200, (got.body, got.error)
+            assert got.error is None, got.error
+            assert got.done == stream, "a stream must end with data: [DONE]"
+            if got.outcome == want.outcome:
+                break
+            mismatches.append((got.outcome, want.outcome))
+        assert got.outcome == want.outcome, (prompt, mismatches)
 
 
 def check_prompt_came_over_transfer(cluster: Cluster, prompt: str) -> None:
@@ -456,7 +475,7 @@ class TestMooncake:
     def test_output_matches_colocated(
         self,
         mooncake: Cluster,
-        expected: Callable[[str, str, bool], Answer],
+        expected: Reference,
         endpoint: str,
         stream: bool,
     ) -> None:
@@ -652,7 +671,7 @@ class TestNixl:
     def test_output_matches_colocated(
         self,
         nixl: Cluster,
-        expected: Callable[[str, str, bool], Answer],
+        expected: Reference,
         endpoint: str,
         stream: bool,
     ) -> None:
