@@ -180,8 +180,10 @@ async def _admit_and_route(
                 ctx.admission.release(sequences)
     finally:
         disconnected.cancel()
-        if admitted is not None:  # corrected by the usage the answer reported (if any)
-            await admitted.finish(routing.receipt.used_tokens)
+        # corrected by the usage the answer reported (if any); the memory storage: no await
+        used = routing.receipt.used_tokens
+        if admitted is not None and not admitted.finish_local(used):
+            await admitted.finish(used)
 
 
 def urgency_of(

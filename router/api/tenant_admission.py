@@ -43,7 +43,11 @@ async def admit_tenant(
     if clients.limiter is None:
         return None
     estimate = estimated_tokens(request, clients.default_max_tokens)
-    admitted = await clients.limiter.admit(tenant, estimate)
+    limiter = clients.limiter
+    if limiter.windows.local:  # the memory storage: no coroutine
+        admitted = limiter.admit_local(tenant, estimate)
+    else:
+        admitted = await limiter.admit(tenant, estimate)
     if admitted.headers:
         responder.add_headers(admitted.headers)
     receipt.wants_usage = True

@@ -40,19 +40,23 @@ async def admit_request(
     """Take the request's admission units: at once when they are free and nobody waits, else
     in the queue at its urgency. With ``--forward-priority`` and vLLM engines, a priority that
     did not come from the body is added to it (a zero one is vLLM's default: left out). The
-    caller tries the fast path first (``AdmissionGate.try_acquire``) unless it forwards."""
+    caller has tried the fast path (``AdmissionGate.try_acquire``), with no await since,
+    unless ``--forward-priority`` is on (then it is tried here, after the body has its
+    priority)."""
     urgency = None
     settings = ctx.settings
-    if settings.admission.forward_priority and settings.engine in _VLLM:
-        urgency = request_urgency(ctx, request, tenant, headers)
-        if urgency.priority and "priority" not in request.body:
-            request.body["priority"] = urgency.priority
     gate = ctx.admission
     sequences = request.sample_count
-    if not gate.try_acquire(sequences):
-        if urgency is None:
+    if settings.admission.forward_priority:
+        if settings.engine in _VLLM:
             urgency = request_urgency(ctx, request, tenant, headers)
-        await gate.acquire(disconnected, sequences, urgency)
+            if urgency.priority and "priority" not in request.body:
+                request.body["priority"] = urgency.priority
+        if gate.try_acquire(sequences):
+            return
+    if urgency is None:
+        urgency = request_urgency(ctx, request, tenant, headers)
+    await gate.enqueue(disconnected, sequences, urgency)
 
 
 def request_urgency(

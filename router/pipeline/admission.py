@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from router.errors import Overloaded, Shed
@@ -178,6 +178,13 @@ class AdmissionGate:
         ``disconnected`` (the client's next ASGI message) completes first."""
         if not self.try_acquire(sequences):
             await self._wait(disconnected, min(sequences, self._limit), urgency)
+
+    def enqueue(
+        self, disconnected: asyncio.Future[Any], sequences: int, urgency: Urgency
+    ) -> Coroutine[Any, Any, None]:
+        """``acquire`` when ``try_acquire`` has just failed (nothing awaited since): the wait
+        in the queue (to await), without trying the fast path again."""
+        return self._wait(disconnected, min(sequences, self._limit), urgency)
 
     def release(self, sequences: int = 1) -> None:
         """Give the units back, then admit the most urgent waiters that fit, in order."""

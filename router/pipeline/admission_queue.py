@@ -150,6 +150,9 @@ class WaitQueue:
         """The waiter to admit next: the class most urgent now (its priority, aged by its
         oldest waiter's wait), its tenant with the smallest counter, that tenant's earliest
         deadline, then arrival; none of the ``excluded`` tenants'."""
+        classes = self._classes
+        if len(classes) == 1:  # the usual one: a single class, no aging to weigh
+            return self._first_of(next(iter(classes.values())), excluded)
         now = self.clock()
         best: _Class | None = None
         best_key = (math.inf, 0)

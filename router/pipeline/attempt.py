@@ -30,8 +30,10 @@ from router.observability.receipt import RoutingReceipt
 from router.observability.tracing import TraceSpan
 from router.pipeline.decode_usage import (
     PromptUsage,
+    answer_usage,
     prompt_usage,
     prompt_usage_in_sse,
+    usage_in_sse,
     used_tokens,
     used_tokens_in_sse,
 )
@@ -144,10 +146,7 @@ class Attempt:
                 span.set("http.response.status_code", response.status)
             if stream and response.status < 400:
                 tail = await self._relay(response)
-                if self.prefill is not None:
-                    self._check_recompute(prompt_usage_in_sse(tail))
-                if self.receipt.wants_usage:  # a tenant's token limit
-                    self.receipt.used_tokens = used_tokens_in_sse(tail)
+                self._read_usage(tail)
             else:
                 await self._whole(response)
 
@@ -169,11 +168,23 @@ class Attempt:
             error = verdicts.decode_refused(response.status, content, prefill, worker)
             if error is not None:
                 self.receipt.decode_error = error
-        elif prefill is not None:
-            self._check_recompute(prompt_usage(content))
-        if self.receipt.wants_usage and status < 400:  # a tenant's token limit
-            self.receipt.used_tokens = used_tokens(content)
+        elif prefill is not None or self.receipt.wants_usage:
+            self._read_usage(content, whole=True)
         await self.responder.whole(response.status, response.content_type, content)
+
+    def _read_usage(self, answer: bytes, *, whole: bool = False) -> None:
+        """The decode's usage in its successful ``answer`` (``whole``, or a stream's last
+        events): did it recompute the prompt (PD), and the tokens a tenant's limit counts."""
+        wants_usage = self.receipt.wants_usage  # a tenant's token limit
+        if self.prefill is None:
+            if wants_usage:
+                self.receipt.used_tokens = (used_tokens if whole else used_tokens_in_sse)(answer)
+            return
+        if wants_usage:
+            usage, self.receipt.used_tokens = (answer_usage if whole else usage_in_sse)(answer)
+        else:
+            usage = (prompt_usage if whole else prompt_usage_in_sse)(answer)
+        self._check_recompute(usage)
 
     async def _relay(self, response: UpstreamResponse) -> bytes:
         """Move decode's SSE bytes to the client as they come; returns the last chunk that

@@ -32,8 +32,10 @@ import msgspec
 
 __all__ = [
     "PromptUsage",
+    "answer_usage",
     "prompt_usage",
     "prompt_usage_in_sse",
+    "usage_in_sse",
     "used_tokens",
     "used_tokens_in_sse",
 ]
@@ -238,3 +240,73 @@ def _usage_total(usage: Any) -> int | None:
         parts = [usage.get(key) for key in ("input_tokens", "output_tokens")]
     ints = [part for part in parts if isinstance(part, int)]
     return sum(ints) if len(ints) == 2 else None
+
+
+class _AllUsage(_Usage):
+    """``_Usage`` with what ``used_tokens`` adds up."""
+
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+class _AnswerUsage(_Answer):
+    """What ``prompt_usage`` and ``used_tokens`` read of an answer, in one decode."""
+
+    usage: _AllUsage | None = None
+    type: Any = None
+    response: Any = None
+
+
+_decode_answer_usage = msgspec.json.Decoder(_AnswerUsage).decode
+
+
+def answer_usage(body: bytes) -> tuple[PromptUsage | None, int | None]:
+    """``prompt_usage(body)`` and ``used_tokens(body)`` with the body decoded once where its
+    usage has the usual shape (a completions or chat answer); the same answers as the two."""
+    if b'"usage"' not in body:
+        return None, None
+    try:
+        answer = _decode_answer_usage(body)
+    except msgspec.ValidationError:  # another shape: each reads it its own way
+        return prompt_usage(body), used_tokens(body)
+    except msgspec.DecodeError:
+        return None, None
+    if answer.type == "response.completed":
+        response = answer.response
+        used = _usage_total(response.get("usage") if isinstance(response, dict) else None)
+    else:
+        used = None if answer.usage is None else _typed_total(answer.usage)
+    return _from_typed(answer), used
+
+
+def _typed_total(usage: _AllUsage) -> int | None:
+    """``_usage_total`` of a usage decoded into ``_AllUsage``."""
+    if usage.total_tokens is not None:
+        return usage.total_tokens
+    if usage.completion_tokens is not None:
+        return usage.prompt_tokens + usage.completion_tokens
+    if usage.input_tokens is not None and usage.output_tokens is not None:
+        return usage.input_tokens + usage.output_tokens
+    return None
+
+
+def usage_in_sse(tail: bytes) -> tuple[PromptUsage | None, int | None]:
+    """``prompt_usage_in_sse(tail)`` and ``used_tokens_in_sse(tail)``, each event decoded once."""
+    prompt = used = None
+    if b'"usage"' not in tail:
+        return None, None
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            try:
+                data = _decode(line[5:].strip())
+            except msgspec.DecodeError:
+                continue
+            if prompt is None:
+                prompt = _from_object(data)
+            if used is None:
+                used = _total_of(data)
+            if prompt is not None and used is not None:
+                break
+    return prompt, used

@@ -82,17 +82,19 @@ def request_text(request: ParsedRequest) -> str | None:
     own line (a Responses or Messages conversation as its chat messages,
     ``router.conversations``), or the completions prompt. None for batched or token-id
     prompts."""
-    body = request.body
-    conversation = conversation_messages(request)
-    if conversation is not None:
-        return "".join(f"{message['role']}: {message['content']}\n" for message in conversation)
-    if request.endpoint is Endpoint.CHAT:
+    body, endpoint = request.body, request.endpoint
+    if endpoint is Endpoint.COMPLETIONS:
+        prompt = body.get("prompt")
+        return prompt if isinstance(prompt, str) else None
+    if endpoint is Endpoint.CHAT:
         return "".join(
             f"{message.get('role', '')}: {message_text(message.get('content'))}\n"
             for message in body.get("messages", ())
         )
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else None
+    conversation = conversation_messages(request)
+    if conversation is not None:
+        return "".join(f"{message['role']}: {message['content']}\n" for message in conversation)
+    return None
 
 
 class Featurizer:

@@ -50,22 +50,25 @@ class ClientGate:
 
     def tenant(self, authorization: str | None, api_key: str | None = None) -> str:
         """The caller's tenant; raises Unauthorized (its message never quotes the key)."""
-        key = _bearer(authorization) if authorization is not None else api_key
+        if authorization is None:
+            key = api_key
+        elif authorization.startswith("Bearer "):  # the usual spelling: the same key, sooner
+            key = authorization[7:].strip()
+        else:
+            key = _bearer(authorization)
         if not key:
             raise Unauthorized(
                 "no API key was given: send it as 'Authorization: Bearer KEY'"
                 if authorization is None
                 else "the Authorization header must be 'Bearer KEY'"
             )
-        tenant = self.keys.tenant_for(key) if len(key) <= _MAX_KEY_CHARS else None
+        tenant = self.keys.table.tenant_for(key) if len(key) <= _MAX_KEY_CHARS else None
         if tenant is None:
             raise Unauthorized("incorrect API key provided")
         return tenant
 
 
 def _bearer(authorization: str) -> str | None:
-    if authorization.startswith("Bearer "):  # the usual spelling: the same key, found sooner
-        return authorization[7:].strip()
     scheme, _, key = authorization.strip().partition(" ")
     return key.strip() if scheme.lower() == "bearer" else None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 
-__all__ = ["duration", "ratelimit_headers", "ratelimit_names"]
+__all__ = ["duration", "duration_bytes", "ratelimit_headers", "ratelimit_names"]
 
 
 def duration(seconds: float) -> str:
@@ -37,6 +37,23 @@ def duration(seconds: float) -> str:
     return f"{secs}s"
 
 
+def duration_bytes(seconds: float) -> bytes:
+    """``duration(seconds)``, encoded for a header; the usual one (at least a second, under a
+    minute: a reset within a window) formatted straight to bytes (~3x faster)."""
+    if seconds >= 1:
+        millis = math.ceil(seconds * 1000)
+        if millis < 60_000:
+            whole, part = divmod(millis, 1000)
+            if not part:
+                return b"%ds" % whole
+            if part % 10:
+                return b"%d.%03ds" % (whole, part)
+            if part % 100:
+                return b"%d.%02ds" % (whole, part // 10)
+            return b"%d.%ds" % (whole, part // 100)
+    return duration(seconds).encode()
+
+
 def ratelimit_headers(
     limit_type: str, limit: int, remaining: int, reset_s: float
 ) -> tuple[tuple[bytes, bytes], ...]:
@@ -45,7 +62,7 @@ def ratelimit_headers(
     return (
         (limit_name, str(limit).encode()),
         (remaining_name, str(max(0, remaining)).encode()),
-        (reset_name, duration(reset_s).encode()),
+        (reset_name, duration_bytes(reset_s)),
     )
 
 

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from router.errors import RateLimited
+from router.tenancy.headers import duration_bytes
 from router.tenancy.windows import Charge, Window, Windows
 
 __all__ = ["DEFAULT_BUCKET", "Admitted", "TenantLimiter", "TenantLimits"]
@@ -72,17 +73,32 @@ class Admitted:
         """Release the request's concurrency slot and correct its token charge by
         ``actual_tokens`` (None, the request failed or its usage is unknown: the estimate
         stands). Idempotent: only the first call counts."""
-        if self._finished:
+        if self.finish_local(actual_tokens):
             return
         self._finished = True
         self._limiter._release(self._bucket)
         charge = self._tokens
-        if actual_tokens is not None and charge is not None and actual_tokens != charge.cost:
-            windows = self._limiter.windows
-            if windows.local:  # the memory storage: no coroutine to await
-                windows.adjust_local(charge, actual_tokens - charge.cost)
-            else:
-                await windows.adjust(charge, actual_tokens - charge.cost)
+        assert charge is not None and actual_tokens is not None  # what finish_local left
+        await self._limiter.windows.adjust(charge, actual_tokens - charge.cost)
+
+    def finish_local(self, actual_tokens: int | None = None) -> bool:
+        """``finish`` without awaiting, where no storage call is needed (the memory storage,
+        or nothing to correct): True when finished; False: nothing done, await ``finish``."""
+        if self._finished:
+            return True
+        charge = self._tokens
+        delta = 0
+        if actual_tokens is not None and charge is not None:
+            delta = actual_tokens - charge.cost
+        windows = self._limiter.windows
+        if delta and not windows.local:
+            return False
+        self._finished = True
+        self._limiter._release(self._bucket)
+        if delta:
+            assert charge is not None
+            windows.adjust_local(charge, delta)
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +245,21 @@ class TenantLimiter:
 def _headers(
     requests: Charge | None, tokens: Charge | None, now: float
 ) -> tuple[tuple[bytes, bytes], ...]:
-    """The ``x-ratelimit-*`` headers of an admission's charges."""
+    """The ``x-ratelimit-*`` headers of an admission's charges (both windows usually end
+    together: begun by the same admission, so their reset is formatted once)."""
     if requests is None:
         return () if tokens is None else tokens.headers(now)
-    return requests.headers(now) if tokens is None else requests.headers(now) + tokens.headers(now)
+    if tokens is None:
+        return requests.headers(now)
+    if tokens.reset_at != requests.reset_at:
+        return requests.headers(now) + tokens.headers(now)
+    first, second = requests.window, tokens.window
+    reset = duration_bytes(requests.reset_at - now)
+    return (
+        first.limit_header,
+        (first.remaining_name, b"%d" % requests.remaining),
+        (first.reset_name, reset),
+        second.limit_header,
+        (second.remaining_name, b"%d" % tokens.remaining),
+        (second.reset_name, reset),
+    )

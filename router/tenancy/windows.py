@@ -35,7 +35,7 @@ from limits.limits import safe_string
 from limits.storage import storage_from_string
 
 from router.errors import RateLimited
-from router.tenancy.headers import duration, ratelimit_headers, ratelimit_names
+from router.tenancy.headers import duration_bytes, ratelimit_headers, ratelimit_names
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -91,7 +91,7 @@ class Charge:
         return (
             window.limit_header,
             (window.remaining_name, b"%d" % self.remaining),
-            (window.reset_name, duration(self.reset_at - now).encode()),
+            (window.reset_name, duration_bytes(self.reset_at - now)),
         )
 
 
@@ -120,6 +120,9 @@ class Windows:
             Storage, storage_from_string("async+" + url, wrap_exceptions=True, **options)
         )
         self._memory = self.storage if isinstance(self.storage, MemoryStorage) else None
+        # the storage is this process's memory: ``charge_local`` and ``adjust_local`` do
+        # without awaiting (the request path saves its coroutines)
+        self.local = self._memory is not None
         self._strategy = FixedWindowRateLimiter(self.storage)
         self._windows: dict[tuple[str, str, int], Window] = {}
 
@@ -147,12 +150,6 @@ class Windows:
         """Drop the windows made so far (new limits: those of the old ones may never come
         back); the counts stay in the storage, under the same keys."""
         self._windows.clear()
-
-    @property
-    def local(self) -> bool:
-        """The storage is this process's memory: ``charge_local`` and ``adjust_local`` do
-        without awaiting (the request path saves its coroutines)."""
-        return self._memory is not None
 
     async def charge(self, window: Window, cost: int) -> Charge | None:
         """Put ``cost`` (at least 1) on ``window``; raises RateLimited when it does not fit,
