@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from router.api.request_body import BodyShare, parse_in_turn, read_body
-from router.api.tenant_admission import admit_tenant
+from router.api.tenant_admission import admit_tenant, admit_tenant_now
 from router.api.urgency import admit_request, request_urgency
 from router.context import AppContext
 from router.errors import (
@@ -154,10 +154,16 @@ async def _admit_and_route(
     disconnected = routing.disconnected
     admitted = None
     try:
-        if routing.tenant is not None:  # its tenant's limits first (--api-keys)
-            admitted = await admit_tenant(
-                ctx, routing.tenant, request, routing.responder, routing.receipt
-            )
+        tenant = routing.tenant
+        if tenant is not None:  # its tenant's limits first (--api-keys)
+            if ctx.clients is None or ctx.clients.admits_now:
+                admitted = admit_tenant_now(
+                    ctx, tenant, request, routing.responder, routing.receipt
+                )
+            else:
+                admitted = await admit_tenant(
+                    ctx, tenant, request, routing.responder, routing.receipt
+                )
         settings = ctx.settings
         # off: the CPU ledger's "admission off"; the fast path: free units, nobody waiting
         if settings.features.admission and (

@@ -18,9 +18,9 @@ from router.observability.receipt import RoutingReceipt
 from router.pipeline.responder import Responder
 from router.scheduling.features import estimate_tokens, request_text
 from router.schemas import ParsedRequest
-from router.tenancy.limiter import Admitted
+from router.tenancy.limiter import Admitted, TenantLimiter
 
-__all__ = ["admit_tenant", "cap_priority", "estimated_tokens"]
+__all__ = ["admit_tenant", "admit_tenant_now", "cap_priority", "estimated_tokens"]
 
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
@@ -34,6 +34,34 @@ async def admit_tenant(
 ) -> Admitted | None:
     """The tenant's admission (raises RateLimited), or None without limits to apply; its
     headers go out with the answer and the answer's usage is read for it."""
+    limits = _limits(ctx, tenant, request)
+    if limits is None:
+        return None
+    limiter, estimate = limits
+    return _wanted(await limiter.admit(tenant, estimate), responder, receipt)
+
+
+def admit_tenant_now(
+    ctx: AppContext,
+    tenant: str,
+    request: ParsedRequest,
+    responder: Responder,
+    receipt: RoutingReceipt,
+) -> Admitted | None:
+    """``admit_tenant`` where nothing need be awaited (``ClientGate.admits_now``: the limits
+    count in this process's memory, or there are none): no coroutine on the request path."""
+    limits = _limits(ctx, tenant, request)
+    if limits is None:
+        return None
+    limiter, estimate = limits
+    return _wanted(limiter.admit_local(tenant, estimate), responder, receipt)
+
+
+def _limits(
+    ctx: AppContext, tenant: str, request: ParsedRequest
+) -> tuple[TenantLimiter, int] | None:
+    """The limiter to admit ``tenant``'s request with and the tokens it is estimated to use
+    (None: no limits), once the body's priority is capped at the tenant's ``min_priority``."""
     clients = ctx.clients
     if clients is None:
         return None
@@ -42,12 +70,11 @@ async def admit_tenant(
         cap_priority(request, spec.min_priority)
     if clients.limiter is None:
         return None
-    estimate = estimated_tokens(request, clients.default_max_tokens)
-    limiter = clients.limiter
-    if limiter.windows.local:  # the memory storage: no coroutine
-        admitted = limiter.admit_local(tenant, estimate)
-    else:
-        admitted = await limiter.admit(tenant, estimate)
+    return clients.limiter, estimated_tokens(request, clients.default_max_tokens)
+
+
+def _wanted(admitted: Admitted, responder: Responder, receipt: RoutingReceipt) -> Admitted:
+    """``admitted``'s headers go out with the answer, whose usage is read for it."""
     if admitted.headers:
         responder.add_headers(admitted.headers)
     receipt.wants_usage = True

@@ -124,7 +124,11 @@ class AdmissionGate:
         self.inflight = 0  # requests admitted
         self.units = 0  # their sequences (each at most the limit)
         self._queue = WaitQueue(settings.aging_s, clock)
-        self._metrics = metrics
+        # the wait histogram's child of each priority band (None: metrics off)
+        self._observe_wait: list[Callable[[float], None]] | None = None
+        if metrics is not None and metrics.enabled:
+            wait = metrics.admission_wait
+            self._observe_wait = [wait.labels(label).observe for label in PRIORITY_BANDS]
         if metrics is not None:
             metrics.requests_inflight.set_function(lambda: self.inflight)
             metrics.admission_queue_depth.set_function(lambda: self.queued)
@@ -232,10 +236,8 @@ class AdmissionGate:
             waited = queue.admit(waiter)
             self._take(waiter.units)
             waiter.future.set_result(None)
-            if self._metrics is not None:
-                self._metrics.observe(
-                    self._metrics.admission_wait, waited, PRIORITY_BANDS[waiter.band]
-                )
+            if self._observe_wait is not None:
+                self._observe_wait[waiter.band](waited)
 
     async def _wait(self, disconnected: asyncio.Future[Any], units: int, urgency: Urgency) -> None:
         loop = asyncio.get_running_loop()

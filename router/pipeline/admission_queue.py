@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 from router.interrupt import ClientDisconnected
@@ -313,21 +314,23 @@ async def await_turn(
     """Wait until a queue sets ``future`` (the waiter's turn). It fails with ``late()`` after
     ``limit_s`` and with ClientDisconnected when ``disconnected`` (the client's next ASGI
     message) completes first; raises what it failed with. The caller takes its waiter out."""
-    loop = asyncio.get_running_loop()
-
-    def fail(exc: BaseException) -> None:
-        if not future.done():
-            future.set_exception(exc)
-
-    def on_gone(_: asyncio.Future[Any]) -> None:
-        fail(ClientDisconnected())
-
-    timer = loop.call_later(limit_s, lambda: fail(late()))
+    timer = future.get_loop().call_later(limit_s, _fail_late, future, late)
+    on_gone = partial(_fail_gone, future)
     disconnected.add_done_callback(on_gone)
     if disconnected.done():
-        fail(ClientDisconnected())
+        _fail_gone(future, disconnected)
     try:
         await future
     finally:
         timer.cancel()
         disconnected.remove_done_callback(on_gone)
+
+
+def _fail_late(future: asyncio.Future[None], late: Callable[[], BaseException]) -> None:
+    if not future.done():
+        future.set_exception(late())
+
+
+def _fail_gone(future: asyncio.Future[None], _: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_exception(ClientDisconnected())

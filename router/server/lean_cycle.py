@@ -21,6 +21,7 @@ loopback delivery too) for a whole answer, one more than needed. ``LeanCycle`` k
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from types import MappingProxyType
 from typing import Any
 
@@ -33,7 +34,7 @@ from uvicorn.protocols.http.httptools_impl import (
 
 from router.types import CLIENT_GONE, WHOLE_RESPONSE
 
-__all__ = ["LeanCycle", "lean_cycle"]
+__all__ = ["LeanCycle", "header_lines", "lean_cycle"]
 
 _EXTENSIONS: MappingProxyType[str, object] = MappingProxyType(
     {WHOLE_RESPONSE: MappingProxyType({})}
@@ -124,6 +125,10 @@ class LeanCycle(RequestResponseCycle):
                     prefixed.flush()
                 self._held = prefixed.head
             return
+        head = self._stream_head(message)
+        if head is not None:
+            self._held = head
+            return
         transport, capture = self.transport, _Capture()
         self.transport = capture  # type: ignore[assignment]
         try:
@@ -131,6 +136,31 @@ class LeanCycle(RequestResponseCycle):
         finally:
             self.transport = transport
         self._held = capture.data
+
+    def _stream_head(self, message: Any) -> bytes | None:
+        """A stream's head (``http.response.start`` with no length: chunked), built as uvicorn
+        builds it, its headers checked at once (``header_lines``); None: uvicorn's path must
+        take it (a HEAD request, a status without a body, the access log, a header it reads)."""
+        status = message["status"]
+        status_line = STATUS_LINE.get(status)
+        if (
+            status_line is None
+            or status in (204, 304)
+            or self.access_log
+            or self.scope["method"] == "HEAD"
+            or self.flow.write_paused
+            or self.disconnected
+        ):
+            return None
+        lines = header_lines(message.get("headers", ()))
+        if lines is None:
+            return None
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        self.chunked_encoding = True
+        close = b"" if self.keep_alive else b"connection: close\r\n"
+        own = header_lines(self.default_headers) or b""
+        return b"%b%b%b%btransfer-encoding: chunked\r\n\r\n" % (status_line, own, lines, close)
 
     def _write_chunk(self, message: Any) -> bool:
         """A stream's body chunk after its head went out, framed and written here; False:
@@ -161,13 +191,10 @@ class LeanCycle(RequestResponseCycle):
         status_line = STATUS_LINE.get(status)
         if status_line is None:
             return False
-        parts = [status_line]
-        for name, value in self.default_headers:
-            parts += (name, b": ", value, b"\r\n")
-        for name, value in message["headers"]:
-            if name == b"connection" or HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
-                return False  # uvicorn's path: its connection handling, its error
-            parts += (name, b": ", value, b"\r\n")
+        lines = header_lines(message["headers"])
+        if lines is None:
+            return False  # uvicorn's path: its handling of such headers, its error
+        parts = [status_line, header_lines(self.default_headers) or b"", lines]
         parts.append(b"content-length: %d\r\n" % len(body))
         if not self.keep_alive:
             parts.append(b"connection: close\r\n")
@@ -188,6 +215,27 @@ class LeanCycle(RequestResponseCycle):
         start = {"type": "http.response.start", "status": message["status"], "headers": headers}
         await self.send(start)
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+_READ_BY_UVICORN = (b"content-length", b"transfer-encoding", b"connection")
+
+
+def header_lines(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """``headers`` as a head's lines (``name: value`` CRLF each), checked as uvicorn checks
+    each (``HEADER_RE`` on the name, ``HEADER_VALUE_RE`` on the value) with one search of all
+    the names and one of all the values; None when one fails, is not lower case (uvicorn
+    lower-cases names) or is one uvicorn reads (``_READ_BY_UVICORN``): its path then takes
+    them, with its own handling and errors."""
+    pairs = list(headers)
+    names = [name for name, _ in pairs]
+    joined = b"".join(names)  # a character no name may hold is found in the whole as well
+    if HEADER_RE.search(joined) or joined != joined.lower():
+        return None
+    if HEADER_VALUE_RE.search(b"\t".join([value for _, value in pairs])):  # tab: allowed
+        return None
+    if any(read in names for read in _READ_BY_UVICORN):
+        return None
+    return b"".join([b"%b: %b\r\n" % (name, value) for name, value in pairs])
 
 
 def lean_cycle(cycle: RequestResponseCycle | None, loop: asyncio.AbstractEventLoop) -> None:

@@ -12,6 +12,7 @@ import socket
 import pytest
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from router.server.http_limits import HttpLimits, limited_http_protocol
 from router.server.lean_cycle import LeanCycle
@@ -45,17 +46,19 @@ def _cycle(
     keep_alive: bool = True,
     method: str = "POST",
     on_response: list[int] | None = None,
-) -> LeanCycle:
+    kind: type[RequestResponseCycle] = LeanCycle,
+    default_headers: list[tuple[bytes, bytes]] | None = None,
+) -> RequestResponseCycle:
     scope = {"type": "http", "method": method, "path": "/", "http_version": "1.1"}
     responses = on_response if on_response is not None else []
-    return LeanCycle(
+    return kind(
         scope=scope,  # type: ignore[arg-type]
         transport=transport,  # type: ignore[arg-type]
         flow=FlowControl(transport),  # type: ignore[arg-type]
         logger=logging.getLogger("test"),
         access_logger=logging.getLogger("test.access"),
         access_log=False,
-        default_headers=[],
+        default_headers=default_headers or [],
         message_event=asyncio.Event(),
         expect_100_continue=False,
         keep_alive=keep_alive,
@@ -166,6 +169,57 @@ async def test_a_whole_message_to_a_head_request_has_no_body() -> None:
     transport = _Transport()
     await _cycle(transport, method="HEAD").send(_whole(b"{}"))
     assert b"".join(transport.writes).endswith(b"content-length: 2\r\n\r\n")
+
+
+_OWN = [(b"server", b"uvicorn"), (b"date", b"Sat, 28 Nov 2026 22:00:00 GMT")]
+_HEADS = {
+    "the router's": [
+        (b"content-type", b"text/event-stream"),
+        (b"x-request-id", b"req-1"),
+        (b"x-ratelimit-reset-requests", b"59.5s"),
+        (b"x-pdr-prefill", b"http://127.0.0.1:8100"),
+    ],
+    "none": [],
+    "upper case": [(b"X-Request-Id", b"req-1")],
+    "a tab in a value": [(b"x-note", b"a\tb")],
+    "connection": [(b"connection", b"keep-alive, close")],
+    "a length": [(b"content-length", b"9")],
+}
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+@pytest.mark.parametrize("headers", list(_HEADS.values()), ids=list(_HEADS))
+async def test_a_response_is_written_byte_for_byte_as_uvicorn_writes_it(
+    headers: list[tuple[bytes, bytes]], keep_alive: bool
+) -> None:
+    """A stream's head and a whole message, built here with the headers checked at once, are
+    what uvicorn's own cycle writes for the same messages (its path takes what this one does
+    not build: names to lower-case, headers it reads)."""
+    body = b"data: 1\n\n"
+    written = {}
+    for kind in (LeanCycle, RequestResponseCycle):
+        transport = _Transport()
+        cycle = _cycle(transport, keep_alive=keep_alive, kind=kind, default_headers=_OWN)
+        await cycle.send({"type": "http.response.start", "status": 200, "headers": headers})
+        await cycle.send({"type": "http.response.body", "body": body, "more_body": True})
+        await cycle.send({"type": "http.response.body", "body": b"", "more_body": False})
+        written[kind] = b"".join(transport.writes)
+    assert written[LeanCycle] == written[RequestResponseCycle]
+    if any(name == b"content-length" for name, _ in headers):
+        return  # a whole message carries no length of its own
+    transport = _Transport()
+    whole = _cycle(transport, keep_alive=keep_alive, default_headers=_OWN)
+    await whole.send(_whole(body, *headers))
+    plain = _cycle(
+        plain_transport := _Transport(),
+        keep_alive=keep_alive,
+        kind=RequestResponseCycle,
+        default_headers=_OWN,
+    )
+    length = (b"content-length", b"%d" % len(body))
+    await plain.send({"type": "http.response.start", "status": 200, "headers": [*headers, length]})
+    await plain.send({"type": "http.response.body", "body": body, "more_body": False})
+    assert b"".join(transport.writes) == b"".join(plain_transport.writes)
 
 
 async def test_a_client_not_reading_holds_whole_answers_and_chunks_back() -> None:
