@@ -9,10 +9,11 @@ loopback delivery too) for a whole answer, one more than needed. ``LeanCycle`` k
   starts its response only once the first chunk is in hand), so no head waits for anything.
 * Fewer steps per response: a whole answer can come as one message of the ``WHOLE_RESPONSE``
   extension (advertised in ``scope["extensions"]``), written at once with its content-length,
-  without uvicorn's per-header checks meant for any application's headers (names and values are
-  still checked, once); a stream's body chunks, once its head is out, are framed and written
-  here, without uvicorn's general path. Anything else (a HEAD request, a client not reading:
-  uvicorn's write flow control waits for it) takes uvicorn's path.
+  without uvicorn's general send path (its bookkeeping for any application's headers; each
+  name and value is still checked as uvicorn checks it, ``header_lines``); a stream's head (no
+  length: chunked) is built the same way, and its body chunks, once the head is out, are framed
+  and written here. Anything else (a HEAD request, a header uvicorn reads, the access log, a
+  client not reading: uvicorn's write flow control waits for it) takes uvicorn's path.
 * The client leaving is a future in the scope (``router.types.CLIENT_GONE``), resolved when
   uvicorn marks the cycle disconnected, so that a request needs no task of its own blocked in
   ``receive()`` to notice it.
@@ -139,8 +140,8 @@ class LeanCycle(RequestResponseCycle):
 
     def _stream_head(self, message: Any) -> bytes | None:
         """A stream's head (``http.response.start`` with no length: chunked), built as uvicorn
-        builds it, its headers checked at once (``header_lines``); None: uvicorn's path must
-        take it (a HEAD request, a status without a body, the access log, a header it reads)."""
+        builds it (``header_lines``), without its general path; None: uvicorn's path must take
+        it (a HEAD request, a status without a body, the access log, a header it reads)."""
         status = message["status"]
         status_line = STATUS_LINE.get(status)
         if (
@@ -152,15 +153,26 @@ class LeanCycle(RequestResponseCycle):
             or self.disconnected
         ):
             return None
-        lines = header_lines(message.get("headers", ()))
-        if lines is None:
+        parts = self._head(status_line, message.get("headers", ()))
+        if parts is None:
             return None
         self.response_started = True
         self.waiting_for_100_continue = False
         self.chunked_encoding = True
-        close = b"" if self.keep_alive else b"connection: close\r\n"
-        own = header_lines(self.default_headers) or b""
-        return b"%b%b%b%btransfer-encoding: chunked\r\n\r\n" % (status_line, own, lines, close)
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"transfer-encoding: chunked\r\n\r\n")
+        return b"".join(parts)
+
+    def _head(
+        self, status_line: bytes, headers: Iterable[tuple[bytes, bytes]]
+    ) -> list[bytes] | None:
+        """A head's parts: the status line, uvicorn's own headers, then ``headers``
+        (``header_lines``); None: uvicorn's path must take them."""
+        parts = [status_line]
+        for name, value in self.default_headers:  # uvicorn's own: checked by uvicorn
+            parts += (name, b": ", value, b"\r\n")
+        return parts if header_lines(parts, headers) else None
 
     def _write_chunk(self, message: Any) -> bool:
         """A stream's body chunk after its head went out, framed and written here; False:
@@ -191,10 +203,9 @@ class LeanCycle(RequestResponseCycle):
         status_line = STATUS_LINE.get(status)
         if status_line is None:
             return False
-        lines = header_lines(message["headers"])
-        if lines is None:
+        parts = self._head(status_line, message["headers"])
+        if parts is None:
             return False  # uvicorn's path: its handling of such headers, its error
-        parts = [status_line, header_lines(self.default_headers) or b"", lines]
         parts.append(b"content-length: %d\r\n" % len(body))
         if not self.keep_alive:
             parts.append(b"connection: close\r\n")
@@ -217,25 +228,20 @@ class LeanCycle(RequestResponseCycle):
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-_READ_BY_UVICORN = (b"content-length", b"transfer-encoding", b"connection")
+_READ_BY_UVICORN = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 
 
-def header_lines(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
-    """``headers`` as a head's lines (``name: value`` CRLF each), checked as uvicorn checks
-    each (``HEADER_RE`` on the name, ``HEADER_VALUE_RE`` on the value) with one search of all
-    the names and one of all the values; None when one fails, is not lower case (uvicorn
-    lower-cases names) or is one uvicorn reads (``_READ_BY_UVICORN``): its path then takes
-    them, with its own handling and errors."""
-    pairs = list(headers)
-    names = [name for name, _ in pairs]
-    joined = b"".join(names)  # a character no name may hold is found in the whole as well
-    if HEADER_RE.search(joined) or joined != joined.lower():
-        return None
-    if HEADER_VALUE_RE.search(b"\t".join([value for _, value in pairs])):  # tab: allowed
-        return None
-    if any(read in names for read in _READ_BY_UVICORN):
-        return None
-    return b"".join([b"%b: %b\r\n" % (name, value) for name, value in pairs])
+def header_lines(parts: list[bytes], headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Add ``headers`` to a head's ``parts`` (``name``, ``: ``, ``value``, CRLF each), each
+    checked as uvicorn checks it (``HEADER_RE`` on the name, ``HEADER_VALUE_RE`` on the
+    value); False, ``parts`` then unusable, when one fails or is one uvicorn reads
+    (``_READ_BY_UVICORN``): its path must take them, with its handling and its errors. Names
+    go out as given (uvicorn lower-cases them; the router's are lower case)."""
+    for name, value in headers:
+        if name in _READ_BY_UVICORN or HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+            return False
+        parts += (name, b": ", value, b"\r\n")
+    return True
 
 
 def lean_cycle(cycle: RequestResponseCycle | None, loop: asyncio.AbstractEventLoop) -> None:
