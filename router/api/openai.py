@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from router.api.request_body import BodyShare, parse_in_turn, read_body
-from router.api.tenant_admission import admit_tenant, admit_tenant_now
+from router.api.tenant_admission import admit_tenant
 from router.api.urgency import admit_request, request_urgency
 from router.context import AppContext
 from router.errors import (
@@ -42,6 +42,7 @@ from router.schemas import (
     RequestLimits,
     parse_request,
 )
+from router.tenancy.limiter import Admitted
 from router.types import CLIENT_GONE, WHOLE_RESPONSE, Receive, Scope, Send
 
 __all__ = [
@@ -156,14 +157,8 @@ async def _admit_and_route(
     try:
         tenant = routing.tenant
         if tenant is not None:  # its tenant's limits first (--api-keys)
-            if ctx.clients is None or ctx.clients.admits_now:
-                admitted = admit_tenant_now(
-                    ctx, tenant, request, routing.responder, routing.receipt
-                )
-            else:
-                admitted = await admit_tenant(
-                    ctx, tenant, request, routing.responder, routing.receipt
-                )
+            made = admit_tenant(ctx, tenant, request, routing.responder, routing.receipt)
+            admitted = made if made is None or isinstance(made, Admitted) else await made
         settings = ctx.settings
         # off: the CPU ledger's "admission off"; the fast path: free units, nobody waiting
         if settings.features.admission and (

@@ -13,6 +13,9 @@ A tenant's ``min_priority`` caps the body's ``priority`` here, before anything r
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
+from typing import Any
+
 from router.context import AppContext
 from router.observability.receipt import RoutingReceipt
 from router.pipeline.responder import Responder
@@ -20,41 +23,39 @@ from router.scheduling.features import estimate_tokens, request_text
 from router.schemas import ParsedRequest
 from router.tenancy.limiter import Admitted, TenantLimiter
 
-__all__ = ["admit_tenant", "admit_tenant_now", "cap_priority", "estimated_tokens"]
+__all__ = ["admit_tenant", "cap_priority", "estimated_tokens"]
 
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
-async def admit_tenant(
+def admit_tenant(
     ctx: AppContext,
     tenant: str,
     request: ParsedRequest,
     responder: Responder,
     receipt: RoutingReceipt,
-) -> Admitted | None:
+) -> Admitted | Coroutine[Any, Any, Admitted] | None:
     """The tenant's admission (raises RateLimited), or None without limits to apply; its
-    headers go out with the answer and the answer's usage is read for it."""
+    headers go out with the answer and the answer's usage is read for it. Made at once where
+    the limits count in this process's memory (no coroutine on the request path); with a
+    shared storage, a coroutine to await for it."""
     limits = _limits(ctx, tenant, request)
     if limits is None:
         return None
     limiter, estimate = limits
-    return _wanted(await limiter.admit(tenant, estimate), responder, receipt)
+    if limiter.windows.local:
+        return _wanted(limiter.admit_local(tenant, estimate), responder, receipt)
+    return _admit_shared(limiter, tenant, estimate, responder, receipt)
 
 
-def admit_tenant_now(
-    ctx: AppContext,
+async def _admit_shared(
+    limiter: TenantLimiter,
     tenant: str,
-    request: ParsedRequest,
+    estimate: int,
     responder: Responder,
     receipt: RoutingReceipt,
-) -> Admitted | None:
-    """``admit_tenant`` where nothing need be awaited (``ClientGate.admits_now``: the limits
-    count in this process's memory, or there are none): no coroutine on the request path."""
-    limits = _limits(ctx, tenant, request)
-    if limits is None:
-        return None
-    limiter, estimate = limits
-    return _wanted(limiter.admit_local(tenant, estimate), responder, receipt)
+) -> Admitted:
+    return _wanted(await limiter.admit(tenant, estimate), responder, receipt)
 
 
 def _limits(

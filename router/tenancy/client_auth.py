@@ -40,8 +40,6 @@ class ClientGate:
         secret = None if engine_key is None else engine_key.get_secret_value()
         self.engine_authorization = None if not secret else f"Bearer {secret}"
         self.limiter = limiter
-        # admitting a tenant's request awaits nothing: no limits, or counted in memory
-        self.admits_now = limiter is None or limiter.windows.local
         self.default_max_tokens = default_max_tokens
         if limiter is not None:
             keys.on_reload = lambda table: limiter.replace_limits(limits_of(table))

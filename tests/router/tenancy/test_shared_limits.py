@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import httpx
 import pytest
 
 from router.errors import RateLimited
 from router.tenancy.limiter import Admitted, TenantLimiter, TenantLimits
+from testkit.fake_cluster import FakeClusterFactory
 from testkit.redis_server import RedisServer
 
 
@@ -64,3 +67,34 @@ async def test_a_lost_storage_fails_open(
     assert admitted.headers == ()
     assert "tenant limits not enforced" in caplog.text
     await admitted.finish(10)
+
+
+def test_a_router_on_a_shared_storage_counts_its_tenants_there(
+    make_cluster: FakeClusterFactory, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Through a real router with ``--rate-limit-storage redis://...``: its answers carry the
+    headers and it refuses past the limit, and the counts are in the Redis (another replica
+    on it is refused too)."""
+    key = "sk-shared-0123456789abcdef"
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"tenants:\n  acme:\n    keys: [{key}]\n    requests_per_minute: 2\n")
+    cluster = make_cluster(
+        "vllm-mooncake", auth={"api_keys": keys, "rate_limit_storage": redis_server.url}
+    )
+    body = {"model": "fake-model", "prompt": "hello", "max_tokens": 3}
+    headers = {"authorization": f"Bearer {key}"}
+    url = cluster.router_url + "/v1/completions"
+    answers = [httpx.post(url, json=body, headers=headers, timeout=10) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    remaining = [a.headers["x-ratelimit-remaining-requests"] for a in answers[:2]]
+    assert remaining == ["1", "0"]
+
+    async def another_replica() -> None:
+        limiter = TenantLimiter({"acme": TenantLimits(requests_per_minute=2)}, redis_server.url)
+        try:
+            with pytest.raises(RateLimited):
+                await limiter.admit("acme", 1)
+        finally:
+            await limiter.aclose()
+
+    asyncio.run(another_replica())
