@@ -6,15 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from router.pipeline.decode_usage import (
-    PromptUsage,
-    answer_usage,
-    prompt_usage,
-    prompt_usage_in_sse,
-    usage_in_sse,
-    used_tokens,
-    used_tokens_in_sse,
-)
+from router.pipeline import decode_usage as readers
+from router.pipeline.decode_usage import PromptUsage, prompt_usage, used_tokens
 
 TEXT = {"choices": [{"index": 0, "text": " tok" * 200, "finish_reason": "length"}]}
 
@@ -118,12 +111,12 @@ _BOTH_READ = [
 def test_one_decode_reads_what_both_readers_read(body: object) -> None:
     """``answer_usage`` (one decode) answers as ``prompt_usage`` and ``used_tokens`` each do."""
     raw = msgspec.json.encode(body)
-    assert answer_usage(raw) == (prompt_usage(raw), used_tokens(raw))
+    assert readers.answer_usage(raw) == (prompt_usage(raw), used_tokens(raw))
 
 
 def test_one_decode_of_no_usage_or_no_json_is_none() -> None:
     for raw in (msgspec.json.encode(TEXT), b'{"usage": {"total_tokens": 3}', b'{"usage": '):
-        assert answer_usage(raw) == (None, None) == (prompt_usage(raw), used_tokens(raw))
+        assert readers.answer_usage(raw) == (None, None) == (prompt_usage(raw), used_tokens(raw))
 
 
 @pytest.mark.parametrize("last", _BOTH_READ)
@@ -134,4 +127,5 @@ def test_one_read_of_a_streams_end_reads_what_both_readers_read(last: object) ->
     events = [earlier, {"choices": []}, last]
     tail = b"".join(b"data: " + msgspec.json.encode(e) + b"\n\n" for e in events)
     tail += b"data: [DONE]\n\n"
-    assert usage_in_sse(tail) == (prompt_usage_in_sse(tail), used_tokens_in_sse(tail))
+    both = (readers.prompt_usage_in_sse(tail), readers.used_tokens_in_sse(tail))
+    assert readers.usage_in_sse(tail) == both
