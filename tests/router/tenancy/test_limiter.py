@@ -11,7 +11,7 @@ from limits.aio.storage import MemoryStorage
 from limits.aio.strategies import FixedWindowRateLimiter
 
 from router.errors import RateLimited, error_body
-from router.tenancy.headers import duration
+from router.tenancy.headers import duration, duration_bytes
 from router.tenancy.limiter import Admitted, TenantLimiter, TenantLimits
 from router.tenancy.windows import Windows
 from tests.router.tenancy.conftest import Clock
@@ -253,6 +253,14 @@ def test_limits_are_positive() -> None:
 )
 def test_reset_durations_read_like_openais(seconds: float, text: str) -> None:
     assert duration(seconds) == text
+
+
+def test_a_reset_header_is_the_durations_text() -> None:
+    """``duration_bytes`` (the header's short path) says what ``duration`` says, every
+    millisecond of the first two minutes and around each boundary."""
+    edges = [0.9994, 0.9995, 1.0, 59.9984, 59.9985, 59.9994, 59.99995, 60.0, 3599.9995, -0.5]
+    for seconds in [ms / 1000 for ms in range(120_001)] + edges:
+        assert duration_bytes(seconds) == duration(seconds).encode(), seconds
 
 
 async def test_the_memory_windows_count_as_limits_own_fixed_window(clock: Clock) -> None:
