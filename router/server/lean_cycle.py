@@ -10,7 +10,7 @@ loopback delivery too) for a whole answer, one more than needed. ``LeanCycle`` k
 * Fewer steps per response: a whole answer can come as one message of the ``WHOLE_RESPONSE``
   extension (advertised in ``scope["extensions"]``), written at once with its content-length,
   without uvicorn's general send path (its bookkeeping for any application's headers; each
-  name and value is still checked as uvicorn checks it, ``header_lines``); a stream's head (no
+  name and value is still checked as uvicorn checks it, ``_header_lines``); a stream's head (no
   length: chunked) is built the same way, and its body chunks, once the head is out, are framed
   and written here. Anything else (a HEAD request, a header uvicorn reads, the access log, a
   client not reading: uvicorn's write flow control waits for it) takes uvicorn's path.
@@ -35,7 +35,7 @@ from uvicorn.protocols.http.httptools_impl import (
 
 from router.types import CLIENT_GONE, WHOLE_RESPONSE
 
-__all__ = ["LeanCycle", "header_lines", "lean_cycle"]
+__all__ = ["LeanCycle", "lean_cycle"]
 
 _EXTENSIONS: MappingProxyType[str, object] = MappingProxyType(
     {WHOLE_RESPONSE: MappingProxyType({})}
@@ -140,7 +140,7 @@ class LeanCycle(RequestResponseCycle):
 
     def _stream_head(self, message: Any) -> bytes | None:
         """A stream's head (``http.response.start`` with no length: chunked), built as uvicorn
-        builds it (``header_lines``), without its general path; None: uvicorn's path must take
+        builds it (``_header_lines``), without its general path; None: uvicorn's path must take
         it (a HEAD request, a status without a body, the access log, a header it reads)."""
         status = message["status"]
         status_line = STATUS_LINE.get(status)
@@ -168,11 +168,11 @@ class LeanCycle(RequestResponseCycle):
         self, status_line: bytes, headers: Iterable[tuple[bytes, bytes]]
     ) -> list[bytes] | None:
         """A head's parts: the status line, uvicorn's own headers, then ``headers``
-        (``header_lines``); None: uvicorn's path must take them."""
+        (``_header_lines``); None: uvicorn's path must take them."""
         parts = [status_line]
         for name, value in self.default_headers:  # uvicorn's own: checked by uvicorn
             parts += (name, b": ", value, b"\r\n")
-        return parts if header_lines(parts, headers) else None
+        return parts if _header_lines(parts, headers) else None
 
     def _write_chunk(self, message: Any) -> bool:
         """A stream's body chunk after its head went out, framed and written here; False:
@@ -231,7 +231,7 @@ class LeanCycle(RequestResponseCycle):
 _READ_BY_UVICORN = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 
 
-def header_lines(parts: list[bytes], headers: Iterable[tuple[bytes, bytes]]) -> bool:
+def _header_lines(parts: list[bytes], headers: Iterable[tuple[bytes, bytes]]) -> bool:
     """Add ``headers`` to a head's ``parts`` (``name``, ``: ``, ``value``, CRLF each), each
     checked as uvicorn checks it (``HEADER_RE`` on the name, ``HEADER_VALUE_RE`` on the
     value); False, ``parts`` then unusable, when one fails or is one uvicorn reads

@@ -39,7 +39,7 @@ def duration(seconds: float) -> str:
 
 def duration_bytes(seconds: float) -> bytes:
     """``duration(seconds)``, encoded for a header; the usual one (at least a second, under a
-    minute: a reset within a window) formatted straight to bytes (~3x faster)."""
+    minute: a reset within a window) formatted straight to bytes (0.27 against 0.36 µs)."""
     if seconds >= 1:
         millis = math.ceil(seconds * 1000)
         if millis < 60_000:

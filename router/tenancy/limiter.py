@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from router.errors import RateLimited
-from router.tenancy.headers import duration_bytes
 from router.tenancy.windows import Charge, Window, Windows
 
 __all__ = ["DEFAULT_BUCKET", "Admitted", "TenantLimiter", "TenantLimits"]
@@ -248,18 +247,9 @@ def _headers(
     """The ``x-ratelimit-*`` headers of an admission's charges (both windows usually end
     together: begun by the same admission, so their reset is formatted once)."""
     if requests is None:
-        return () if tokens is None else tokens.headers(now)
+        return () if tokens is None else tokens.headers(tokens.reset(now))
+    reset = requests.reset(now)
     if tokens is None:
-        return requests.headers(now)
-    if tokens.reset_at != requests.reset_at:
-        return requests.headers(now) + tokens.headers(now)
-    first, second = requests.window, tokens.window
-    reset = duration_bytes(requests.reset_at - now)
-    return (
-        first.limit_header,
-        (first.remaining_name, b"%d" % requests.remaining),
-        (first.reset_name, reset),
-        second.limit_header,
-        (second.remaining_name, b"%d" % tokens.remaining),
-        (second.reset_name, reset),
-    )
+        return requests.headers(reset)
+    together = tokens.reset_at == requests.reset_at
+    return requests.headers(reset) + tokens.headers(reset if together else tokens.reset(now))

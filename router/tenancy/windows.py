@@ -86,12 +86,17 @@ class Charge:
     reset_at: float
     remaining: int
 
-    def headers(self, now: float) -> tuple[tuple[bytes, bytes], ...]:
+    def reset(self, now: float) -> bytes:
+        """The ``x-ratelimit-reset-*`` value: how long until the window ends, from ``now``."""
+        return duration_bytes(self.reset_at - now)
+
+    def headers(self, reset: bytes) -> tuple[tuple[bytes, bytes], ...]:
+        """The window's three headers, its reset being ``reset`` (``reset(now)``)."""
         window = self.window
         return (
             window.limit_header,
             (window.remaining_name, b"%d" % self.remaining),
-            (window.reset_name, duration_bytes(self.reset_at - now)),
+            (window.reset_name, reset),
         )
 
 
