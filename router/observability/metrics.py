@@ -10,7 +10,14 @@ Label children are cached: a request's instruments cost a dict lookup each, not 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+from router.observability.loop_metrics import (
+    CounterChild,
+    HistogramChild,
+    LoopCounter,
+    LoopHistogram,
+)
 
 __all__ = ["RouterMetrics"]
 
@@ -51,7 +58,8 @@ class RouterMetrics:
     def __init__(self, *, enabled: bool = True) -> None:
         self.enabled = enabled  # off (the CPU ledger): the request path updates nothing
         self.registry = CollectorRegistry(auto_describe=True)
-        self._children: dict[tuple[int, Labels], Counter | Histogram] = {}
+        self._counts: dict[tuple[int, Labels], CounterChild] = {}
+        self._spreads: dict[tuple[int, Labels], HistogramChild] = {}
         self._declare_request_stages(self.registry)
         self._declare_routing(self.registry)
         self._declare_pools(self.registry)
@@ -59,7 +67,7 @@ class RouterMetrics:
         self._start_known_labels()
 
     def _declare_request_stages(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "pdr_requests",
             "Completion requests finished, by endpoint, final status (499: the client went "
             "away; a stream that failed after starting counts with the error's status) and "
@@ -67,27 +75,27 @@ class RouterMetrics:
             ["endpoint", "status", "stream"],
             registry=registry,
         )
-        self.request_seconds = Histogram(
+        self.request_seconds = LoopHistogram(
             "pdr_request_duration_seconds",
             "Time from a completion request's arrival to the end of its response",
             ["endpoint", "stream"],
             buckets=_STAGE_BUCKETS,
             registry=registry,
         )
-        self.ttft_seconds = Histogram(
+        self.ttft_seconds = LoopHistogram(
             "pdr_ttft_seconds",
             "Streams: time from the request's arrival to the first byte sent to the client",
             ["endpoint"],
             buckets=_STAGE_BUCKETS,
             registry=registry,
         )
-        self.prefill_seconds = Histogram(
+        self.prefill_seconds = LoopHistogram(
             "pdr_prefill_duration_seconds",
             "The prefill leg: request sent to the prefill until its whole answer",
             buckets=_STAGE_BUCKETS,
             registry=registry,
         )
-        self.kv_wait_seconds = Histogram(
+        self.kv_wait_seconds = LoopHistogram(
             "pdr_kv_wait_seconds",
             "From the prefill's answer to the decode's first byte (the KV transfer, as the "
             "router sees it)",
@@ -96,13 +104,13 @@ class RouterMetrics:
         )
 
     def _declare_routing(self, registry: CollectorRegistry) -> None:
-        self.retries = Counter(
+        self.retries = LoopCounter(
             "pdr_retries",
             "Attempts retried on another worker, by the role of the worker that failed",
             ["role"],
             registry=registry,
         )
-        self.upstream_errors = Counter(
+        self.upstream_errors = LoopCounter(
             "pdr_upstream_errors",
             "Failed legs by role and kind (connect, timeout, kv_timeout, kv_lost, kv_failed: "
             "the decode said the prefill's KV did not arrive, http_4xx, http_5xx, capacity: "
@@ -110,28 +118,28 @@ class RouterMetrics:
             ["role", "kind"],
             registry=registry,
         )
-        self.decision_seconds = Histogram(
+        self.decision_seconds = LoopHistogram(
             "pdr_routing_decision_seconds",
             "Time to choose a prefill (and DP rank) and a decode for one request",
             ["policy"],
             buckets=_DECISION_BUCKETS,
             registry=registry,
         )
-        self.circuit_transitions = Counter(
+        self.circuit_transitions = LoopCounter(
             "pdr_circuit_transitions",
             "Circuit breaker transitions, by scope (worker; pair: a prefill->decode pair) and "
             "the state entered (open, half_open, closed)",
             ["scope", "to"],
             registry=registry,
         )
-        self.outlier_ejections = Counter(
+        self.outlier_ejections = LoopCounter(
             "pdr_outlier_ejections",
             "Workers ejected by outlier detection, by role and reason (overdue: its legs stopped "
             "completing; timeouts: its last legs timed out)",
             ["role", "reason"],
             registry=registry,
         )
-        self.decisions = Counter(
+        self.decisions = LoopCounter(
             "pdr_routing_decisions",
             "Requests routed, by prefill policy and outcome: how the prefill was chosen "
             "(cache_aware: precise, approximate, load; else the policy's name) or "
@@ -139,7 +147,7 @@ class RouterMetrics:
             ["policy", "outcome"],
             registry=registry,
         )
-        self.session_pins = Counter(
+        self.session_pins = LoopCounter(
             "pdr_session_pins",
             "Routing choices of requests naming their session, by outcome (hit: the pin held; "
             "new; repinned; refused: a hard pin's worker unavailable, 503) and reason (why the "
@@ -147,7 +155,7 @@ class RouterMetrics:
             ["outcome", "reason"],
             registry=registry,
         )
-        self.tokenize_seconds = Histogram(
+        self.tokenize_seconds = LoopHistogram(
             "pdr_tokenize_seconds",
             "Time to get one request's prompt token ids (local tokenizer or render API)",
             buckets=_TOKENIZE_BUCKETS,
@@ -156,14 +164,14 @@ class RouterMetrics:
 
     def _declare_pools(self, registry: CollectorRegistry) -> None:
         """Model pools and tenants: labelled by configured or served names only."""
-        self.routing_state_transitions = Counter(
+        self.routing_state_transitions = LoopCounter(
             "pdr_routing_state_transitions",
             "Routing state transitions, by scope (rank: a prefill DP rank; pool: a model's "
             "prefills) and the state entered (exact, degraded, fallback)",
             ["scope", "to"],
             registry=registry,
         )
-        self.model_requests = Counter(
+        self.model_requests = LoopCounter(
             "pdr_model_requests",
             "Requests routed to a model's pool, by model: the served names (declared or read "
             "from the workers' /v1/models); `any` when no worker names a model or only workers "
@@ -171,14 +179,14 @@ class RouterMetrics:
             ["model"],
             registry=registry,
         )
-        self.model_responses = Counter(
+        self.model_responses = LoopCounter(
             "pdr_model_responses",
             "Completion responses of a model's pool (only when the workers serve more than one "
             "model), by model (as pdr_model_requests) and HTTP status",
             ["model", "status"],
             registry=registry,
         )
-        self.model_ttft_seconds = Histogram(
+        self.model_ttft_seconds = LoopHistogram(
             "pdr_model_ttft_seconds",
             "Time to the first byte of a streamed completion of a model's pool (only when the "
             "workers serve more than one model), by model",
@@ -186,7 +194,7 @@ class RouterMetrics:
             registry=registry,
             buckets=_STAGE_BUCKETS,
         )
-        self.tenant_requests = Counter(
+        self.tenant_requests = LoopCounter(
             "pdr_tenant_requests",
             "Requests authenticated with an API key (--api-keys), by tenant (the configured "
             "names only)",
@@ -206,7 +214,7 @@ class RouterMetrics:
             "Completion requests waiting for an admission slot",
             registry=registry,
         )
-        self.admission_rejected = Counter(
+        self.admission_rejected = LoopCounter(
             "pdr_admission_rejected",
             "Requests answered 429 by admission control, by reason (queue_full, queue_timeout, "
             "worker_cap: every candidate worker at its in-flight cap; 503: shed for a more "
@@ -221,7 +229,7 @@ class RouterMetrics:
             ["priority"],
             registry=registry,
         )
-        self.admission_wait = Histogram(
+        self.admission_wait = LoopHistogram(
             "pdr_admission_wait_seconds",
             "Time requests that had to wait spent in the admission queue until admitted, by "
             "priority band",
@@ -236,7 +244,7 @@ class RouterMetrics:
             "(--queue-at-worker-caps)",
             registry=registry,
         )
-        self.worker_queue_wait = Histogram(
+        self.worker_queue_wait = LoopHistogram(
             "pdr_worker_queue_wait_seconds",
             "Time requests that had to wait spent waiting for a worker below its in-flight cap, "
             "by priority band",
@@ -265,20 +273,37 @@ class RouterMetrics:
             for to in ("exact", "degraded", "fallback"):
                 self._child(self.routing_state_transitions, (scope, to))
 
-    def _child(self, metric: Counter | Histogram, labels: Labels) -> Counter | Histogram:
+    def _child(
+        self, metric: LoopCounter | LoopHistogram, labels: Labels
+    ) -> CounterChild | HistogramChild:
+        """``metric``'s child of ``labels``, made on first use (known labels: at start)."""
+        if isinstance(metric, LoopCounter):
+            return self._count_child(metric, labels)
+        return self._spread_child(metric, labels)
+
+    def _count_child(self, metric: LoopCounter, labels: Labels) -> CounterChild:
         key = (id(metric), labels)
-        child = self._children.get(key)
+        child = self._counts.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(*labels)
+            child = self._counts[key] = metric.labels(*labels)
         return child
 
-    def count(self, metric: Counter, *labels: str) -> None:
-        if self.enabled:
-            self._child(metric, labels).inc()  # type: ignore[union-attr]
+    def _spread_child(self, metric: LoopHistogram, labels: Labels) -> HistogramChild:
+        key = (id(metric), labels)
+        child = self._spreads.get(key)
+        if child is None:
+            child = self._spreads[key] = metric.labels(*labels)
+        return child
 
-    def observe(self, metric: Histogram, value: float, *labels: str) -> None:
+    def count(self, metric: LoopCounter, *labels: str) -> None:
         if self.enabled:
-            self._child(metric, labels).observe(value)  # type: ignore[union-attr]
+            child = self._counts.get((id(metric), labels)) or self._count_child(metric, labels)
+            child.value += 1.0
+
+    def observe(self, metric: LoopHistogram, value: float, *labels: str) -> None:
+        if self.enabled:
+            child = self._spreads.get((id(metric), labels)) or self._spread_child(metric, labels)
+            child.observe(value)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
