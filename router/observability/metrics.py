@@ -4,8 +4,9 @@ Per-request instruments live here (``RouterMetrics``); gauges of live state (wor
 loads, pairs, KV event feeds, the registry) are read at scrape time by
 ``router.observability.state_metrics.RouterStateCollector``, so workers that leave take their
 series with them.
-Label children are cached: a request's instruments cost a dict lookup each, not a
-``labels()`` call.
+Its counters and histograms are ``router.observability.loop_metrics``' (plain numbers, no lock
+per update; exposed as prometheus-client's own). Label children are cached: a request's
+instruments cost a dict lookup each, not a ``labels()`` call.
 """
 
 from __future__ import annotations
@@ -256,30 +257,22 @@ class RouterMetrics:
     def _start_known_labels(self) -> None:
         """Known label values start at 0: rate() sees the first failure, dashboards show 0."""
         for reason in ADMISSION_REJECT_REASONS:
-            self._child(self.admission_rejected, (reason,))
+            self._count_child(self.admission_rejected, (reason,))
         for band in PRIORITY_BANDS:
-            self._child(self.admission_wait, (band,))
-            self._child(self.worker_queue_wait, (band,))
+            self._spread_child(self.admission_wait, (band,))
+            self._spread_child(self.worker_queue_wait, (band,))
         for role in ROLES:
-            self._child(self.retries, (role,))
+            self._count_child(self.retries, (role,))
             for kind in UPSTREAM_ERROR_KINDS:
-                self._child(self.upstream_errors, (role, kind))
+                self._count_child(self.upstream_errors, (role, kind))
             for reason in ("overdue", "timeouts"):
-                self._child(self.outlier_ejections, (role, reason))
+                self._count_child(self.outlier_ejections, (role, reason))
         for scope in ("worker", "pair"):
             for to in ("open", "half_open", "closed"):
-                self._child(self.circuit_transitions, (scope, to))
+                self._count_child(self.circuit_transitions, (scope, to))
         for scope in ("rank", "pool"):
             for to in ("exact", "degraded", "fallback"):
-                self._child(self.routing_state_transitions, (scope, to))
-
-    def _child(
-        self, metric: LoopCounter | LoopHistogram, labels: Labels
-    ) -> CounterChild | HistogramChild:
-        """``metric``'s child of ``labels``, made on first use (known labels: at start)."""
-        if isinstance(metric, LoopCounter):
-            return self._count_child(metric, labels)
-        return self._spread_child(metric, labels)
+                self._count_child(self.routing_state_transitions, (scope, to))
 
     def _count_child(self, metric: LoopCounter, labels: Labels) -> CounterChild:
         key = (id(metric), labels)
