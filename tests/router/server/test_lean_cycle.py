@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, RequestResponseCycle
 
 from router.server.http_limits import HttpLimits, limited_http_protocol
-from router.server.lean_cycle import LeanCycle
+from router.server.lean_cycle import ROUTER_HEADER_NAMES, LeanCycle
 from router.types import CLIENT_GONE, WHOLE_RESPONSE, ASGIApp, Receive, Scope, Send
 from testkit.polling import wait_until
 from testkit.servers import TestServer, serving
@@ -131,11 +131,29 @@ async def test_a_head_request_gets_its_head_though_no_body_bytes_carry_it() -> N
     assert write.endswith(b"content-length: 2\r\n\r\n")
 
 
-async def test_uvicorns_checks_still_apply_to_the_head() -> None:
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ((b"x-bad", b"a\r\nb"), "Invalid HTTP header value"),
+        ((b"x-request-id", b"a\r\nx-injected: 1"), "Invalid HTTP header value"),  # the router's
+        ((b"x-ratelimit-reset-tokens", b"1s\x00"), "Invalid HTTP header value"),
+        ((b"x bad", b"1"), "Invalid HTTP header name"),
+    ],
+)
+async def test_uvicorns_checks_still_apply_to_the_head(
+    bad: tuple[bytes, bytes], error: str
+) -> None:
     cycle = _cycle(_Transport())
-    bad = [(b"x-bad", b"a\r\nb")]
-    with pytest.raises(RuntimeError, match="Invalid HTTP header value"):
-        await cycle.send({"type": "http.response.start", "status": 200, "headers": bad})
+    with pytest.raises(RuntimeError, match=error):
+        await cycle.send({"type": "http.response.start", "status": 200, "headers": [bad]})
+
+
+def test_the_routers_header_names_pass_uvicorns_name_check_and_none_is_one_it_reads() -> None:
+    """Their check is a lookup (``ROUTER_HEADER_NAMES``): each must be a name uvicorn would
+    pass as it is and write as it is."""
+    for name in ROUTER_HEADER_NAMES:
+        assert not HEADER_RE.search(name) and name == name.lower(), name
+        assert name not in (b"content-length", b"transfer-encoding", b"connection"), name
 
 
 async def test_a_whole_message_is_one_write_with_its_length_and_completes_the_response() -> None:
@@ -178,8 +196,11 @@ _HEADS = {
         (b"content-type", b"text/event-stream"),
         (b"x-request-id", b"req-1"),
         (b"x-ratelimit-reset-requests", b"59.5s"),
+        (b"x-ratelimit-remaining-tokens", b"1990"),
         (b"x-pdr-prefill", b"http://127.0.0.1:8100"),
+        (b"x-pdr-attempts", b"1"),
     ],
+    "another's": [(b"x-upstream", b"abc123"), (b"x-note", b"")],
     "none": [],
     "a tab in a value": [(b"x-note", b"a\tb")],
     "connection": [(b"connection", b"keep-alive, close")],
