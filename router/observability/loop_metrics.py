@@ -20,6 +20,7 @@ import math
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -30,7 +31,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["LoopCounter", "LoopHistogram"]
+__all__ = ["CounterChild", "HistogramChild", "Labelled", "LoopCounter", "LoopHistogram"]
 
 
 class CounterChild:
@@ -66,8 +67,12 @@ class HistogramChild:
         self.sum += value
 
 
-class _Labelled(Collector):
-    """What both kinds share: the name, the label names, registration."""
+Child = TypeVar("Child", CounterChild, HistogramChild)
+
+
+class Labelled(Collector, Generic[Child]):
+    """What both kinds share: the name, the label names, registration, the children by label
+    values (``labels``)."""
 
     def __init__(
         self,
@@ -79,13 +84,27 @@ class _Labelled(Collector):
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], Child] = {}
         if registry is not None:
             registry.register(self)
 
-    def _check(self, values: tuple[str, ...]) -> tuple[str, ...]:
+    def labels(self, *values: str) -> Child:
+        """The child of ``values`` (one per label name), made on first use."""
         if len(values) != len(self.labelnames):
             raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
-        return tuple(str(value) for value in values)
+        key = tuple(str(value) for value in values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._new_child()
+        return child
+
+    def child(self, values: tuple[str, ...]) -> Child:
+        """``labels(*values)`` for label values that are strings already: one lookup once
+        made (the request path's way)."""
+        return self._children.get(values) or self.labels(*values)
+
+    def _new_child(self) -> Child:
+        raise NotImplementedError
 
     def describe(self) -> Iterable[Metric]:
         return [self._family()]
@@ -94,7 +113,7 @@ class _Labelled(Collector):
         raise NotImplementedError
 
 
-class LoopCounter(_Labelled):
+class LoopCounter(Labelled[CounterChild]):
     """A counter, by label values (``labels``) or, without label names, on its own (``inc``)."""
 
     def __init__(
@@ -106,16 +125,11 @@ class LoopCounter(_Labelled):
         registry: CollectorRegistry | None = None,
     ) -> None:
         super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
-        self._children: dict[tuple[str, ...], CounterChild] = {}
         if not self.labelnames:
             self.inc = self.labels().inc
 
-    def labels(self, *values: str) -> CounterChild:
-        key = self._check(values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = CounterChild()
-        return child
+    def _new_child(self) -> CounterChild:
+        return CounterChild()
 
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -127,7 +141,7 @@ class LoopCounter(_Labelled):
         yield family
 
 
-class LoopHistogram(_Labelled):
+class LoopHistogram(Labelled[HistogramChild]):
     """A histogram of ``buckets`` (upper bounds, ``+Inf`` added), by label values (``labels``)
     or, without label names, on its own (``observe``)."""
 
@@ -147,16 +161,11 @@ class LoopHistogram(_Labelled):
         self._bounds = bounds
         # prometheus-client's own text for a bound (untyped there)
         self._le: list[str] = [floatToGoString(b) for b in (*bounds, math.inf)]  # type: ignore[no-untyped-call]
-        self._children: dict[tuple[str, ...], HistogramChild] = {}
         if not self.labelnames:
             self.observe = self.labels().observe
 
-    def labels(self, *values: str) -> HistogramChild:
-        key = self._check(values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = HistogramChild(self._bounds)
-        return child
+    def _new_child(self) -> HistogramChild:
+        return HistogramChild(self._bounds)
 
     def _family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)

@@ -13,12 +13,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from router.observability.loop_metrics import (
-    CounterChild,
-    HistogramChild,
-    LoopCounter,
-    LoopHistogram,
-)
+from router.observability.loop_metrics import LoopCounter, LoopHistogram
 
 __all__ = ["RouterMetrics"]
 
@@ -39,7 +34,6 @@ _STAGE_BUCKETS = (
     20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
 )  # fmt: skip
 
-Labels = tuple[str, ...]
 ROLES = ("prefill", "decode")
 UPSTREAM_ERROR_KINDS = (
     "connect", "timeout", "kv_timeout", "kv_lost", "kv_failed", "http_4xx", "http_5xx",
@@ -59,8 +53,6 @@ class RouterMetrics:
     def __init__(self, *, enabled: bool = True) -> None:
         self.enabled = enabled  # off (the CPU ledger): the request path updates nothing
         self.registry = CollectorRegistry(auto_describe=True)
-        self._counts: dict[tuple[int, Labels], CounterChild] = {}
-        self._spreads: dict[tuple[int, Labels], HistogramChild] = {}
         self._declare_request_stages(self.registry)
         self._declare_routing(self.registry)
         self._declare_pools(self.registry)
@@ -257,46 +249,30 @@ class RouterMetrics:
     def _start_known_labels(self) -> None:
         """Known label values start at 0: rate() sees the first failure, dashboards show 0."""
         for reason in ADMISSION_REJECT_REASONS:
-            self._count_child(self.admission_rejected, (reason,))
+            self.admission_rejected.labels(reason)
         for band in PRIORITY_BANDS:
-            self._spread_child(self.admission_wait, (band,))
-            self._spread_child(self.worker_queue_wait, (band,))
+            self.admission_wait.labels(band)
+            self.worker_queue_wait.labels(band)
         for role in ROLES:
-            self._count_child(self.retries, (role,))
+            self.retries.labels(role)
             for kind in UPSTREAM_ERROR_KINDS:
-                self._count_child(self.upstream_errors, (role, kind))
+                self.upstream_errors.labels(role, kind)
             for reason in ("overdue", "timeouts"):
-                self._count_child(self.outlier_ejections, (role, reason))
+                self.outlier_ejections.labels(role, reason)
         for scope in ("worker", "pair"):
             for to in ("open", "half_open", "closed"):
-                self._count_child(self.circuit_transitions, (scope, to))
+                self.circuit_transitions.labels(scope, to)
         for scope in ("rank", "pool"):
             for to in ("exact", "degraded", "fallback"):
-                self._count_child(self.routing_state_transitions, (scope, to))
-
-    def _count_child(self, metric: LoopCounter, labels: Labels) -> CounterChild:
-        key = (id(metric), labels)
-        child = self._counts.get(key)
-        if child is None:
-            child = self._counts[key] = metric.labels(*labels)
-        return child
-
-    def _spread_child(self, metric: LoopHistogram, labels: Labels) -> HistogramChild:
-        key = (id(metric), labels)
-        child = self._spreads.get(key)
-        if child is None:
-            child = self._spreads[key] = metric.labels(*labels)
-        return child
+                self.routing_state_transitions.labels(scope, to)
 
     def count(self, metric: LoopCounter, *labels: str) -> None:
         if self.enabled:
-            child = self._counts.get((id(metric), labels)) or self._count_child(metric, labels)
-            child.value += 1.0
+            metric.child(labels).value += 1.0
 
     def observe(self, metric: LoopHistogram, value: float, *labels: str) -> None:
         if self.enabled:
-            child = self._spreads.get((id(metric), labels)) or self._spread_child(metric, labels)
-            child.observe(value)
+            metric.child(labels).observe(value)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
