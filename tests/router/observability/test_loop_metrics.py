@@ -35,7 +35,7 @@ def test_a_histogram_exposes_what_prometheus_clients_exposes() -> None:
     for index, value in enumerate(VALUES):
         role = ("prefill", "decode")[index % 2]
         reference.labels(role).observe(value)
-        mine.labels(role).observe(value)
+        mine.child((role,)).observe(value)  # the request path's lookup (RouterMetrics.observe)
         plain_reference.observe(value)
         plain.observe(value)
     assert _exposition(ours) == _exposition(theirs)
